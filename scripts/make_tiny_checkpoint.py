@@ -1,0 +1,119 @@
+"""Write the tiny, deterministic HF-format Qwen3 checkpoint that tests and the CPU demo use.
+
+    .venv/bin/python scripts/make_tiny_checkpoint.py --out assets/tiny_qwen3
+
+The weights come from torchtitan's own initialization of the `qwen3`/`tiny` flavor
+(`torchtitan_rl/models.py`) under a fixed seed, converted with the spec's state-dict adapter
+(`to_hf`); the tokenizer is a character-level tokenizer trained locally with `tokenizers` on the
+alphabet the built-in toy tasks need. Nothing is downloaded. The same seed gives the same bytes.
+"""
+
+import argparse
+import json
+import string
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from torchtitan_rl.models import model_spec
+
+PAD, EOS, UNK = "<|pad|>", "<|eos|>", "<|unk|>"
+SPECIAL_TOKENS = [PAD, EOS, UNK]
+# Digits and words for the toy tasks, math punctuation for JSONL math prompts (\boxed{...}).
+ALPHABET = string.digits + string.ascii_lowercase + " \n" + "+-*/=?:.,;!'\"()[]{}\\<>_"
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A character-level WordLevel tokenizer over ALPHABET, specials first (pad=0, eos=1)."""
+    if len(SPECIAL_TOKENS) + len(ALPHABET) > vocab_size:
+        raise SystemExit(f"vocab_size {vocab_size} is smaller than the tokenizer alphabet")
+    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK))
+    # Every character is its own pre-token, so the vocabulary is exactly the alphabet.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS
+    )
+    # Equal counts for every character: the trainer then orders them by character, stably.
+    tokenizer.train_from_iterator([ALPHABET], trainer=trainer)
+    return tokenizer
+
+
+def hf_config(model_config, eos_id: int, pad_id: int) -> dict:
+    """HF `config.json` of a Qwen3ForCausalLM with the shapes of torchtitan `model_config`."""
+    attention = model_config.layers[0].attention
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.dim,
+        "intermediate_size": model_config.layers[0].feed_forward.w1.out_features,
+        "num_hidden_layers": len(model_config.layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads,
+        "head_dim": attention.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": attention.rope.max_seq_len,
+        "rms_norm_eps": model_config.norm.eps,
+        "rope_theta": attention.rope.theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": model_config.enable_weight_tying,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": len(model_config.layers),
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "use_cache": True,
+    }
+
+
+def write_checkpoint(out: Path, seed: int = 0) -> None:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json to `out`."""
+    spec = model_spec("qwen3", "tiny")
+    tokenizer = build_tokenizer(spec.model.vocab_size)
+    eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
+
+    torch.manual_seed(seed)
+    model = spec.model.build()
+    model.init_states()
+    adapter = spec.state_dict_adapter(spec.model, None)
+    hf_state = {k: v.detach().contiguous() for k, v in adapter.to_hf(model.state_dict()).items()}
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(
+        json.dumps(hf_config(spec.model, eos_id, pad_id), indent=2) + "\n"
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}, indent=2) + "\n"
+    )
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "model_max_length": spec.model.layers[0].attention.rope.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_checkpoint(args.out, args.seed)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""torchtitan_rl: GRPO-style RL post-training for torchtitan models with an in-process vLLM."""

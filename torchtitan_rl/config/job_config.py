@@ -1,0 +1,384 @@
+"""The JobConfig dataclass tree: the schema of a run. TOML files and the CLI only fill values.
+
+    .venv/bin/python -m torchtitan_rl.train --help
+
+Each section is a dataclass whose fields all have defaults and docstrings (tyro turns them into
+`--help`). `validate()` checks values once, after TOML and CLI are merged, and raises
+`ConfigError` naming the dotted field, the value and the fix. Only `RLTrainer` sees the whole
+`JobConfig`; each component receives its own section.
+"""
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the field and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSection:
+    config_file: str | None = None
+    """TOML file with the run's values; CLI flags override it."""
+    dump_folder: str = "outputs/run"
+    """Folder for the resolved config.toml, metrics, checkpoints and exports."""
+    seed: int = 0
+    """Seed for torch, python and numpy RNGs and the generator's sampling."""
+    dry_run: bool = False
+    """Parse and validate, print the resolved config as TOML, build nothing, exit 0."""
+
+    def validate(self) -> None:
+        _require(
+            self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0"
+        )
+        _require(
+            bool(self.dump_folder.strip()),
+            "job.dump_folder is empty: set it to a folder for outputs, e.g. 'outputs/run'",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    name: str = "qwen3"
+    """torchtitan model name (a module under torchtitan.models): qwen3 or llama3."""
+    flavor: str = "tiny"
+    """torchtitan flavor of the model, e.g. debugmodel, 0.6B; `tiny` is this project's CPU model."""
+    hf_checkpoint: str | None = None
+    """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
+    tokenizer_path: str | None = None
+    """Directory with tokenizer.json; None: use model.hf_checkpoint."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer parameter dtype."""
+
+    def validate(self) -> None:
+        from torchtitan_rl.models import SUPPORTED_MODELS, flavors
+
+        _require(
+            self.name in SUPPORTED_MODELS,
+            f"model.name = {self.name!r} is not supported: use one of {', '.join(SUPPORTED_MODELS)}",
+        )
+        known = flavors(self.name)
+        _require(
+            self.flavor in known,
+            f"model.flavor = {self.flavor!r} is not a {self.name} flavor: "
+            f"use one of {', '.join(known)}",
+        )
+        for name in ("hf_checkpoint", "tokenizer_path"):
+            path = getattr(self, name)
+            _require(
+                path is None or os.path.isdir(path),
+                f"model.{name} = {path!r}: no such directory; "
+                "point it at a local HF checkpoint directory (scripts/setup.sh builds assets/)",
+            )
+        _require(
+            self.hf_checkpoint is None
+            or os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")),
+            f"model.hf_checkpoint = {self.hf_checkpoint!r} has no config.json: "
+            "point it at an HF checkpoint directory",
+        )
+        _require(
+            self.hf_checkpoint is not None or self.tokenizer_path is not None,
+            "model.tokenizer_path and model.hf_checkpoint are both unset: "
+            "set one of them to a directory with tokenizer.json",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingSection:
+    steps: int = 100
+    """Number of RL steps (generate, score, train, sync)."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear LR warm-up steps."""
+    prompts_per_step: int = 16
+    """Prompts per step over all data-parallel ranks; each is sampled generator.sampling.n times."""
+    micro_batches: int = 1
+    """Gradient-accumulation micro-batches per rank per step (same gradient as one batch)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    max_prompt_len: int = 64
+    """Longest prompt in tokens; longer prompts are an error."""
+
+    def validate(self) -> None:
+        for name in ("steps", "prompts_per_step", "micro_batches", "max_prompt_len"):
+            value = getattr(self, name)
+            _require(value >= 1, f"training.{name} = {value}: must be >= 1")
+        _require(
+            self.lr > 0, f"training.lr = {self.lr}: the learning rate must be > 0, e.g. 1e-5"
+        )
+        _require(
+            self.warmup_steps >= 0, f"training.warmup_steps = {self.warmup_steps}: must be >= 0"
+        )
+        _require(
+            self.weight_decay >= 0, f"training.weight_decay = {self.weight_decay}: must be >= 0"
+        )
+        _require(
+            self.max_grad_norm >= 0,
+            f"training.max_grad_norm = {self.max_grad_norm}: must be >= 0 (0 disables clipping)",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismSection:
+    dp_replicate: int = 1
+    """Trainer data-parallel replicas (HSDP replicate dimension)."""
+    dp_shard: int = -1
+    """Trainer FSDP shard degree; -1: whatever the world size leaves after dp_replicate and tp."""
+    tp: int = 1
+    """Trainer tensor-parallel degree."""
+
+    def validate(self, world_size: int) -> None:
+        for name in ("dp_replicate", "tp"):
+            value = getattr(self, name)
+            _require(value >= 1, f"parallelism.{name} = {value}: must be >= 1")
+        _require(
+            self.dp_shard >= 1 or self.dp_shard == -1,
+            f"parallelism.dp_shard = {self.dp_shard}: must be >= 1, or -1 to fill the world",
+        )
+        fixed = self.dp_replicate * self.tp
+        if self.dp_shard == -1:
+            _require(
+                world_size % fixed == 0,
+                f"parallelism.dp_replicate * parallelism.tp = {fixed} does not divide the world "
+                f"size {world_size}: change them or launch a multiple of {fixed} processes",
+            )
+        else:
+            _require(
+                fixed * self.dp_shard == world_size,
+                f"parallelism.dp_replicate * dp_shard * tp = {fixed * self.dp_shard} but the world "
+                f"size is {world_size}: set parallelism.dp_shard = -1 or launch "
+                f"{fixed * self.dp_shard} processes",
+            )
+
+    def resolved_dp_shard(self, world_size: int) -> int:
+        """dp_shard with -1 replaced by the degree the world size leaves."""
+        if self.dp_shard != -1:
+            return self.dp_shard
+        return world_size // (self.dp_replicate * self.tp)
+
+
+@dataclass(kw_only=True, slots=True)
+class GeneratorParallelismSection:
+    tensor_parallel_degree: int = 1
+    """vLLM tensor-parallel degree of one generator replica; replicas = world size / this."""
+
+    def validate(self, world_size: int) -> None:
+        tp = self.tensor_parallel_degree
+        _require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
+        _require(
+            world_size % tp == 0,
+            f"generator.parallelism.tensor_parallel_degree = {tp} does not divide the world "
+            f"size {world_size}: use a divisor of {world_size}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingSection:
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; trainer logprobs are computed on logits / temperature too."""
+    top_p: float = 1.0
+    """Nucleus sampling probability mass, in (0, 1]."""
+    max_tokens: int = 16
+    """Most tokens generated per sample."""
+
+    def validate(self) -> None:
+        _require(self.n >= 1, f"generator.sampling.n = {self.n}: must be >= 1")
+        _require(
+            self.temperature > 0,
+            f"generator.sampling.temperature = {self.temperature}: RL samples from the policy, "
+            "so it must be > 0 (1.0 samples the policy as it is)",
+        )
+        _require(
+            0 < self.top_p <= 1,
+            f"generator.sampling.top_p = {self.top_p}: must be in (0, 1]; 1.0 disables it",
+        )
+        _require(
+            self.max_tokens >= 1,
+            f"generator.sampling.max_tokens = {self.max_tokens}: must be >= 1",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class GeneratorSection:
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Generator weight and activation dtype."""
+    max_model_len: int = 512
+    """Longest prompt + completion the engine accepts (sizes the KV cache)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use (CUDA only)."""
+    kv_cache_space_gib: float = 1.0
+    """KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    """Run the engine eagerly (no CUDA graphs / torch.compile)."""
+    parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+
+    def validate(self, world_size: int) -> None:
+        _require(
+            self.max_model_len >= 2,
+            f"generator.max_model_len = {self.max_model_len}: must be >= 2",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"generator.gpu_memory_utilization = {self.gpu_memory_utilization}: "
+            "must be in (0, 1]",
+        )
+        _require(
+            self.kv_cache_space_gib > 0,
+            f"generator.kv_cache_space_gib = {self.kv_cache_space_gib}: must be > 0",
+        )
+        self.parallelism.validate(world_size)
+        self.sampling.validate()
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmSection:
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator: group mean/std (grpo), group mean only (dr_grpo), leave-one-out."""
+    loss: Literal["grpo", "dapo", "gspo"] = "grpo"
+    """Policy loss: PPO-clipped ratio (grpo), clip-higher token-level (dapo), sequence ratio."""
+    clip_eps_low: float = 0.2
+    """Lower clip range of the importance ratio: 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip range of the importance ratio: 1 + clip_eps_high."""
+    kl_beta: float = 0.0
+    """Coefficient of the KL penalty to the frozen reference model; 0 builds no reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    tis_cap: float = 0.0
+    """Truncated importance-sampling cap on trainer/generator ratios; 0 disables it."""
+
+    def validate(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high", "kl_beta", "tis_cap"):
+            value = getattr(self, name)
+            _require(value >= 0, f"algorithm.{name} = {value}: must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskSection:
+    name: str = "echo_digits"
+    """Built-in task, or `jsonl` for a prompt dataset file."""
+    dataset_path: str | None = None
+    """JSONL file of {"prompt": ..., "answer": ...} rows (task.name = jsonl)."""
+    reward_fn: str | None = None
+    """Custom reward function as `module:function`; None: the task's own reward."""
+
+    def validate(self) -> None:
+        _require(
+            self.dataset_path is None or os.path.isfile(self.dataset_path),
+            f"task.dataset_path = {self.dataset_path!r}: no such file",
+        )
+        _require(
+            self.reward_fn is None or self.reward_fn.count(":") == 1,
+            f"task.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSection:
+    enable: bool = False
+    """Save checkpoints to {job.dump_folder}/{checkpoint.folder}."""
+    folder: str = "checkpoints"
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = 50
+    """Save every this many steps."""
+    keep_latest_k: int = 2
+    """Keep this many newest checkpoints; 0 keeps all."""
+    resume_from: int | None = None
+    """Resume from this step's checkpoint; None: the latest one, if any."""
+    export_hf_at_end: bool = False
+    """Write an HF safetensors export of the final policy."""
+
+    def validate(self) -> None:
+        _require(self.interval >= 1, f"checkpoint.interval = {self.interval}: must be >= 1")
+        _require(
+            self.keep_latest_k >= 0,
+            f"checkpoint.keep_latest_k = {self.keep_latest_k}: must be >= 0 (0 keeps all)",
+        )
+        _require(
+            self.resume_from is None or self.resume_from >= 0,
+            f"checkpoint.resume_from = {self.resume_from}: must be a step >= 0",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsSection:
+    log_interval: int = 1
+    """Print a console line every this many steps (metrics.jsonl gets every step)."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files to {job.dump_folder}/tb."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (needs wandb installed and a login)."""
+    rollout_log_interval: int = 10
+    """Write sample prompts/completions to rollouts.jsonl every this many steps; 0 disables."""
+
+    def validate(self) -> None:
+        _require(
+            self.log_interval >= 1, f"metrics.log_interval = {self.log_interval}: must be >= 1"
+        )
+        _require(
+            self.rollout_log_interval >= 0,
+            f"metrics.rollout_log_interval = {self.rollout_log_interval}: must be >= 0",
+        )
+
+
+# Advantage estimators that compare samples within a prompt's group.
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    batch_invariant: bool = False
+    """Global batch-invariant mode: trainer and generator logprobs bitwise identical."""
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    generator: GeneratorSection = field(default_factory=GeneratorSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def validate(self, world_size: int = 1) -> None:
+        """Check every section, then the rules that span sections, for `world_size` processes."""
+        self.job.validate()
+        self.model.validate()
+        self.training.validate()
+        self.parallelism.validate(world_size)
+        self.generator.validate(world_size)
+        self.algorithm.validate()
+        self.task.validate()
+        self.checkpoint.validate()
+        self.metrics.validate()
+
+        n = self.generator.sampling.n
+        _require(
+            self.algorithm.advantage not in GROUP_ADVANTAGES or n >= 2,
+            f"generator.sampling.n = {n}: algorithm.advantage = {self.algorithm.advantage!r} "
+            "compares samples within a group, so it needs n >= 2",
+        )
+        longest = self.training.max_prompt_len + self.generator.sampling.max_tokens
+        _require(
+            longest <= self.generator.max_model_len,
+            f"training.max_prompt_len + generator.sampling.max_tokens = {longest} exceeds "
+            f"generator.max_model_len = {self.generator.max_model_len}: raise max_model_len "
+            "or lower one of them",
+        )
+        replicas = world_size // self.generator.parallelism.tensor_parallel_degree
+        _require(
+            self.training.prompts_per_step % replicas == 0,
+            f"training.prompts_per_step = {self.training.prompts_per_step} does not split over "
+            f"{replicas} generator replicas: use a multiple of {replicas}",
+        )

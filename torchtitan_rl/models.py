@@ -1,0 +1,75 @@
+"""Model specs: torchtitan's registries plus the tiny flavors this project ships.
+
+    .venv/bin/python -c "from torchtitan_rl.models import model_spec; print(model_spec('qwen3', 'tiny'))"
+
+Every model the trainer and the generator build comes from `model_spec(name, flavor)`, so both
+sides share one definition. Flavors are torchtitan's (`debugmodel`, `0.6B`, ...) plus the
+`tiny` flavors below, sized for CPU tests and the demo (they match the checkpoint that
+`scripts/make_tiny_checkpoint.py` writes).
+"""
+
+import importlib
+from collections.abc import Callable
+
+from torchtitan.protocols.model_spec import ModelSpec
+
+# Model names whose torchtitan spec this project supports (dense decoders with an HF adapter).
+SUPPORTED_MODELS = ("qwen3", "llama3")
+
+
+def _qwen3_tiny(attn_backend: str):
+    # torchtitan builds its Qwen3 flavors with this private helper; reusing it keeps our tiny
+    # flavor identical in structure (fused QKV, QK-norm, tied embeddings) to the real ones.
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_SKIP_INIT,
+        _LINEAR_INIT,
+        _build_qwen3_layers,
+        _qwen3_norm,
+    )
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    dim, head_dim, vocab_size = 128, 32, 64
+    return Qwen3Model.Config(
+        vocab_size=vocab_size,
+        dim=dim,
+        norm=_qwen3_norm(dim),
+        enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim, param_init=_EMBEDDING_SKIP_INIT
+        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            n_layers=2,
+            dim=dim,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=head_dim,
+            hidden_dim=256,
+            attn_backend=attn_backend,
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=1024, theta=1000000.0),
+        ),
+    )
+
+
+# Flavors this project adds to torchtitan's registries: {model name: {flavor: config factory}}.
+EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {"qwen3": {"tiny": _qwen3_tiny}}
+
+
+def flavors(name: str) -> list[str]:
+    """All flavor names available for model `name` (torchtitan's and ours)."""
+    module = importlib.import_module(f"torchtitan.models.{name}")
+    registry = getattr(module, f"{name}_configs")
+    return sorted({*registry, *EXTRA_FLAVORS.get(name, {})})
+
+
+def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
+    """The torchtitan `ModelSpec` for `name`/`flavor`; `attn_backend` picks the inner attention."""
+    module = importlib.import_module(f"torchtitan.models.{name}")
+    extra = EXTRA_FLAVORS.get(name, {})
+    if flavor not in extra:
+        return module.model_registry(flavor, attn_backend=attn_backend)
+    base = module.model_registry("debugmodel", attn_backend=attn_backend)
+    base.flavor = flavor
+    base.model = extra[flavor](attn_backend)
+    return base

@@ -1,0 +1,100 @@
+"""Every CPU/CUDA difference and torchtitan workaround lives here, each with the reason.
+
+    .venv/bin/python -m pytest tests/test_platform.py
+
+Everything else asks this module which device, process-group backend and attention to use.
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def device_type() -> str:
+    """"cuda" where a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device() -> torch.device:
+    """This rank's device: its LOCAL_RANK GPU, or the CPU."""
+    if device_type() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def dist_backend() -> str:
+    """Process-group backend: nccl on CUDA, gloo on CPU."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def patch_torchtitan() -> None:
+    """Point torchtitan at the real device type; call before building meshes or models."""
+    if device_type() != "cpu":
+        return
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.tools.utils as titan_utils
+
+    # torchtitan.tools.utils falls back to "cuda" when no accelerator is found, and
+    # parallel_dims imported that name by value, so both must be reset for CPU meshes.
+    titan_utils.device_type = "cpu"
+    titan_utils.device_module = torch.cpu
+    parallel_dims.device_type = "cpu"
+
+
+def spmd_backend() -> str:
+    """torchtitan `parallelism.spmd_backend` to use on this platform."""
+    # The default "spmd_types" fails under FSDP on torch 2.13 CPU (measured in DESIGN.md).
+    return "partial_dtensor" if device_type() == "cpu" else "spmd_types"
+
+
+def attention_backend() -> str:
+    """torchtitan `attn_backend` for model specs: flex on CUDA; CPU swaps in SDPA (below)."""
+    return "flex"
+
+
+def use_platform_attention(model_config) -> None:
+    """On CPU, replace every layer's inner attention with causal SDPA, in place.
+
+    FlexAttention has no CPU backward and varlen attention needs CUDA. SDPA takes no masks:
+    callers pass right-padded causal sequences and call `model(tokens, positions, None)`.
+    """
+    if device_type() != "cpu":
+        return
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in model_config.layers:
+        if getattr(layer, "attention", None) is not None:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def enable_fsdp_sum_reduction(model: nn.Module) -> None:
+    """Make FSDP reduce gradients with SUM + divide, on gloo, for every FSDP module of `model`."""
+    if dist_backend() != "gloo":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    # gloo has no PREMUL_SUM reduce op, which FSDP2 uses for its gradient averaging.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the torchrun world (or a world of one without torchrun); returns (rank, world)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = dist_backend()
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(device())
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # A plain `python -m torchtitan_rl.train`: a one-process world needs no rendezvous.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    return dist.get_rank(), dist.get_world_size()

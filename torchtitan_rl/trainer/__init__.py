@@ -1,0 +1,1 @@
+"""The policy trainer: a torchtitan model built from a model spec."""
