@@ -1,6 +1,6 @@
 """Model specs: torchtitan's registries plus the tiny flavors this project ships.
 
-    .venv/bin/python -c "from torchtitan_rl.models import model_spec; print(model_spec('qwen3', 'tiny'))"
+    .venv/bin/python -c "from torchtitan_rl.models import flavors; print(flavors('qwen3'))"
 
 Every model the trainer and the generator build comes from `model_spec(name, flavor)`, so both
 sides share one definition. Flavors are torchtitan's (`debugmodel`, `0.6B`, ...) plus the

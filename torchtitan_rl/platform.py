@@ -14,7 +14,7 @@ import torch.nn as nn
 
 
 def device_type() -> str:
-    """"cuda" where a GPU is visible, else "cpu"."""
+    """The device type: cuda where a GPU is visible, else cpu."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

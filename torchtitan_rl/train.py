@@ -34,9 +34,8 @@ def smoke_run(config: JobConfig, rank: int, world_size: int) -> None:
     with torch.no_grad():
         logits_BTV = model(tokens_BT, positions_BT, None).float()
     # Position t scores token t + 1.
-    logprobs_BT = torch.log_softmax(logits_BTV[:, :-1], dim=-1).gather(
-        -1, tokens_BT[:, 1:, None]
-    )[..., 0]
+    logprobs_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
+    logprobs_BT = logprobs_BTV.gather(-1, tokens_BT[:, 1:, None]).squeeze(-1)
     total = logprobs_BT.sum()
     gathered = [torch.zeros_like(total) for _ in range(world_size)]
     dist.all_gather(gathered, total)

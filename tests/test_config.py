@@ -1,0 +1,268 @@
+"""JobConfig: defaults < TOML < CLI, type checks, validation errors, TOML round trip.
+
+.venv/bin/python -m pytest tests/test_config.py
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from torchtitan_rl.config import ConfigError, JobConfig, parse_args, to_toml
+from torchtitan_rl.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_TOML = str(REPO / "run_configs" / "debug_cpu.toml")
+TINY = str(REPO / "assets" / "tiny_qwen3")
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    # run_configs name assets/ relative to the repo root, as the README's commands do.
+    monkeypatch.chdir(REPO)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    path = write(
+        tmp_path,
+        f'[model]\nhf_checkpoint = "{TINY}"\n[training]\nsteps = 5\nlr = 1\n'
+        "[generator.sampling]\ntemperature = 0.5\n",
+    )
+    config = parse_args(["--job.config_file", path, "--training.steps", "9"])
+    assert config.training.steps == 9  # CLI beats TOML
+    assert config.training.lr == 1.0 and isinstance(config.training.lr, float)  # TOML int
+    assert config.generator.sampling.temperature == 0.5  # TOML beats default
+    assert config.generator.sampling.n == JobConfig().generator.sampling.n  # default
+    assert config.job.config_file == path
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--batch_invariant", "true"], (True, False)),
+        (["--batch_invariant", "FALSE", "--job.dry_run", "true"], (False, True)),
+        (["--job.dry_run"], (False, True)),
+        (["--job.dry_run", "--batch_invariant=True"], (True, True)),
+    ],
+)
+def test_booleans_take_explicit_values(flags, expected):
+    config = parse_args(["--job.config_file", DEBUG_TOML, *flags])
+    assert (config.batch_invariant, config.job.dry_run) == expected
+
+
+def test_debug_config_validates_for_two_processes():
+    config = parse_args(["--job.config_file", DEBUG_TOML], world_size=2)
+    assert config.parallelism.resolved_dp_shard(2) == 2
+    assert config.model.hf_checkpoint == "assets/tiny_qwen3"
+
+
+def test_gpu_configs_parse(tmp_path):
+    # The GPU configs point at checkpoints the user provides; stand one in.
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "math.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    for name in ("qwen3_0.6b", "qwen3_1.7b"):
+        config = parse_args(
+            [
+                "--job.config_file",
+                str(REPO / "run_configs" / f"{name}.toml"),
+                "--model.hf_checkpoint",
+                str(tmp_path),
+                "--task.dataset_path",
+                str(tmp_path / "math.jsonl"),
+            ],
+            world_size=8,
+        )
+        assert config.model.flavor in ("0.6B", "1.7B")
+        assert config.model.dtype == "bfloat16"
+
+
+# Each bad input: the TOML text and/or CLI flags, and words the one-line error must contain.
+BAD_INPUTS = {
+    "unknown section": ("[trainng]\nsteps = 3\n", [], ["'trainng'", "did you mean training"]),
+    "unknown key": ("[training]\nstep = 3\n", [], ["'training.step'", "did you mean steps"]),
+    "unknown nested key": (
+        "[generator.sampling]\ntemprature = 0.7\n",
+        [],
+        ["'generator.sampling.temprature'", "temperature"],
+    ),
+    "wrong type in TOML": (
+        '[training]\nsteps = "ten"\n',
+        [],
+        ["training.steps", "expected int", "'ten'"],
+    ),
+    "bool for int in TOML": ("[training]\nsteps = true\n", [], ["training.steps", "expected int"]),
+    "wrong literal in TOML": (
+        '[generator]\ndtype = "fp8"\n',
+        [],
+        ["generator.dtype", "'float32'", "'fp8'"],
+    ),
+    "value for a section": ("generator = 3\n", [], ["generator is a section"]),
+    "wrong type on CLI": ("", ["--training.steps", "ten"], ["--training.steps", "'ten'"]),
+    "wrong choice on CLI": ("", ["--generator.dtype", "fp8"], ["--generator.dtype", "fp8"]),
+    "unknown CLI flag": ("", ["--training.stepz", "3"], ["--training.stepz"]),
+    "negative steps": ("[training]\nsteps = -1\n", [], ["training.steps = -1", ">= 1"]),
+    "negative steps on CLI": ("", ["--training.steps=-5"], ["training.steps = -5"]),
+    "degrees vs world size": (
+        "[parallelism]\ndp_shard = 4\n",
+        [],
+        ["parallelism.dp_replicate * dp_shard * tp = 4", "world size is 1"],
+    ),
+    "tp not dividing world": (
+        "[parallelism]\ntp = 2\n",
+        [],
+        ["parallelism.dp_replicate * parallelism.tp = 2", "world size 1"],
+    ),
+    "generator tp vs world": (
+        "[generator.parallelism]\ntensor_parallel_degree = 3\n",
+        [],
+        ["generator.parallelism.tensor_parallel_degree = 3"],
+    ),
+    "group size < 2 for GRPO": (
+        "[generator.sampling]\nn = 1\n",
+        [],
+        ["generator.sampling.n = 1", "'grpo'", "n >= 2"],
+    ),
+    "missing checkpoint dir": (
+        '[model]\nhf_checkpoint = "/no/such/checkpoint"\n',
+        [],
+        ["model.hf_checkpoint = '/no/such/checkpoint'", "no such directory"],
+    ),
+    "unknown flavor": ('[model]\nflavor = "huge"\n', [], ["model.flavor = 'huge'", "tiny"]),
+    "prompt + completion too long": (
+        "[generator]\nmax_model_len = 16\n",
+        [],
+        ["exceeds generator.max_model_len = 16"],
+    ),
+    "zero temperature": (
+        "[generator.sampling]\ntemperature = 0.0\n",
+        [],
+        ["generator.sampling.temperature = 0.0", "> 0"],
+    ),
+    "malformed TOML": ("[training]\nsteps = = 3\n", [], ["malformed TOML", "line 2"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys):
+    text, flags, words = BAD_INPUTS[name]
+    path = write(tmp_path, text)
+    if name != "missing checkpoint dir":
+        flags = ["--model.hf_checkpoint", TINY, *flags]
+    with pytest.raises(ConfigError):
+        parse_args(["--job.config_file", path, *flags])
+    assert main(["--job.config_file", path, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for word in words:
+        assert word in err, f"{word!r} not in {err!r}"
+    if name == "malformed TOML":
+        assert path in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["--job.config_file", "/no/such.toml"]) == 2
+    assert capsys.readouterr().err == "error: job.config_file = '/no/such.toml': no such file\n"
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_process_exits_2_with_one_line_and_no_traceback(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = -3\n")
+    result = run_train("--job.config_file", path, "--model.hf_checkpoint", TINY)
+    assert result.returncode == 2
+    assert result.stderr == "error: training.steps = -3: must be >= 1\n"
+    assert result.stdout == ""
+
+    result = run_train("--job.config_file", DEBUG_TOML, "--training.steps", "x")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_dry_run_prints_toml_and_round_trips(tmp_path):
+    dump = tmp_path / "dump"
+    first = run_train(
+        "--job.config_file",
+        DEBUG_TOML,
+        "--job.dry_run",
+        "--training.steps",
+        "7",
+        "--job.dump_folder",
+        str(dump),
+    )
+    assert first.returncode == 0, first.stderr
+    assert "steps = 7" in first.stdout
+    parsed = tomllib.loads(first.stdout)
+    assert parsed["training"]["steps"] == 7 and "config_file" not in parsed["job"]
+    assert not dump.exists()  # a dry run builds and writes nothing
+
+    fed_back = write(tmp_path, first.stdout)
+    second = run_train("--job.config_file", fed_back, "--job.dry_run")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+
+
+def test_to_toml_round_trips_every_field_in_process(tmp_path):
+    config = parse_args(
+        [
+            "--job.config_file",
+            DEBUG_TOML,
+            "--batch_invariant",
+            "true",
+            "--checkpoint.resume_from",
+            "3",
+            "--algorithm.loss",
+            "dapo",
+        ]
+    )
+    again = parse_args(["--job.config_file", write(tmp_path, to_toml(config))])
+    again.job.config_file = config.job.config_file
+    assert again == config
+
+
+def leaf_flags(cls: type, prefix: str = "--") -> list[str]:
+    """The CLI flag of every leaf field of the dataclass tree `cls`."""
+    flags = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            flags += leaf_flags(f.type, f"{prefix}{f.name}.")
+        else:
+            flags.append(f"{prefix}{f.name}")
+    return flags
+
+
+def test_help_lists_every_field_with_its_docstring():
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.train", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=120,
+    )
+    assert result.returncode == 0
+    flags = leaf_flags(JobConfig)
+    assert len(flags) > 40
+    for flag in flags:
+        assert f"{flag} " in result.stdout, flag
+    # Docstrings from every depth of the tree, as tyro prints them.
+    help_text = " ".join(result.stdout.split())
+    assert "Global batch-invariant mode" in help_text
+    assert "Samples per prompt (the GRPO group size)." in help_text
+    assert "Keep this many newest checkpoints; 0 keeps all." in help_text
