@@ -1,4 +1,4 @@
-"""Building torchtitan models from the `model` section and loading HF checkpoints into them.
+"""PolicyTrainer in a one-process world: HF loading, errors, non-finite steps, LR schedule.
 
 .venv/bin/python -m pytest tests/test_model.py
 """
@@ -12,49 +12,68 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import ConfigError, ModelSection
-from torchtitan_rl.trainer.model import build_model
+from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.config.job_config import (
+    ConfigError,
+    ModelSection,
+    ParallelismSection,
+    TrainingSection,
+)
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
 
 TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny_qwen3"
 
 
-@pytest.fixture(autouse=True)
-def _cpu():
+@pytest.fixture(scope="module", autouse=True)
+def _world_of_one():
     platform.patch_torchtitan()
+    platform.init_distributed()
+
+
+def trainer(**model_fields) -> PolicyTrainer:
+    training = model_fields.pop("training", TrainingSection())
+    return PolicyTrainer(
+        model=ModelSection(**{"hf_checkpoint": str(TINY), **model_fields}),
+        training=training,
+        parallelism=ParallelismSection(),
+    )
+
+
+def full_state(t: PolicyTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in t.state_dict().items()}
+
+
+def batch() -> RolloutBatch:
+    tokens_BT = torch.randint(3, 64, (4, 10), generator=torch.Generator().manual_seed(1))
+    mask_BT = torch.zeros(4, 10)
+    mask_BT[:, 5:] = 1.0
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        generator_logprobs_BT=torch.zeros(4, 10),
+    )
 
 
 def test_loads_every_tensor_of_the_checkpoint():
-    model = build_model(ModelSection(hf_checkpoint=str(TINY)), torch.device("cpu"), seed=123)
+    state = full_state(trainer())
     hf = load_file(TINY / "model.safetensors")
     assert torch.equal(
-        model.layers["1"].feed_forward.w2.weight, hf["model.layers.1.mlp.down_proj.weight"]
+        state["layers.1.feed_forward.w2.weight"], hf["model.layers.1.mlp.down_proj.weight"]
     )
-    assert torch.equal(model.tok_embeddings.weight, hf["model.embed_tokens.weight"])
-    assert model.lm_head.weight is model.tok_embeddings.weight  # tied embeddings stay tied
-
-
-def test_random_init_is_seeded():
-    a = build_model(ModelSection(tokenizer_path=str(TINY)), torch.device("cpu"), seed=1)
-    b = build_model(ModelSection(tokenizer_path=str(TINY)), torch.device("cpu"), seed=1)
-    c = build_model(ModelSection(tokenizer_path=str(TINY)), torch.device("cpu"), seed=2)
-    wq = "layers.0.attention.qkv_linear.wq.weight"
-    assert torch.equal(a.state_dict()[wq], b.state_dict()[wq])
-    assert not torch.equal(a.state_dict()[wq], c.state_dict()[wq])
-
-
-def test_bfloat16_casts_parameters_but_not_the_rope_cache():
-    model = build_model(
-        ModelSection(hf_checkpoint=str(TINY), dtype="bfloat16"), torch.device("cpu")
+    assert torch.equal(
+        state["layers.0.attention.qkv_linear.wk.weight"],
+        hf["model.layers.0.self_attn.k_proj.weight"],
     )
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert {b.dtype for b in model.buffers()} == {torch.float32}
+    assert torch.equal(state["tok_embeddings.weight"], hf["model.embed_tokens.weight"])
+    assert torch.equal(state["lm_head.weight"], hf["model.embed_tokens.weight"])  # tied
 
 
 def test_wrong_flavor_names_the_first_mismatching_key_and_shapes():
     with pytest.raises(ConfigError) as e:
-        build_model(ModelSection(hf_checkpoint=str(TINY), flavor="debugmodel"), torch.device("cpu"))
+        trainer(flavor="debugmodel")
     message = str(e.value)
-    assert "'tok_embeddings.weight' has shape (64, 128)" in message
+    assert "'model.embed_tokens.weight' has shape (64, 128)" in message
     assert "model.flavor = 'debugmodel' expects (2048, 256)" in message
     assert "\n" not in message
 
@@ -64,11 +83,68 @@ def test_missing_tensor_is_named(tmp_path):
     state = load_file(tmp_path / "ckpt" / "model.safetensors")
     del state["model.layers.1.self_attn.k_norm.weight"]
     save_file(state, tmp_path / "ckpt" / "model.safetensors")
-    with pytest.raises(ConfigError, match="lacks 'layers.1.attention.k_norm.weight'"):
-        build_model(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="lacks 'model.layers.1.self_attn.k_norm.weight'"):
+        trainer(hf_checkpoint=str(tmp_path / "ckpt"))
+
+
+def test_unknown_tensor_is_named(tmp_path):
+    shutil.copytree(TINY, tmp_path / "ckpt")
+    state = load_file(tmp_path / "ckpt" / "model.safetensors")
+    state["model.layers.2.mlp.up_proj.weight"] = torch.zeros(256, 128)
+    save_file(state, tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ConfigError, match="has 'model.layers.2.mlp.up_proj.weight', unknown"):
+        trainer(hf_checkpoint=str(tmp_path / "ckpt"))
 
 
 def test_checkpoint_without_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     with pytest.raises(ConfigError, match="has no \\*.safetensors files"):
-        build_model(ModelSection(hf_checkpoint=str(tmp_path)), torch.device("cpu"))
+        trainer(hf_checkpoint=str(tmp_path))
+
+
+def test_bfloat16_computes_in_bf16_with_fp32_master_weights():
+    t = trainer(dtype="bfloat16")
+    assert {p.dtype for p in t.model.parameters()} == {torch.float32}
+    logprobs_BT, _ = t.logprobs(batch().tokens_BT)
+    fp32_BT, _ = trainer().logprobs(batch().tokens_BT)
+    assert logprobs_BT.dtype == torch.float32
+    assert not torch.equal(logprobs_BT, fp32_BT)  # really computed in bf16
+    torch.testing.assert_close(logprobs_BT, fp32_BT, rtol=0, atol=5e-2)
+
+
+def nan_loss(logprobs_BT, micro, scale):
+    return logprobs_BT.sum() * float("nan"), {}
+
+
+def inf_grad_loss(logprobs_BT, micro, scale):
+    # sqrt at 0: the loss is 0, its gradient is infinite.
+    u = logprobs_BT[0, 6] - logprobs_BT[0, 6].detach()
+    return torch.sqrt(u), {}
+
+
+@pytest.mark.parametrize(
+    "loss_fn, message",
+    [(nan_loss, "step 1: the loss is nan"), (inf_grad_loss, "step 1: the gradient of ")],
+)
+def test_non_finite_step_stops_without_touching_weights(loss_fn, message):
+    t = trainer()
+    before = full_state(t)
+    with pytest.raises(NonFiniteError, match=message):
+        t.train_step(batch(), loss_fn)
+    after = full_state(t)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def pg_loss(logprobs_BT, micro, scale):
+    weighted = micro.advantages_B[:, None] * logprobs_BT * micro.loss_mask_BT
+    return -weighted.sum() / scale.tokens, {}
+
+
+def test_lr_warms_up_then_decays():
+    t = trainer(training=TrainingSection(lr=1e-3, warmup_steps=2, steps=4, lr_decay="linear"))
+    lrs = [t.train_step(batch(), pg_loss)["lr"] for _ in range(4)]
+    # torchtitan's schedule: linear warm-up to the peak, then a linear decay towards 0.
+    assert lrs[:2] == pytest.approx([5e-4, 1e-3])
+    assert lrs[1] >= lrs[2] > lrs[3] > 0
+    constant = trainer(training=TrainingSection(lr=1e-3, steps=3))
+    assert [constant.train_step(batch(), pg_loss)["lr"] for _ in range(3)] == [1e-3] * 3

@@ -50,6 +50,12 @@ def spmd_backend() -> str:
     return "partial_dtensor" if device_type() == "cpu" else "spmd_types"
 
 
+def optimizer_implementation() -> str:
+    """torchtitan optimizer implementation: fused AdamW on CUDA, foreach on CPU."""
+    # torchtitan documents "fused" as CUDA-only; "foreach" handles CPU DTensor parameters.
+    return "fused" if device_type() == "cuda" else "foreach"
+
+
 def attention_backend() -> str:
     """torchtitan `attn_backend` for model specs: flex on CUDA; CPU swaps in SDPA (below)."""
     return "flex"

@@ -4,8 +4,8 @@
     python -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml --job.dry_run
 
 Config errors exit with code 2 and one line on stderr. Until the RL loop lands, a real run
-builds the policy model on every rank, loads the HF checkpoint, scores one prompt and checks
-that all ranks agree, then stops.
+builds the FSDP-sharded policy on every rank, loads the HF checkpoint, scores one prompt and
+checks that all ranks agree, then stops.
 """
 
 import os
@@ -21,31 +21,33 @@ from torchtitan_rl.config.manager import write_config
 
 
 def smoke_run(config: JobConfig, rank: int, world_size: int) -> None:
-    """Build the model, score one prompt, and check every rank computed the same logprob."""
+    """Build the sharded policy, score one prompt, and check every rank got the same logprob."""
     from tokenizers import Tokenizer
 
-    from torchtitan_rl.trainer.model import build_model
+    from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 
-    model = build_model(config.model, platform.device(), seed=config.job.seed)
+    trainer = PolicyTrainer(
+        model=config.model,
+        training=config.training,
+        parallelism=config.parallelism,
+        temperature=config.generator.sampling.temperature,
+        seed=config.job.seed,
+        dump_folder=config.job.dump_folder,
+    )
     tokenizer_dir = config.model.tokenizer_path or config.model.hf_checkpoint
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    tokens_BT = torch.tensor([tokenizer.encode("echo 123: 123").ids], device=platform.device())
-    positions_BT = torch.arange(tokens_BT.shape[1], device=tokens_BT.device)[None]
-    with torch.no_grad():
-        logits_BTV = model(tokens_BT, positions_BT, None).float()
-    # Position t scores token t + 1.
-    logprobs_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
-    logprobs_BT = logprobs_BTV.gather(-1, tokens_BT[:, 1:, None]).squeeze(-1)
+    logprobs_BT, _ = trainer.logprobs(torch.tensor([tokenizer.encode("echo 123: 123").ids]))
     total = logprobs_BT.sum()
     gathered = [torch.zeros_like(total) for _ in range(world_size)]
     dist.all_gather(gathered, total)
     if any(not torch.equal(g, total) for g in gathered):
         raise RuntimeError(f"ranks disagree on the prompt logprob: {gathered}")
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for p in trainer.model.parameters())
         print(
-            f"built {config.model.name}/{config.model.flavor} ({n_params:,} parameters) on "
-            f"{world_size} rank(s); prompt logprob {total.item():.6f} agrees on every rank",
+            f"built {config.model.name}/{config.model.flavor} sharded over {world_size} rank(s) "
+            f"({n_params:,} parameters); prompt logprob {total.item():.6f} agrees on "
+            "every rank",
             flush=True,
         )
 

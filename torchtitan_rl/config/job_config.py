@@ -52,7 +52,7 @@ class ModelSection:
     tokenizer_path: str | None = None
     """Directory with tokenizer.json; None: use model.hf_checkpoint."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Trainer parameter dtype."""
+    """Trainer compute dtype (FSDP mixed precision); master weights and grads stay float32."""
 
     def validate(self) -> None:
         from torchtitan_rl.models import SUPPORTED_MODELS, flavors
@@ -98,6 +98,8 @@ class TrainingSection:
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Linear LR warm-up steps."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after warm-up: constant at training.lr, or decaying to 0 at training.steps."""
     prompts_per_step: int = 16
     """Prompts per step over all data-parallel ranks; each is sampled generator.sampling.n times."""
     micro_batches: int = 1

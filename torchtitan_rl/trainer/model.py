@@ -1,18 +1,22 @@
-"""Build a torchtitan model from the `model` config section and load HF weights into it.
+"""Model specs with this platform's attention, and sharded loading of HF checkpoints.
 
 .venv/bin/python -m pytest tests/test_model.py
 """
 
 from pathlib import Path
 
-import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from safetensors.torch import load_file
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_rl import platform
 from torchtitan_rl.config.job_config import ConfigError, ModelSection
 from torchtitan_rl.models import model_spec
+
+# HF tensors that carry no weights of ours (recomputed buffers).
+_IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def build_spec(model: ModelSection) -> ModelSpec:
@@ -22,58 +26,56 @@ def build_spec(model: ModelSection) -> ModelSpec:
     return spec
 
 
-def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in HF checkpoint directory `path` (CPU)."""
+def read_hf_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of every *.safetensors file in `path`, from headers only."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.hf_checkpoint = {path!r} has no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
+    shapes = {}
     for file in files:
-        state.update(load_file(file))
-    return state
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
 
 
-def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str) -> None:
-    """Copy the HF checkpoint at `path` into `model` through the spec's state-dict adapter.
-
-    Keys or shapes that do not match the flavor raise ConfigError naming the first of them.
-    """
-    adapter = spec.state_dict_adapter(spec.model, None)
-    loaded = adapter.from_hf(read_hf_state_dict(path))
-    expected = model.state_dict()
-    for key, tensor in expected.items():
-        if key not in loaded:
+def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor: str) -> None:
+    """Raise ConfigError naming the first tensor whose name or shape differs from `expected`."""
+    found = read_hf_shapes(path)
+    fix = "pick the flavor the checkpoint was saved from"
+    for key, shape in expected.items():
+        if key not in found:
             raise ConfigError(
                 f"model.hf_checkpoint = {path!r} lacks {key!r} that model.flavor = "
-                f"{spec.flavor!r} needs: pick the flavor the checkpoint was saved from"
+                f"{flavor!r} needs: {fix}"
             )
-        if tuple(loaded[key].shape) != tuple(tensor.shape):
+        if found[key] != shape:
             raise ConfigError(
-                f"model.hf_checkpoint = {path!r}: {key!r} has shape {tuple(loaded[key].shape)} "
-                f"but model.flavor = {spec.flavor!r} expects {tuple(tensor.shape)}: "
-                "pick the flavor the checkpoint was saved from"
+                f"model.hf_checkpoint = {path!r}: {key!r} has shape {found[key]} but "
+                f"model.flavor = {flavor!r} expects {shape}: {fix}"
             )
-    extra = sorted(set(loaded) - set(expected))
+    extra = [
+        key
+        for key in sorted(set(found) - set(expected))
+        if not key.endswith(_IGNORED_HF_SUFFIXES)
+        # A tied model keeps one embedding; checkpoints may still store lm_head.
+        and not (key == "lm_head.weight" and "model.embed_tokens.weight" in expected)
+    ]
     if extra:
         raise ConfigError(
             f"model.hf_checkpoint = {path!r} has {extra[0]!r}, unknown to model.flavor = "
-            f"{spec.flavor!r}: pick the flavor the checkpoint was saved from"
+            f"{flavor!r}: {fix}"
         )
-    model.load_state_dict(loaded, strict=True)
 
 
-def build_model(model: ModelSection, device: torch.device, seed: int = 0) -> nn.Module:
-    """The unsharded model of `model` on `device`: HF weights if given, else seeded init."""
-    spec = build_spec(model)
-    with torch.device("meta"):
-        module = spec.model.build()
-    module.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        module.init_states(buffer_device=device)
-    if model.hf_checkpoint is not None:
-        load_hf_weights(module, spec, model.hf_checkpoint)
-    # Cast parameters only: `module.to(dtype)` would also downcast the fp32 RoPE cache buffers.
-    for param in module.parameters():
-        param.data = param.data.to(getattr(torch, model.dtype))
-    return module
+def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str) -> None:
+    """Load the HF checkpoint at `path` into `model` (plain or DTensor parameters), sharded.
+
+    The spec's adapter maps our state dict to HF names; DCP's HF reader then fills each rank's
+    shards from the safetensors files, reading only what the rank holds.
+    """
+    adapter = spec.state_dict_adapter(spec.model, None)
+    hf_state = adapter.to_hf(model.state_dict())
+    check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in hf_state.items()}, spec.flavor)
+    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(path))
+    set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=True))

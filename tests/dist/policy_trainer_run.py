@@ -1,0 +1,92 @@
+"""Build a PolicyTrainer on this torchrun world, score a fixed batch, take one step, save results.
+
+    torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR MICRO_BATCHES
+
+Each rank trains on its contiguous share of the same 8-sequence batch. Rank 0 saves the
+logprobs of the whole batch (before the step) and the full parameters after it, so tests can
+compare world sizes and micro-batch counts. It also saves the gradients the optimizer applied.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import platform
+from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
+
+TINY = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_qwen3")
+
+
+def fixed_batch() -> RolloutBatch:
+    """8 right-padded sequences: a prompt of 4 tokens, completions of different lengths."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 12
+    tokens_BT = torch.randint(3, 64, (B, T), generator=g)
+    loss_mask_BT = torch.zeros(B, T)
+    for b in range(B):
+        end = 6 + b % 6
+        loss_mask_BT[b, 4:end] = 1.0
+        tokens_BT[b, end:] = 0  # padding
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=loss_mask_BT,
+        advantages_B=torch.linspace(-1.0, 1.0, B),
+        generator_logprobs_BT=torch.zeros(B, T),
+    )
+
+
+def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
+    """Token-mean policy gradient: -sum(A * logprob * mask) / global tokens."""
+    weighted_BT = batch.advantages_B[:, None] * logprobs_BT * batch.loss_mask_BT
+    return -weighted_BT.sum() / scale.tokens, {"masked_tokens": float(batch.loss_mask_BT.sum())}
+
+
+def main() -> None:
+    out, micro_batches = Path(sys.argv[1]), int(sys.argv[2])
+    platform.patch_torchtitan()
+    rank, world = platform.init_distributed()
+    trainer = PolicyTrainer(
+        model=ModelSection(hf_checkpoint=TINY),
+        training=TrainingSection(lr=1e-2, micro_batches=micro_batches, max_grad_norm=0.0),
+        parallelism=ParallelismSection(),
+        temperature=0.7,
+    )
+    batch = fixed_batch()
+    logprobs_BT, entropy_BT = trainer.logprobs(batch.tokens_BT)
+    local = batch.split(world)[rank]
+
+    # Record the summed gradients the optimizer is about to apply (full tensors, collective).
+    grads, optimizer_step = {}, trainer.optimizers.step
+
+    def record_grads_then_step(*args, **kwargs):
+        for name, param in trainer.model.named_parameters():
+            grads[name] = param.grad.full_tensor().clone()
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizers.step = record_grads_then_step
+    metrics = trainer.train_step(local, pg_loss)
+    state = trainer.state_dict()  # collective: every rank calls it
+    params = {k: v.full_tensor() for k, v in state.items()}
+    local_shapes = {k: tuple(v.to_local().shape) for k, v in state.items()}
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "logprobs_BT": logprobs_BT,
+                "entropy_BT": entropy_BT,
+                "params": params,
+                "grads": grads,
+                "metrics": metrics,
+                "local_shapes": local_shapes,
+            },
+            out / "result.pt",
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

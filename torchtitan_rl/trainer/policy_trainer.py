@@ -1,0 +1,222 @@
+"""PolicyTrainer: a torchtitan model, parallelized on the trainer mesh, that scores and trains.
+
+    torchrun --nproc_per_node 2 -m pytest tests/dist/test_policy_trainer_dist.py  (via pytest)
+
+Built from torchtitan parts: the model spec's config and `parallelize_fn` (FSDP2 / HSDP / TP),
+its state-dict adapter with DCP's HF reader, and torchtitan's optimizer and LR-scheduler
+containers. Shapes: B sequences, T tokens, V vocabulary.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+from torchtitan_rl import platform
+from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.trainer.logprobs import token_logprobs
+from torchtitan_rl.trainer.model import build_spec, load_hf_weights
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient became NaN/inf; the message names the step and the tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossScale:
+    """Global totals of one step, over every micro-batch and data-parallel rank."""
+
+    tokens: int
+    """Loss-masked tokens in the whole step."""
+    sequences: int
+    """Sequences in the whole step."""
+
+
+# loss_fn(logprobs_BT, micro_batch, scale) -> (this micro-batch's share of the step loss,
+# metrics that add up over micro-batches and ranks, e.g. counts or already-normalized sums)
+LossFn = Callable[[torch.Tensor, RolloutBatch, LossScale], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _lr_scheduler_config(training: TrainingSection) -> LRSchedulersContainer.Config:
+    if training.lr_decay == "constant":
+        # decay_ratio 0: warm up, then stay at the peak LR.
+        return LRSchedulersContainer.Config(warmup_steps=training.warmup_steps, decay_ratio=0.0)
+    return LRSchedulersContainer.Config(
+        warmup_steps=training.warmup_steps, decay_type=training.lr_decay
+    )
+
+
+class PolicyTrainer:
+    """The policy: a torchtitan model sharded on this rank, its optimizer and LR schedule."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelSection,
+        training: TrainingSection,
+        parallelism: ParallelismSection,
+        temperature: float = 1.0,
+        seed: int = 0,
+        dump_folder: str = "outputs",
+    ):
+        self.training = training
+        self.temperature = temperature
+        self.device = platform.device()
+        self.step = 0
+        world_size = dist.get_world_size()
+        self.tp_degree = parallelism.tp
+        self.parallel_dims = ParallelDims(
+            dp_replicate=parallelism.dp_replicate,
+            dp_shard=parallelism.resolved_dp_shard(world_size),
+            cp=1,
+            tp=parallelism.tp,
+            pp=1,
+            ep=1,
+            world_size=world_size,
+            spmd_backend=platform.spmd_backend(),
+        )
+        self.spec = build_spec(model)
+        with torch.device("meta"):
+            module = self.spec.model.build()
+        module = self.spec.parallelize_fn(
+            module,
+            parallel_dims=self.parallel_dims,
+            training=TrainingConfig(
+                mixed_precision_param=model.dtype, mixed_precision_reduce="float32"
+            ),
+            parallelism=ParallelismConfig(
+                data_parallel_replicate_degree=parallelism.dp_replicate,
+                data_parallel_shard_degree=parallelism.resolved_dp_shard(world_size),
+                tensor_parallel_degree=parallelism.tp,
+                spmd_backend=platform.spmd_backend(),
+            ),
+            compile_config=CompileConfig(enable=False),
+            ac_config=None,
+            dump_folder=dump_folder,
+        )
+        # Losses are normalized by global token counts (LossScale), so FSDP must sum
+        # gradients over data-parallel ranks instead of averaging them.
+        disable_fsdp_gradient_division(module)
+        platform.enable_fsdp_sum_reduction(module)
+        module.to_empty(device=self.device)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            module.init_weights(buffer_device=self.device)
+        if model.hf_checkpoint is not None:
+            load_hf_weights(module, self.spec, model.hf_checkpoint)
+        module.train()
+        self.model: nn.Module = module
+
+        self.optimizers = OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={
+                        "lr": training.lr,
+                        "betas": (0.9, 0.999),
+                        "eps": 1e-8,
+                        "weight_decay": training.weight_decay,
+                    },
+                )
+            ],
+            implementation=platform.optimizer_implementation(),
+        ).build(model_parts=[self.model])
+        self.lr_schedulers = _lr_scheduler_config(training).build(
+            optimizers=self.optimizers, training_steps=training.steps
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's parameters by torchtitan FQN: this rank's DTensors, not copies."""
+        return self.model.state_dict()
+
+    def _forward_logprobs(self, tokens_BT: torch.Tensor, with_entropy: bool):
+        positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
+        logits_BTV = self.model(tokens_BT, positions_BT, None)
+        return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def logprobs(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature.
+
+        Column t scores token t given tokens < t; column 0 is 0.
+        """
+        logprobs_BT, entropy_BT = self._forward_logprobs(tokens_BT.to(self.device), True)
+        return logprobs_BT, entropy_BT
+
+    def _global_sum(self, values: list[float]) -> list[float]:
+        # Every rank of a TP group holds the same batch: count it once per group.
+        totals = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(totals)
+        return (totals / self.tp_degree).tolist()
+
+    def train_step(self, batch: RolloutBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces.
+
+        The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
+        the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
+        Raises NonFiniteError, before touching the weights, on a NaN/inf loss or gradient.
+        """
+        self.step += 1
+        batch = batch.to(self.device)
+        tokens, sequences = self._global_sum(
+            [float(batch.loss_mask_BT.sum()), float(batch.batch_size)]
+        )
+        scale = LossScale(tokens=int(tokens), sequences=int(sequences))
+        local_loss, entropy_sum = 0.0, 0.0
+        metric_sums: dict[str, float] = {}
+        for micro in batch.split(min(self.training.micro_batches, batch.batch_size)):
+            logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT, True)
+            loss, metrics = loss_fn(logprobs_BT, micro, scale)
+            loss.backward()
+            local_loss += float(loss.detach())
+            entropy_sum += float((entropy_BT * micro.loss_mask_BT).sum())
+            for name, value in metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0.0) + value
+
+        names = sorted(metric_sums)
+        loss_total, entropy_total, *metric_totals = self._global_sum(
+            [local_loss, entropy_sum, *(metric_sums[n] for n in names)]
+        )
+        if not math.isfinite(loss_total):
+            self.optimizers.zero_grad()
+            raise NonFiniteError(f"step {self.step}: the loss is {loss_total}")
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None],
+            max_norm=self.training.max_grad_norm or math.inf,
+        )
+        if not math.isfinite(float(grad_norm)):
+            name = self._first_nonfinite_grad()
+            self.optimizers.zero_grad()
+            raise NonFiniteError(f"step {self.step}: the gradient of {name} is not finite")
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        return {
+            "loss": loss_total,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "entropy": entropy_total / max(scale.tokens, 1),
+            "tokens": float(scale.tokens),
+            **dict(zip(names, metric_totals, strict=True)),
+        }
+
+    def _first_nonfinite_grad(self) -> str:
+        for name, param in self.model.named_parameters():
+            grad = param.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                if not bool(torch.isfinite(local).all()):
+                    return name
+        return "a parameter on another rank"
