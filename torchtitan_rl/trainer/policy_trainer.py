@@ -154,29 +154,32 @@ class PolicyTrainer:
         logprobs_BT, entropy_BT = self._forward_logprobs(tokens_BT.to(self.device), True)
         return logprobs_BT, entropy_BT
 
-    def _global_sum(self, values: list[float]) -> list[float]:
-        # Every rank of a TP group holds the same batch: count it once per group.
-        totals = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(totals)
-        return (totals / self.tp_degree).tolist()
-
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces.
 
         The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
         the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
         Raises NonFiniteError, before touching the weights, on a NaN/inf loss or gradient.
+        Metrics are global: loss, entropy (mean over loss-masked tokens) and loss_fn's metrics
+        summed over micro-batches and data-parallel ranks.
         """
         self.step += 1
         batch = batch.to(self.device)
-        tokens, sequences = self._global_sum(
-            [float(batch.loss_mask_BT.sum()), float(batch.batch_size)]
+        # The global counts travel while the first micro-batch runs its forward.
+        counts = torch.tensor(
+            [batch.loss_mask_BT.sum().item(), batch.batch_size], dtype=torch.float64
         )
-        scale = LossScale(tokens=int(tokens), sequences=int(sequences))
+        counting = dist.all_reduce(counts, async_op=True)
+        # Every rank of a TP group holds the same batch, so totals are divided by the TP degree.
+        scale = None
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
         for micro in batch.split(min(self.training.micro_batches, batch.batch_size)):
             logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT, True)
+            if scale is None:
+                counting.wait()
+                tokens, sequences = (counts / self.tp_degree).tolist()
+                scale = LossScale(tokens=int(tokens), sequences=int(sequences))
             loss, metrics = loss_fn(logprobs_BT, micro, scale)
             loss.backward()
             local_loss += float(loss.detach())
@@ -184,28 +187,40 @@ class PolicyTrainer:
             for name, value in metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + value
 
+        grad_norm = float(
+            dist_utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.grad is not None],
+                max_norm=self.training.max_grad_norm or math.inf,
+            )
+        )
+        # A NaN/inf loss on any rank makes the summed gradients non-finite on every rank, so
+        # all ranks stop here together, before the weights change.
+        if not math.isfinite(grad_norm):
+            self.optimizers.zero_grad()
+            if math.isfinite(local_loss):
+                culprit = f"the gradient of {self._first_nonfinite_grad()} is not finite"
+            else:
+                culprit = f"the loss is {local_loss}"
+            raise NonFiniteError(f"step {self.step}: {culprit}")
+
+        # The metric totals travel while the optimizer steps.
         names = sorted(metric_sums)
-        loss_total, entropy_total, *metric_totals = self._global_sum(
-            [local_loss, entropy_sum, *(metric_sums[n] for n in names)]
+        totals = torch.tensor(
+            [local_loss, entropy_sum, *(metric_sums[n] for n in names)], dtype=torch.float64
         )
-        if not math.isfinite(loss_total):
-            self.optimizers.zero_grad()
-            raise NonFiniteError(f"step {self.step}: the loss is {loss_total}")
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None],
-            max_norm=self.training.max_grad_norm or math.inf,
-        )
-        if not math.isfinite(float(grad_norm)):
-            name = self._first_nonfinite_grad()
-            self.optimizers.zero_grad()
-            raise NonFiniteError(f"step {self.step}: the gradient of {name} is not finite")
+        reducing = dist.all_reduce(totals, async_op=True)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
+        reducing.wait()
+        loss_total, entropy_total, *metric_totals = (totals / self.tp_degree).tolist()
+        if not math.isfinite(loss_total):
+            # Only a NaN with no gradient path gets here; the finite update was applied.
+            raise NonFiniteError(f"step {self.step}: the loss is {loss_total}")
         return {
             "loss": loss_total,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "entropy": entropy_total / max(scale.tokens, 1),
             "tokens": float(scale.tokens),
