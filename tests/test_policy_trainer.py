@@ -54,6 +54,7 @@ def test_fsdp2_shards_parameters(runs):
     full = runs[(2, 1)]["params"]
     assert local["layers.0.feed_forward.w1.weight"] == (128, 128)
     assert full["layers.0.feed_forward.w1.weight"].shape == (256, 128)
+    assert runs[(2, 1)]["params_are_views"]  # weight sync gets the live DTensors, no copies
 
 
 def test_fsdp2_logprobs_equal_single_process(runs):

@@ -76,6 +76,19 @@ def use_platform_attention(model_config) -> None:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
+def check_trainer_tp(tp: int) -> None:
+    """Refuse trainer tensor parallelism where it is known not to work."""
+    from torchtitan_rl.config.job_config import ConfigError
+
+    # Measured with torchtitan 0.3.0 on CPU: TP under spmd_backend="partial_dtensor" gives
+    # rank-dependent logits, and the default "spmd_types" backend fails under FSDP.
+    if tp > 1 and device_type() == "cpu":
+        raise ConfigError(
+            f"parallelism.tp = {tp}: trainer tensor parallelism does not work on CPU with "
+            "torchtitan 0.3.0; use parallelism.tp = 1 (FSDP over dp_shard) on CPU"
+        )
+
+
 def enable_fsdp_sum_reduction(model: nn.Module) -> None:
     """Make FSDP reduce gradients with SUM + divide, on gloo, for every FSDP module of `model`."""
     if dist_backend() != "gloo":

@@ -72,6 +72,10 @@ def main() -> None:
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}
     local_shapes = {k: tuple(v.to_local().shape) for k, v in state.items()}
+    params_are_views = all(
+        p is dict(trainer.model.named_parameters())[k] and type(p).__name__ == "DTensor"
+        for k, p in trainer.named_parameters().items()
+    )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(
@@ -82,6 +86,7 @@ def main() -> None:
                 "grads": grads,
                 "metrics": metrics,
                 "local_shapes": local_shapes,
+                "params_are_views": params_are_views,
             },
             out / "result.pt",
         )

@@ -74,6 +74,7 @@ class PolicyTrainer:
         self.device = platform.device()
         self.step = 0
         world_size = dist.get_world_size()
+        platform.check_trainer_tp(parallelism.tp)
         self.tp_degree = parallelism.tp
         self.parallel_dims = ParallelDims(
             dp_replicate=parallelism.dp_replicate,
@@ -136,8 +137,18 @@ class PolicyTrainer:
             optimizers=self.optimizers, training_steps=training.steps
         )
 
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The model's parameters by torchtitan FQN: this rank's DTensors, not copies.
+
+        Tied weights appear once (under the first name). This is what weight sync streams.
+        """
+        return dict(self.model.named_parameters())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's parameters by torchtitan FQN: this rank's DTensors, not copies."""
+        """torchtitan's state dict (fused QKV split into wq/wk/wv, as the HF adapter expects).
+
+        A collective: the split redistributes, so every rank must call it.
+        """
         return self.model.state_dict()
 
     def _forward_logprobs(self, tokens_BT: torch.Tensor, with_entropy: bool):
