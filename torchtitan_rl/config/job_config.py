@@ -216,8 +216,8 @@ class GeneratorSection:
     """Longest prompt + completion the engine accepts (sizes the KV cache)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use (CUDA only)."""
-    kv_cache_space_gib: float = 1.0
-    """KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_space_gib: int = 1
+    """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
     """Run the engine eagerly (no CUDA graphs / torch.compile)."""
     parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)

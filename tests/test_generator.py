@@ -1,0 +1,101 @@
+"""Generator: the real vLLM engine serving our torchtitan model, checked against the trainer.
+
+    .venv/bin/python -m pytest tests/test_generator.py
+
+vLLM runs in torchrun subprocesses (one engine per rank, shared by every check of a run):
+its CPU worker binds threads, which must not leak into the pytest process.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_rl.config.job_config import ConfigError, ModelSection
+from torchtitan_rl.generator.engine import check_tokenizer_fits
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "assets" / "tiny_qwen3"
+
+
+def launch(tmp_path_factory, nproc: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"generator_w{nproc}")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            str(REPO / "tests" / "dist" / "generator_run.py"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(tmp_path_factory, 2)
+
+
+def test_one_replica_per_rank_under_torchrun(ranks):
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert all(r["torch_distributed_usable"] for r in ranks)
+    # Different prompts per rank, each prompt sampled n = 3 times, in prompt order.
+    assert ranks[0]["prompts"] != ranks[1]["prompts"]
+    assert all(len(group) == 3 for r in ranks for group in r["sampled"])
+    assert all(len(r["prompts"][1]) > 128 for r in ranks)
+
+
+def test_sampled_logprobs_match_the_trainer(ranks):
+    for r in ranks:
+        assert len(r["logprob_diffs"]) == 6
+        assert max(r["logprob_diffs"]) <= 1e-5, r["logprob_diffs"]
+        assert all(n > 0 for n in r["lengths"])
+
+
+def test_greedy_equals_the_trainer_argmax(ranks):
+    assert all(all(r["greedy_match"]) for r in ranks)
+
+
+def test_parameters_share_the_trainer_fqns_and_shapes(ranks):
+    for r in ranks:
+        assert r["generator_params"] == r["trainer_params"]
+        assert "layers.0.attention.qkv_linear.wqkv.weight" in r["generator_params"]
+
+
+def test_per_request_seeds_reproduce_samples(ranks):
+    for r in ranks:
+        assert r["seeded_repeat"] == r["sampled"][0]
+        assert set(r["finish_reasons"]) <= {"stop", "length"}
+
+
+def test_bad_prompts_are_named(ranks):
+    errors = ranks[0]["errors"]
+    assert errors["too_long"] == (
+        "prompt 0 has 256 tokens, generator.max_model_len = 256 leaves no room to generate: "
+        "raise max_model_len or shorten the prompt"
+    )
+    assert errors["empty"] == "prompt 0 has no tokens"
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    shutil.copytree(TINY, tmp_path / "ckpt")
+    config = json.loads((TINY / "config.json").read_text())
+    config["vocab_size"] = 32
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="tokenizer has 64 tokens but the checkpoint's vocab"):
+        check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
+    check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits

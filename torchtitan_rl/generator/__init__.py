@@ -1,0 +1,1 @@
+"""The generator: our torchtitan model served by an in-process vLLM engine."""

@@ -1,0 +1,206 @@
+"""Generator: an in-process vLLM LLMEngine serving the torchtitan model, one replica per rank.
+
+    .venv/bin/python -m pytest tests/test_generator.py
+
+Logprob semantics: vLLM runs with `logprobs_mode="processed_logprobs"`, so the logprob of each
+sampled token is log_softmax(logits / temperature) at that position: the same quantity as
+`PolicyTrainer.logprobs` with the same temperature. With top_p < 1 vLLM renormalizes over the
+nucleus it sampled from, and the two differ by that renormalization.
+
+This module is the one adapter for vLLM's internals (engine core, executor, worker, model
+runner): everything else goes through `Generator`.
+"""
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.generator.plugin import ARCH
+
+# vLLM reads these at import: the engine must run inside this process, not a child.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One completion of a prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of each sampled token under logits / temperature."""
+    finish_reason: str
+    """"stop" (EOS or a stop token) or "length" (max_tokens reached)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completions:
+    """`samples[i]` holds the n samples of `prompts[i]`, in the order the prompts were given."""
+
+    prompts: list[list[int]]
+    samples: list[list[Sample]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for group in self.samples for s in group)
+
+
+def check_tokenizer_fits(model: ModelSection) -> None:
+    """Refuse a tokenizer with ids beyond the checkpoint's vocabulary, before any engine starts."""
+    from tokenizers import Tokenizer
+
+    tokenizer_dir = Path(model.tokenizer_path or model.hf_checkpoint)
+    tokenizer_file = tokenizer_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ConfigError(f"model.tokenizer_path = '{tokenizer_dir}' has no tokenizer.json")
+    tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
+    vocab = json.loads((Path(model.hf_checkpoint) / "config.json").read_text())["vocab_size"]
+    if tokens > vocab:
+        raise ConfigError(
+            f"model.tokenizer_path: the tokenizer has {tokens} tokens but the checkpoint's "
+            f"vocabulary has {vocab}: use the tokenizer the checkpoint was trained with"
+        )
+
+
+class Generator:
+    """vLLM engine running `TorchTitanForCausalLM` for `model`, configured by `generator`."""
+
+    def __init__(self, *, generator: GeneratorSection, model: ModelSection, seed: int = 0):
+        if model.hf_checkpoint is None:
+            raise ConfigError(
+                "model.hf_checkpoint is unset: the generator starts from an HF checkpoint; "
+                "set it (scripts/setup.sh builds assets/tiny_qwen3)"
+            )
+        check_tokenizer_fits(model)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(generator.kv_cache_space_gib)
+        from vllm import EngineArgs, LLMEngine
+
+        self.config = generator
+        self.max_model_len = generator.max_model_len
+        under_torchrun = "RANK" in os.environ
+        args = EngineArgs(
+            model=model.hf_checkpoint,
+            tokenizer=model.tokenizer_path or model.hf_checkpoint,
+            dtype=generator.dtype,
+            seed=seed,
+            max_model_len=generator.max_model_len,
+            enforce_eager=generator.enforce_eager,
+            gpu_memory_utilization=generator.gpu_memory_utilization,
+            tensor_parallel_size=generator.parallelism.tensor_parallel_degree,
+            # Under torchrun every rank (TP group) is its own replica in the torchrun world.
+            distributed_executor_backend="external_launcher" if under_torchrun else None,
+            hf_overrides={
+                "architectures": [ARCH],
+                "torchtitan_model": model.name,
+                "torchtitan_flavor": model.flavor,
+            },
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self._next_request = 0
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        progress: bool = False,
+    ) -> Completions:
+        """Sample `n` completions of each prompt (defaults from `generator.sampling`).
+
+        `seed` makes the samples of request i depend only on (seed, i), not on the batch.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = self.config.sampling
+        for i, prompt in enumerate(prompt_token_ids):
+            if not prompt:
+                raise ValueError(f"prompt {i} has no tokens")
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens, generator.max_model_len = "
+                    f"{self.max_model_len} leaves no room to generate: raise max_model_len "
+                    "or shorten the prompt"
+                )
+        first = self._next_request
+        self._next_request += len(prompt_token_ids)
+        for i, prompt in enumerate(prompt_token_ids):
+            params = SamplingParams(
+                n=n or sampling.n,
+                temperature=sampling.temperature if temperature is None else temperature,
+                top_p=sampling.top_p,
+                max_tokens=max_tokens or sampling.max_tokens,
+                logprobs=0,  # the sampled token's logprob only
+                seed=None if seed is None else seed + i,
+                # One output per prompt with all n samples, once they are all done.
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            self.engine.add_request(str(first + i), {"prompt_token_ids": list(prompt)}, params)
+
+        finished = {}
+        bar = _progress_bar(len(prompt_token_ids)) if progress else None
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[int(output.request_id) - first] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return Completions(
+            prompts=[list(p) for p in prompt_token_ids],
+            samples=[_samples(finished[i]) for i in range(len(prompt_token_ids))],
+        )
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks; required after every weight update (stale KV otherwise)."""
+        self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def model(self) -> nn.Module:
+        """The torchtitan model inside the engine (this process's replica)."""
+        # In-process executors run the worker here, so collective_rpc returns live objects.
+        (wrapper,) = self.engine.collective_rpc(lambda worker: worker.model_runner.model)
+        return wrapper.model
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The generator's parameters by torchtitan FQN (tied weights appear once)."""
+        return dict(self.model().named_parameters())
+
+
+def _samples(output) -> list[Sample]:
+    samples = []
+    for completion in output.outputs:
+        logprobs = [
+            step[token].logprob
+            for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+        ]
+        samples.append(
+            Sample(
+                token_ids=list(completion.token_ids),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason or "length",
+            )
+        )
+    return samples
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="prompt", leave=False)

@@ -1,0 +1,20 @@
+"""vLLM general plugin: registers the torchtitan model wrapper with vLLM's model registry.
+
+    .venv/bin/python -c "from vllm.plugins import load_general_plugins; load_general_plugins()"
+
+Declared in pyproject.toml under the `vllm.general_plugins` entry-point group, so every process
+that starts a vLLM engine finds the architecture without importing this package first.
+"""
+
+# The architecture name engines are told to use via hf_overrides={"architectures": [ARCH]}.
+ARCH = "TorchTitanForCausalLM"
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    if ARCH not in ModelRegistry.get_supported_archs():
+        # A "module:Class" string: vLLM imports the wrapper only when an engine builds it.
+        ModelRegistry.register_model(
+            ARCH, "torchtitan_rl.generator.vllm_model:TorchTitanForCausalLM"
+        )

@@ -1,0 +1,106 @@
+"""The torchtitan model as a vLLM model: torchtitan layers, vLLM paged attention.
+
+    .venv/bin/python -m pytest tests/test_generator.py
+
+vLLM hands the model a flat batch of T tokens (prefills and decodes of many sequences mixed)
+with their positions. The wrapper runs the torchtitan model on it as one 1 x T sequence and
+swaps each layer's inner attention for vLLM's `Attention`, which reads and writes the paged KV
+cache and knows where each sequence starts. Everything else (embeddings, QK-norm, RoPE at the
+given positions, MLPs, the tied lm_head) is the trainer's own code, with plain weight tensors
+that weight sync can overwrite in place. Shapes: T flat tokens, N heads, H head dim, D model dim.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+
+from torchtitan_rl.models import model_spec
+
+
+class PagedAttention(nn.Module):
+    """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen)."""
+
+    def __init__(self, *, n_heads: int, n_kv_heads: int, head_dim: int, prefix: str, cache_config):
+        super().__init__()
+        self.attn = Attention(
+            n_heads,
+            head_dim,
+            head_dim**-0.5,
+            num_kv_heads=n_kv_heads,
+            cache_config=cache_config,
+            prefix=prefix,  # vLLM binds each layer's KV cache by this unique name
+        )
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, **_) -> torch.Tensor:
+        B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
+        out_LD = self.attn(q_BLNH.reshape(L, N * H), k_BLNH.reshape(L, -1), v_BLNH.reshape(L, -1))
+        return out_LD.view(B, L, N, H)
+
+
+class TorchTitanForCausalLM(nn.Module):
+    """vLLM model interface around a torchtitan decoder named by the HF config.
+
+    The engine passes `hf_overrides={"architectures": ["TorchTitanForCausalLM"],
+    "torchtitan_model": name, "torchtitan_flavor": flavor}`; vLLM sizes its KV cache from the
+    HF-shaped config.json, which must describe the same shapes as the flavor.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
+        model = self.spec.model.build()
+        for index, layer in model.layers.items():
+            attention = layer.attention
+            layer.attention.inner_attention = PagedAttention(
+                n_heads=attention.n_heads,
+                n_kv_heads=attention.n_kv_heads,
+                head_dim=attention.head_dim,
+                prefix=f"{prefix}layers.{index}.attention.inner_attention",
+                cache_config=vllm_config.cache_config,
+            )
+        with torch.no_grad():
+            model.init_states()  # computes the RoPE cache; weights come from load_weights
+        # The engine computes logits itself through compute_logits.
+        model._skip_lm_head = True
+        self.model = model
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.tok_embeddings(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, D] of the flat token batch (positions always given)."""
+        h_1TD = inputs_embeds[None] if inputs_embeds is not None else None
+        if h_1TD is None:
+            h_1TD = self.model.tok_embeddings(input_ids[None])
+        positions_1T = positions[None]
+        for layer in self.model.layers.values():
+            h_1TD = layer(h_1TD, None, positions_1T)
+        return self.model.norm(h_1TD)[0]
+
+    def compute_logits(self, hidden_states_TD: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden_states_TD)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors through the spec's adapter; returns our parameter names."""
+        adapter = self.spec.state_dict_adapter(self.spec.model, None)
+        state = adapter.from_hf(dict(weights))
+        # torchtitan's load hooks fuse wq/wk/wv into wqkv; tied weights load once.
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # vLLM's Attention keeps its own KV-scale buffers, which no checkpoint holds.
+        missing = [key for key in missing if ".inner_attention.attn." not in key]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not fit {self.spec.name}/{self.spec.flavor}: "
+                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        return {name for name, _ in self.named_parameters()}
