@@ -74,9 +74,12 @@ def hf_config(model_config, eos_id: int, pad_id: int) -> dict:
     }
 
 
-def write_checkpoint(out: Path, seed: int = 0) -> None:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json to `out`."""
-    spec = model_spec("qwen3", "tiny")
+def write_checkpoint(out: Path, seed: int = 0, flavor: str = "tiny") -> None:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json to `out`.
+
+    torchtitan.json records the torchtitan model name and flavor the weights belong to.
+    """
+    spec = model_spec("qwen3", flavor)
     tokenizer = build_tokenizer(spec.model.vocab_size)
     eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
 
@@ -94,6 +97,7 @@ def write_checkpoint(out: Path, seed: int = 0) -> None:
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}, indent=2) + "\n"
     )
+    (out / "torchtitan.json").write_text(json.dumps({"name": "qwen3", "flavor": flavor}) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -110,8 +114,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--flavor",
+        default="tiny",
+        help="qwen3 flavor: tiny (the demo's) or debugmodel (benchmarks)",
+    )
     args = parser.parse_args()
-    write_checkpoint(args.out, args.seed)
+    write_checkpoint(args.out, args.seed, args.flavor)
     print(f"wrote {args.out}")
 
 

@@ -127,6 +127,11 @@ BAD_INPUTS = {
         [],
         ["generator.parallelism.tensor_parallel_degree = 3"],
     ),
+    "generator tp unsupported": (
+        "[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        [],
+        ["generator.parallelism.tensor_parallel_degree = 2", "not supported yet"],
+    ),
     "group size < 2 for GRPO": (
         "[generator.sampling]\nn = 1\n",
         [],

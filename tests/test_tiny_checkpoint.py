@@ -45,6 +45,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
+        "torchtitan.json",
     ]
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

@@ -173,6 +173,13 @@ class GeneratorParallelismSection:
     def validate(self, world_size: int) -> None:
         tp = self.tensor_parallel_degree
         _require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
+        # The torchtitan-in-vLLM wrapper keeps full weights and head counts; sharding it needs
+        # the spec's TP plan on vLLM's TP group, which no machine here can verify yet.
+        _require(
+            tp == 1,
+            f"generator.parallelism.tensor_parallel_degree = {tp}: generator tensor "
+            "parallelism is not supported yet; use 1 (one replica per rank)",
+        )
         _require(
             world_size % tp == 0,
             f"generator.parallelism.tensor_parallel_degree = {tp} does not divide the world "

