@@ -1,11 +1,12 @@
-"""Write the tiny, deterministic HF-format Qwen3 checkpoint that tests and the CPU demo use.
+"""Write the tiny, deterministic HF-format checkpoints that tests and the CPU demo use.
 
     .venv/bin/python scripts/make_tiny_checkpoint.py --out assets/tiny_qwen3
 
-The weights come from torchtitan's own initialization of the `qwen3`/`tiny` flavor
-(`torchtitan_rl/models.py`) under a fixed seed, converted with the spec's state-dict adapter
-(`to_hf`); the tokenizer is a character-level tokenizer trained locally with `tokenizers` on the
-alphabet the built-in toy tasks need. Nothing is downloaded. The same seed gives the same bytes.
+The weights come from torchtitan's own initialization of the `tiny` flavor of `--model`
+(qwen3 or llama3, `torchtitan_rl/models.py`) under a fixed seed, converted with the spec's
+state-dict adapter (`to_hf`); the tokenizer is a character-level tokenizer trained locally with
+`tokenizers` on the alphabet the built-in toy tasks need. Nothing is downloaded; the same seed
+gives the same bytes.
 """
 
 import argparse
@@ -41,30 +42,27 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def hf_config(model_config, eos_id: int, pad_id: int) -> dict:
-    """HF `config.json` of a Qwen3ForCausalLM with the shapes of torchtitan `model_config`."""
+def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
+    """HF `config.json` (Qwen3ForCausalLM or LlamaForCausalLM) with the shapes of the flavor."""
     attention = model_config.layers[0].attention
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+    rope = attention.rope
+    n_heads, n_kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
+    config = {
         "vocab_size": model_config.vocab_size,
         "hidden_size": model_config.dim,
         "intermediate_size": model_config.layers[0].feed_forward.w1.out_features,
         "num_hidden_layers": len(model_config.layers),
-        "num_attention_heads": attention.n_heads,
-        "num_key_value_heads": attention.n_kv_heads,
-        "head_dim": attention.head_dim,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": attention.head_dim or model_config.dim // n_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": attention.rope.max_seq_len,
+        "max_position_embeddings": rope.max_seq_len,
         "rms_norm_eps": model_config.norm.eps,
-        "rope_theta": attention.rope.theta,
+        "rope_theta": float(rope.theta),
         "rope_scaling": None,
         "tie_word_embeddings": model_config.enable_weight_tying,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": len(model_config.layers),
         "initializer_range": 0.02,
         "torch_dtype": "float32",
         "bos_token_id": eos_id,
@@ -72,14 +70,37 @@ def hf_config(model_config, eos_id: int, pad_id: int) -> dict:
         "pad_token_id": pad_id,
         "use_cache": True,
     }
+    if name == "qwen3":
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **config,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": len(model_config.layers),
+        }
+    # torchtitan's "llama" RoPE scaling is HF's "llama3" rope type with the same constants.
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": rope.scaling_factor,
+        "low_freq_factor": rope.low_freq_factor,
+        "high_freq_factor": rope.high_freq_factor,
+        "original_max_position_embeddings": rope.original_max_position_embeddings,
+    }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **config,
+        "mlp_bias": False,
+    }
 
 
-def write_checkpoint(out: Path, seed: int = 0, flavor: str = "tiny") -> None:
+def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str = "tiny") -> None:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json to `out`.
 
     torchtitan.json records the torchtitan model name and flavor the weights belong to.
     """
-    spec = model_spec("qwen3", flavor)
+    spec = model_spec(name, flavor)
     tokenizer = build_tokenizer(spec.model.vocab_size)
     eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
 
@@ -92,12 +113,12 @@ def write_checkpoint(out: Path, seed: int = 0, flavor: str = "tiny") -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(
-        json.dumps(hf_config(spec.model, eos_id, pad_id), indent=2) + "\n"
+        json.dumps(hf_config(name, spec.model, eos_id, pad_id), indent=2) + "\n"
     )
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}, indent=2) + "\n"
     )
-    (out / "torchtitan.json").write_text(json.dumps({"name": "qwen3", "flavor": flavor}) + "\n")
+    (out / "torchtitan.json").write_text(json.dumps({"name": name, "flavor": flavor}) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -114,13 +135,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="qwen3", choices=["qwen3", "llama3"])
     parser.add_argument(
-        "--flavor",
-        default="tiny",
-        help="qwen3 flavor: tiny (the demo's) or debugmodel (benchmarks)",
+        "--flavor", default="tiny", help="tiny (tests and the demo) or debugmodel (benchmarks)"
     )
     args = parser.parse_args()
-    write_checkpoint(args.out, args.seed, args.flavor)
+    write_checkpoint(args.out, args.seed, args.model, args.flavor)
     print(f"wrote {args.out}")
 
 

@@ -32,10 +32,12 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 
 # The tiny checkpoint is deterministic: rebuild it only when its recipe changed.
-ASSETS=assets/tiny_qwen3
 recipe=$(cat scripts/make_tiny_checkpoint.py torchtitan_rl/models.py | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$ASSETS/.recipe" 2>/dev/null)" != "$recipe" ]; then
-    "$VENV/bin/python" scripts/make_tiny_checkpoint.py --out "$ASSETS"
-    echo "$recipe" > "$ASSETS/.recipe"
-fi
-echo "setup: ready ($VENV, $ASSETS)"
+for model in qwen3 llama3; do
+    ASSETS=assets/tiny_$model
+    if [ "$(cat "$ASSETS/.recipe" 2>/dev/null)" != "$recipe" ]; then
+        "$VENV/bin/python" scripts/make_tiny_checkpoint.py --model "$model" --out "$ASSETS"
+        echo "$recipe" > "$ASSETS/.recipe"
+    fi
+done
+echo "setup: ready ($VENV, assets/tiny_qwen3, assets/tiny_llama3)"

@@ -23,26 +23,20 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny_qwen3"
 
 
-def launch(tmp_path_factory, nproc: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"generator_w{nproc}")
+def launch(tmp_path_factory, nproc: int, model: str = "qwen3") -> list[dict]:
+    """Run tests/dist/generator_run.py under torchrun, or as a plain process for nproc = 0."""
+    out = tmp_path_factory.mktemp(f"generator_{model}_w{nproc}")
+    script = [str(REPO / "tests" / "dist" / "generator_run.py"), str(out), model]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-            str(REPO / "tests" / "dist" / "generator_run.py"),
-            str(out),
-        ],
+        [sys.executable, *(launcher if nproc else []), *script],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+    return [torch.load(out / f"rank{r}.pt") for r in range(max(nproc, 1))]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +83,15 @@ def test_bad_prompts_are_named(ranks):
         "raise max_model_len or shorten the prompt"
     )
     assert errors["empty"] == "prompt 0 has no tokens"
+
+
+def test_llama3_in_a_plain_process(tmp_path_factory):
+    (run,) = launch(tmp_path_factory, 0, "llama3")
+    assert run["world"] == 1 and run["torch_distributed_usable"]
+    assert max(run["logprob_diffs"]) <= 1e-5, run["logprob_diffs"]
+    assert all(run["greedy_match"])
+    assert run["generator_params"] == run["trainer_params"]
+    assert "layers.1.attention.qkv_linear.wqkv.weight" in run["generator_params"]
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):

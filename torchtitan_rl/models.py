@@ -52,8 +52,50 @@ def _qwen3_tiny(attn_backend: str):
     )
 
 
+def _llama3_tiny(attn_backend: str):
+    # Same construction as torchtitan's own Llama3 flavors (private helpers reused on purpose),
+    # with Llama 3.1 RoPE scaling, GQA and tied embeddings, at the tiny Qwen3's size.
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_SKIP_INIT,
+        _NORM_INIT,
+        _build_llama3_layers,
+        _output_linear_init,
+    )
+    from torchtitan.models.llama3.model import Llama3Model
+
+    dim, n_heads, vocab_size = 128, 4, 64
+    return Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab_size,
+        enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim, param_init=_EMBEDDING_SKIP_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=dim, out_features=vocab_size, param_init=_output_linear_init(dim)
+        ),
+        layers=_build_llama3_layers(
+            n_layers=2,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=2,
+            hidden_dim=256,
+            rope=ComplexRoPE.Config(
+                dim=dim // n_heads, max_seq_len=1024, theta=500000, scaling="llama"
+            ),
+            attn_backend=attn_backend,
+        ),
+    )
+
+
 # Flavors this project adds to torchtitan's registries: {model name: {flavor: config factory}}.
-EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {"qwen3": {"tiny": _qwen3_tiny}}
+EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
+    "qwen3": {"tiny": _qwen3_tiny},
+    "llama3": {"tiny": _llama3_tiny},
+}
 
 
 def flavors(name: str) -> list[str]:

@@ -1,6 +1,7 @@
 """One vLLM replica per rank next to an FSDP PolicyTrainer: generate, then score with the trainer.
 
-    torchrun --standalone --nproc_per_node 2 tests/dist/generator_run.py OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/dist/generator_run.py OUT_DIR [MODEL]
+    python tests/dist/generator_run.py OUT_DIR llama3      (a world of one, no torchrun)
 
 Each rank samples its own prompts (one short, one longer than a 128-token KV block), then the
 trainer recomputes the logprobs of every sampled token; a greedy pass is replayed through the
@@ -24,7 +25,7 @@ from torchtitan_rl.config.job_config import (
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_qwen3")
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 TEMPERATURE = 0.7
 
 
@@ -48,9 +49,10 @@ def trainer_logprobs(trainer: PolicyTrainer, prompt: list[int], tokens: list[int
 
 def main() -> None:
     out = Path(sys.argv[1])
+    name = sys.argv[2] if len(sys.argv) > 2 else "qwen3"
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
-    model = ModelSection(hf_checkpoint=TINY)
+    model = ModelSection(name=name, hf_checkpoint=str(ASSETS / f"tiny_{name}"))
     trainer = PolicyTrainer(
         model=model,
         training=TrainingSection(),

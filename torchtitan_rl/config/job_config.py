@@ -227,10 +227,19 @@ class GeneratorSection:
     """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
     """Run the engine eagerly (no CUDA graphs / torch.compile)."""
+    enable_sleep_mode: bool = False
+    """Let the engine release GPU memory between generations (GPU only: vLLM has none on CPU)."""
     parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
 
     def validate(self, world_size: int) -> None:
+        if self.enable_sleep_mode:
+            from torchtitan_rl import platform
+
+            _require(
+                platform.device_type() == "cuda",
+                "generator.enable_sleep_mode = true: vLLM has no sleep mode on CPU; set it false",
+            )
         _require(
             self.max_model_len >= 2,
             f"generator.max_model_len = {self.max_model_len}: must be >= 2",

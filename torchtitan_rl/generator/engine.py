@@ -111,6 +111,7 @@ class Generator:
             hf_overrides={} if native else overrides,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            enable_sleep_mode=generator.enable_sleep_mode,
         )
         self.engine = LLMEngine.from_engine_args(args)
         self._next_request = 0
@@ -176,17 +177,34 @@ class Generator:
         """Drop cached KV blocks; required after every weight update (stale KV otherwise)."""
         self.engine.reset_prefix_cache()
 
+    def refresh_after_weight_update(self) -> None:
+        """Refresh what derives from the weights (packed GEMM copies, cached KV blocks)."""
+        self._wrapper().repack()
+        self.reset_prefix_cache()
+
     def sleep(self, level: int = 1) -> None:
+        """Release the engine's GPU memory (weights, KV cache) until `wake_up()`."""
+        self._require_sleep_mode()
         self.engine.sleep(level)
 
     def wake_up(self) -> None:
+        self._require_sleep_mode()
         self.engine.wake_up()
+
+    def _require_sleep_mode(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError(
+                "generator sleep mode is off: set generator.enable_sleep_mode = true (GPU only)"
+            )
+
+    def _wrapper(self) -> nn.Module:
+        # In-process executors run the worker here, so collective_rpc returns live objects.
+        (wrapper,) = self.engine.collective_rpc(lambda worker: worker.model_runner.model)
+        return wrapper
 
     def model(self) -> nn.Module:
         """The torchtitan model inside the engine (this process's replica)."""
-        # In-process executors run the worker here, so collective_rpc returns live objects.
-        (wrapper,) = self.engine.collective_rpc(lambda worker: worker.model_runner.model)
-        return wrapper.model
+        return self._wrapper().model
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The generator's parameters by torchtitan FQN (tied weights appear once)."""
