@@ -102,3 +102,13 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer has 64 tokens but the checkpoint's vocab"):
         check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
     check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits
+
+
+def test_plugin_entry_point_registers_the_architecture():
+    from vllm import ModelRegistry
+    from vllm.plugins import load_general_plugins
+
+    from torchtitan_rl.generator.plugin import ARCH
+
+    load_general_plugins()  # what every vLLM process does at start: no import of ours needed
+    assert ARCH in ModelRegistry.get_supported_archs()

@@ -6,7 +6,9 @@ Everything else asks this module which device, process-group backend and attenti
 """
 
 import os
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,3 +119,22 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group together: no rank tears down while a peer is in a collective."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Flush and end the process without running C++ static destructors.
+
+    Measured here (torch 2.13 CPU, gloo, torchrun): about one 2-rank run in six aborts at
+    interpreter exit, after all work is done ("terminate called without an active exception",
+    SIGABRT), turning a success into a failure; skipping the destructors avoids it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -73,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             write_config(config, Path(config.job.dump_folder) / "config.toml")
         smoke_run(config, rank, world_size)
     except ConfigError as e:
+        # Every rank meets the same config error; torchrun collects the exit codes.
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        dist.destroy_process_group()
+    platform.shutdown_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    platform.exit_process(main())

@@ -61,8 +61,10 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.side:  # a child process measuring one side
+        from torchtitan_rl import platform
+
         print("RESULT " + json.dumps(measure(args)), flush=True)
-        os._exit(0)  # skip vLLM's slow teardown
+        platform.exit_process(0)  # also skips vLLM's slow teardown
 
     if not (Path(args.checkpoint) / "torchtitan.json").is_file():
         flavor = "debugmodel" if "debug" in Path(args.checkpoint).name else "tiny"

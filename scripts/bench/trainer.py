@@ -105,8 +105,9 @@ def main() -> None:
             ),
             flush=True,
         )
-    dist.destroy_process_group()
+    platform.shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)

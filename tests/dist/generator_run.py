@@ -8,7 +8,6 @@ trainer recomputes the logprobs of every sampled token; a greedy pass is replaye
 trainer's argmax. Each rank saves what it measured to OUT_DIR/rank{r}.pt for the tests.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -107,10 +106,9 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip vLLM's slow interpreter-exit teardown
+    platform.shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)  # also skips vLLM's slow teardown

@@ -90,8 +90,9 @@ def main() -> None:
             },
             out / "result.pt",
         )
-    dist.destroy_process_group()
+    platform.shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)
