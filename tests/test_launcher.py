@@ -65,10 +65,11 @@ def test_plain_process_is_a_world_of_one(tmp_path):
 def test_torchrun_world_size_mismatch_fails_on_every_rank(tmp_path):
     result = launch(TORCHRUN, "--parallelism.dp_shard", "4", "--job.dump_folder", str(tmp_path))
     assert result.returncode != 0
-    # Each rank prints the one-line error; torchrun then adds its own ChildFailedError report,
+    # Every rank fails alike, but torchrun stops the others as soon as the first exits, so one
+    # or two copies of the line appear; torchrun then adds its own ChildFailedError report,
     # which is torchrun's, so only the absence of frames from our code is asserted.
     message = "error: parallelism.dp_replicate * dp_shard * tp = 4 but the world size is 2"
-    assert result.stderr.count(message) == 2, result.stderr
+    assert result.stderr.count(message) >= 1, result.stderr
     assert "torchtitan_rl/" not in result.stderr
     assert not (tmp_path / "config.toml").exists()
 
@@ -80,5 +81,5 @@ def test_torchrun_wrong_flavor_for_the_checkpoint_names_the_tensor(tmp_path):
         "error: model.hf_checkpoint = 'assets/tiny_qwen3': 'model.embed_tokens.weight' has "
         "shape (64, 128) but model.flavor = 'debugmodel' expects (2048, 256)"
     )
-    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert result.stderr.count(message) >= 1, result.stderr[-3000:]
     assert "torchtitan_rl/" not in result.stderr
