@@ -227,6 +227,11 @@ class GeneratorSection:
     """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     enforce_eager: bool = True
     """Run the engine eagerly (no CUDA graphs / torch.compile)."""
+    weight_sync_bucket_mb: float = 64.0
+    """Weight sync gathers and copies parameters in buckets of about this size (peak extra
+    memory); a larger parameter forms a bucket of its own."""
+    verify_weight_sync: bool = False
+    """After each sync, compare a checksum of every synced tensor on both sides (slow)."""
     enable_sleep_mode: bool = False
     """Let the engine release GPU memory between generations (GPU only: vLLM has none on CPU)."""
     parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)
@@ -247,6 +252,10 @@ class GeneratorSection:
         _require(
             0 < self.gpu_memory_utilization <= 1,
             f"generator.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]",
+        )
+        _require(
+            self.weight_sync_bucket_mb > 0,
+            f"generator.weight_sync_bucket_mb = {self.weight_sync_bucket_mb}: must be > 0",
         )
         _require(
             self.kv_cache_space_gib > 0,

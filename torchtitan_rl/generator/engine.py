@@ -115,6 +115,8 @@ class Generator:
         )
         self.engine = LLMEngine.from_engine_args(args)
         self._next_request = 0
+        self.policy_version = 0
+        """Version of the weights the engine samples with (bumped by weight sync)."""
 
     def generate(
         self,
@@ -178,9 +180,13 @@ class Generator:
         self.engine.reset_prefix_cache()
 
     def refresh_after_weight_update(self) -> None:
-        """Refresh what derives from the weights (packed GEMM copies, cached KV blocks)."""
-        self._wrapper().repack()
+        """Refresh what derives from the weights: packed GEMM copies and cached KV blocks."""
+        self.repack_weights()
         self.reset_prefix_cache()
+
+    def repack_weights(self) -> None:
+        """Rebuild the packed GEMM copies of the weights (CPU); part of the refresh above."""
+        self._wrapper().repack()
 
     def sleep(self, level: int = 1) -> None:
         """Release the engine's GPU memory (weights, KV cache) until `wake_up()`."""

@@ -73,6 +73,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.device = platform.device()
         self.step = 0
+        self.policy_version = 0  # bumped by weight sync
         world_size = dist.get_world_size()
         platform.check_trainer_tp(parallelism.tp)
         self.tp_degree = parallelism.tp
@@ -117,6 +118,9 @@ class PolicyTrainer:
             load_hf_weights(module, self.spec, model.hf_checkpoint)
         module.train()
         self.model: nn.Module = module
+        # The sharded parameters the optimizer updates. FSDP swaps unsharded tensors into the
+        # modules between a forward and its reshard, so they are captured here, once.
+        self._params = dict(module.named_parameters())
 
         self.optimizers = OptimizersContainer.Config(
             param_groups=[
@@ -142,7 +146,7 @@ class PolicyTrainer:
 
         Tied weights appear once (under the first name). This is what weight sync streams.
         """
-        return dict(self.model.named_parameters())
+        return dict(self._params)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan's state dict (fused QKV split into wq/wk/wv, as the HF adapter expects).
@@ -163,7 +167,15 @@ class PolicyTrainer:
         Column t scores token t given tokens < t; column 0 is 0.
         """
         logprobs_BT, entropy_BT = self._forward_logprobs(tokens_BT.to(self.device), True)
+        # No backward follows to reshard the root: free its gathered parameters now.
+        self._reshard()
         return logprobs_BT, entropy_BT
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces.
