@@ -71,8 +71,12 @@ def test_sync_stats(ranks):
         assert stats.bytes == 1215488  # every fp32 parameter once (tied embedding once)
         assert stats.seconds > 0 and stats.gb_per_s > 0
         assert stats.version == 1
-        # 0.1 MiB buckets: peak is one bucket, or one larger parameter (256 x 128 fp32).
-        assert stats.peak_extra_bytes <= 256 * 128 * 4
+        # 0.1 MiB buckets, or one larger parameter (256 x 128 fp32 = 128 KiB) alone. Two ranks
+        # hold a send buffer (half a bucket) and a receive buffer (a bucket); one rank gathers
+        # nothing.
+        largest = 256 * 128 * 4
+        expected = largest + largest // 2 if r["world"] == 2 else 0
+        assert stats.peak_extra_bytes == expected
         assert r["num_buckets"] > 5
 
 
@@ -117,7 +121,7 @@ def test_copy_casts_to_the_generator_dtype_and_buckets_bound_memory():
     for k in source:
         assert torch.equal(target[k], source[k].detach().to(torch.bfloat16))
     assert stats.bytes == sum(t.numel() * 2 for t in target.values())
-    assert stats.peak_extra_bytes == 256 * 64 * 4  # the fp32 gather of c
+    assert stats.peak_extra_bytes == 0  # plain tensors: copied without gathering
     assert generator.refreshed == 1 and trainer.policy_version == generator.policy_version == 1
 
 

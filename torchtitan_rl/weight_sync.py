@@ -3,21 +3,23 @@
     .venv/bin/python -m pytest tests/test_weight_sync.py
 
 The generator runs the trainer's torchtitan model class, so both sides name and shape their
-parameters alike (fused QKV included) and a sync is: for each bucket of parameters, gather the
-trainer's DTensor shards into full tensors (a collective: every rank runs the same buckets in
-the same order), `copy_` them into the generator's parameters (casting to its dtype), drop the
-gathered tensors. No file, no `load_weights`, no full state dict: peak extra memory is about one
-bucket. Then the generator refreshes what derives from its weights (packed GEMM copies, the
-prefix cache: measured, prompts of >= 128 tokens otherwise reuse KV from the old weights) and
-the policy version goes up on both sides.
+parameters alike (fused QKV included) and a sync is: for each bucket of parameters, all-gather
+the trainer's FSDP shards with one collective (every rank runs the same buckets in the same
+order) and `copy_` each rank's rows straight into the generator's parameters, casting to its
+dtype. No file, no `load_weights`, no full state dict: peak extra memory is about one bucket,
+and nothing is gathered on a one-rank mesh. Then the generator refreshes what derives from its
+weights (packed GEMM copies, the prefix cache: measured, prompts of >= 128 tokens otherwise
+reuse KV from the old weights) and the policy version goes up on both sides.
 """
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 class WeightSyncError(RuntimeError):
@@ -31,17 +33,86 @@ class SyncStats:
     seconds: float
     gb_per_s: float
     peak_extra_bytes: int
-    """Largest total of gathered full tensors held at once (one bucket)."""
+    """Largest total of gather buffers held at once (about one bucket; 0 without gathers)."""
     version: int
     """Policy version after this sync."""
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+def _write(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)  # casts to the generator's dtype
 
 
-def _write(target: torch.Tensor, full: torch.Tensor) -> None:
-    target.copy_(full)  # casts to the generator's dtype
+def _fsdp_sharded(sources: list[torch.Tensor]) -> bool:
+    """Whether every source is an FSDP shard (Shard(0)) on one 1-D mesh, with one dtype."""
+    first = sources[0]
+    return all(
+        isinstance(s, DTensor)
+        and s.placements == (Shard(0),)
+        and s.device_mesh is first.device_mesh
+        and s.device_mesh.ndim == 1
+        and s.dtype == first.dtype
+        for s in sources
+    )
+
+
+def _copy_bucket(bucket, verify: bool) -> int:
+    """Copy one bucket of (name, source, target); returns the extra bytes it held at once."""
+    sources = [source for _, source, _ in bucket]
+    if _fsdp_sharded(sources) and sources[0].device_mesh.size() > 1:
+        return _copy_fsdp_bucket(bucket, verify)
+    peak = 0
+    for name, source, target in bucket:
+        if isinstance(source, DTensor) and source.device_mesh.size() > 1:
+            full = source.full_tensor()  # HSDP / TP layouts: DTensor gathers them
+            peak += full.numel() * full.element_size()
+        else:
+            full = source.to_local() if isinstance(source, DTensor) else source.detach()
+        _write(target, full)
+        _verify(name, full, target, verify)
+    return peak
+
+
+def _copy_fsdp_bucket(bucket, verify: bool) -> int:
+    """One all-gather for the whole bucket, each rank's rows written straight into place.
+
+    FSDP2 shards dim 0 like torch.chunk: rank r holds rows [r*c, min((r+1)*c, n)) with
+    c = ceil(n / world). Every rank sends a buffer padded to the same size.
+    """
+    mesh = bucket[0][1].device_mesh
+    world = mesh.size()
+    layout, total = [], 0  # per parameter: (offset in a rank's buffer, rows per rank, row size)
+    for _, source, _ in bucket:
+        rows_per_rank = math.ceil(source.shape[0] / world)
+        row_numel = math.prod(source.shape[1:])
+        layout.append((total, rows_per_rank, row_numel))
+        total += rows_per_rank * row_numel
+    send = torch.zeros(total, dtype=bucket[0][1].dtype, device=bucket[0][1].device)
+    for (offset, _, _), (_, source, _) in zip(layout, bucket, strict=True):
+        local = source.to_local().reshape(-1)
+        send[offset : offset + local.numel()].copy_(local)
+    received = torch.empty(world * total, dtype=send.dtype, device=send.device)
+    dist.all_gather_into_tensor(received, send, group=mesh.get_group())
+    received = received.view(world, total)
+    for (offset, rows_per_rank, row_numel), (name, source, target) in zip(
+        layout, bucket, strict=True
+    ):
+        flat_target = target.view(-1)
+        pieces = []
+        for r in range(world):
+            first_row = r * rows_per_rank
+            rows = max(0, min(rows_per_rank, source.shape[0] - first_row))
+            piece = received[r, offset : offset + rows * row_numel]
+            start = first_row * row_numel
+            _write(flat_target[start : start + piece.numel()], piece)
+            pieces.append(piece)
+        if verify:
+            _verify(name, torch.cat(pieces).view(source.shape), target, verify)
+    return (send.numel() + received.numel()) * send.element_size()
+
+
+def _verify(name: str, source: torch.Tensor, target: torch.Tensor, verify: bool) -> None:
+    if verify and _checksum(source.to(target.dtype)) != _checksum(target):
+        raise WeightSyncError(f"{name}: generator copy differs from the trainer's")
 
 
 def _checksum(tensor: torch.Tensor) -> tuple[float, float]:
@@ -115,14 +186,8 @@ class WeightSync:
         """Copy every parameter, bucket by bucket; returns (bytes written, peak extra bytes)."""
         written, peak = 0, 0
         for bucket in self.buckets:
-            gathered = [_full(source) for _, source, _ in bucket]
-            peak = max(peak, sum(t.numel() * t.element_size() for t in gathered))
-            for (name, _, target), full in zip(bucket, gathered, strict=True):
-                _write(target, full)
-                written += target.numel() * target.element_size()
-                if self.verify and _checksum(full.to(target.dtype)) != _checksum(target):
-                    raise WeightSyncError(f"{name}: generator copy differs from the trainer's")
-            del gathered
+            peak = max(peak, _copy_bucket(bucket, self.verify))
+            written += sum(target.numel() * target.element_size() for _, _, target in bucket)
         return written, peak
 
     def sync(self, trainer, generator) -> SyncStats:

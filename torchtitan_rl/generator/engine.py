@@ -96,6 +96,7 @@ class Generator:
             "architectures": [ARCH],
             "torchtitan_model": model.name,
             "torchtitan_flavor": model.flavor,
+            "torchtitan_packed_gemm": generator.cpu_packed_gemm,
         }
         args = EngineArgs(
             model=model.hf_checkpoint,

@@ -77,8 +77,9 @@ class TorchTitanForCausalLM(nn.Module):
     """vLLM model interface around a torchtitan decoder named by the HF config.
 
     The engine passes `hf_overrides={"architectures": ["TorchTitanForCausalLM"],
-    "torchtitan_model": name, "torchtitan_flavor": flavor}`; vLLM sizes its KV cache from the
-    HF-shaped config.json, which must describe the same shapes as the flavor.
+    "torchtitan_model": name, "torchtitan_flavor": flavor, "torchtitan_packed_gemm": bool}`;
+    vLLM sizes its KV cache from the HF-shaped config.json, which must describe the same shapes
+    as the flavor.
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -97,7 +98,7 @@ class TorchTitanForCausalLM(nn.Module):
             )
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
-        if _onednn_available():
+        if getattr(hf_config, "torchtitan_packed_gemm", True) and _onednn_available():
             for name, module in list(model.named_modules()):
                 if isinstance(module, nn.Linear):
                     parent, _, child = name.rpartition(".")
