@@ -69,7 +69,6 @@ def test_debug_config_validates_for_two_processes():
 def test_gpu_configs_parse(tmp_path):
     # The GPU configs point at checkpoints the user provides; stand one in.
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "math.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
     for name in ("qwen3_0.6b", "qwen3_1.7b"):
         config = parse_args(
             [
@@ -77,8 +76,6 @@ def test_gpu_configs_parse(tmp_path):
                 str(REPO / "run_configs" / f"{name}.toml"),
                 "--model.hf_checkpoint",
                 str(tmp_path),
-                "--task.dataset_path",
-                str(tmp_path / "math.jsonl"),
             ],
             world_size=8,
         )
@@ -154,6 +151,12 @@ BAD_INPUTS = {
         ["generator.sampling.temperature = 0.0", "> 0"],
     ),
     "malformed TOML": ("[training]\nsteps = = 3\n", [], ["malformed TOML", "line 2"]),
+    "feature not landed": (
+        "[checkpoint]\nenable = true\n",
+        [],
+        ["checkpoint.enable = true: not implemented yet"],
+    ),
+    "unknown task": ('[task]\nname = "chess"\n', [], ["task.name = 'chess'", "echo_digits"]),
 }
 
 
@@ -233,6 +236,8 @@ def test_to_toml_round_trips_every_field_in_process(tmp_path):
             "true",
             "--checkpoint.resume_from",
             "3",
+            "--task.num_digits",
+            "2",
             "--algorithm.loss",
             "dapo",
         ]

@@ -22,6 +22,11 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _not_yet(is_set: bool, setting: str, fix: str) -> None:
+    """Refuse a setting whose feature has not landed, instead of silently ignoring it."""
+    _require(not is_set, f"{setting}: not implemented yet; {fix}")
+
+
 @dataclass(kw_only=True, slots=True)
 class JobSection:
     config_file: str | None = None
@@ -275,6 +280,11 @@ class AlgorithmSection:
     """Advantage estimator: group mean/std (grpo), group mean only (dr_grpo), leave-one-out."""
     loss: Literal["grpo", "dapo", "gspo"] = "grpo"
     """Policy loss: PPO-clipped ratio (grpo), clip-higher token-level (dapo), sequence ratio."""
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How per-token losses add up: over all sampled tokens (DAPO), per sequence then over
+    sequences (GRPO paper), or over sequences * max_tokens (Dr. GRPO)."""
+    filter_zero_variance_groups: bool = False
+    """Drop groups whose samples all got the same reward (zero advantage) from the loss."""
     clip_eps_low: float = 0.2
     """Lower clip range of the importance ratio: 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -290,18 +300,36 @@ class AlgorithmSection:
         for name in ("clip_eps_low", "clip_eps_high", "kl_beta", "tis_cap"):
             value = getattr(self, name)
             _require(value >= 0, f"algorithm.{name} = {value}: must be >= 0")
+        _require(
+            self.clip_eps_low < 1,
+            f"algorithm.clip_eps_low = {self.clip_eps_low}: must be < 1 (ratios clip at 1 - it)",
+        )
+        _require(
+            self.kl_beta == 0,
+            f"algorithm.kl_beta = {self.kl_beta}: the KL penalty to a reference model is not "
+            "implemented yet; set algorithm.kl_beta = 0",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
 class TaskSection:
     name: str = "echo_digits"
-    """Built-in task, or `jsonl` for a prompt dataset file."""
+    """Built-in task: echo_digits ('echo 407:' -> '407')."""
+    num_digits: int = 1
+    """Digits to echo (echo_digits)."""
     dataset_path: str | None = None
     """JSONL file of {"prompt": ..., "answer": ...} rows (task.name = jsonl)."""
     reward_fn: str | None = None
     """Custom reward function as `module:function`; None: the task's own reward."""
 
     def validate(self) -> None:
+        _require(
+            self.name in ("echo_digits",),
+            f"task.name = {self.name!r} is not a task: use echo_digits",
+        )
+        _require(self.num_digits >= 1, f"task.num_digits = {self.num_digits}: must be >= 1")
+        _not_yet(self.dataset_path is not None, "task.dataset_path", "leave it unset")
+        _not_yet(self.reward_fn is not None, "task.reward_fn", "leave it unset")
         _require(
             self.dataset_path is None or os.path.isfile(self.dataset_path),
             f"task.dataset_path = {self.dataset_path!r}: no such file",
@@ -328,6 +356,8 @@ class CheckpointSection:
     """Write an HF safetensors export of the final policy."""
 
     def validate(self) -> None:
+        _not_yet(self.enable, "checkpoint.enable = true", "set it false")
+        _not_yet(self.export_hf_at_end, "checkpoint.export_hf_at_end = true", "set it false")
         _require(self.interval >= 1, f"checkpoint.interval = {self.interval}: must be >= 1")
         _require(
             self.keep_latest_k >= 0,
@@ -351,6 +381,8 @@ class MetricsSection:
     """Write sample prompts/completions to rollouts.jsonl every this many steps; 0 disables."""
 
     def validate(self) -> None:
+        _not_yet(self.enable_tensorboard, "metrics.enable_tensorboard = true", "set it false")
+        _not_yet(self.enable_wandb, "metrics.enable_wandb = true", "set it false")
         _require(
             self.log_interval >= 1, f"metrics.log_interval = {self.log_interval}: must be >= 1"
         )

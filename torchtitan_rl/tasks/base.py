@@ -1,0 +1,34 @@
+"""The task protocol and the registry the `task` config section chooses from.
+
+.venv/bin/python -m pytest tests/test_tasks.py
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torchtitan_rl.config.job_config import ConfigError, TaskSection
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    answer: str
+    """What a reward function compares the completion with."""
+
+
+class Task(Protocol):
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        """The `count` prompts of `step` (the same on every rank; each takes its shard)."""
+        ...
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """Reward of `completion` (decoded text, without the stop token) for `prompt`."""
+        ...
+
+
+def build_task(task: TaskSection, seed: int) -> Task:
+    from torchtitan_rl.tasks.toy import EchoDigitsTask
+
+    if task.name == "echo_digits":
+        return EchoDigitsTask(num_digits=task.num_digits, seed=seed)
+    raise ConfigError(f"task.name = {task.name!r} is not a task: use echo_digits")

@@ -1,0 +1,28 @@
+"""Offline toy tasks small enough that the tiny random-init model learns them with RL alone.
+
+.venv/bin/python -m pytest tests/test_tasks.py
+"""
+
+import random
+
+from torchtitan_rl.tasks.base import Prompt
+
+
+class EchoDigitsTask:
+    """'echo 407:' -> '407'. Dense reward: the fraction of digit positions echoed right."""
+
+    def __init__(self, *, num_digits: int = 1, seed: int = 0):
+        self.num_digits = num_digits
+        self.seed = seed
+
+    def prompts(self, step: int, count: int) -> list[Prompt]:
+        rng = random.Random(self.seed * 1_000_003 + step)
+        prompts = []
+        for _ in range(count):
+            digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
+            prompts.append(Prompt(text=f"echo {digits}:", answer=digits))
+        return prompts
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        hits = sum(a == b for a, b in zip(prompt.answer, completion, strict=False))
+        return hits / len(prompt.answer)
