@@ -36,3 +36,35 @@ class RolloutBatch:
 
     def to(self, device: torch.device) -> "RolloutBatch":
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def rollout_batch(
+    prompts: list[list[int]],
+    completions: list[list[list[int]]],
+    generator_logprobs: list[list[list[float]]],
+    advantages_PN: torch.Tensor,
+    pad_id: int,
+) -> RolloutBatch:
+    """Right-padded RolloutBatch of every (prompt, completion) pair, prompt-major.
+
+    `completions[p][n]` and `generator_logprobs[p][n]` are the n-th sample of prompt p; the
+    loss mask covers exactly the sampled tokens (including a sampled stop token).
+    """
+    rows, masks, logprobs, advantages = [], [], [], []
+    for p, prompt in enumerate(prompts):
+        for n, completion in enumerate(completions[p]):
+            rows.append(prompt + completion)
+            masks.append([0.0] * len(prompt) + [1.0] * len(completion))
+            logprobs.append([0.0] * len(prompt) + list(generator_logprobs[p][n]))
+            advantages.append(float(advantages_PN[p, n]))
+    width = max(len(r) for r in rows)
+
+    def pad(values: list, fill) -> list:
+        return values + [fill] * (width - len(values))
+
+    return RolloutBatch(
+        tokens_BT=torch.tensor([pad(r, pad_id) for r in rows], dtype=torch.long),
+        loss_mask_BT=torch.tensor([pad(m, 0.0) for m in masks]),
+        advantages_B=torch.tensor(advantages),
+        generator_logprobs_BT=torch.tensor([pad(lp, 0.0) for lp in logprobs]),
+    )

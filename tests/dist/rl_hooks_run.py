@@ -1,0 +1,60 @@
+"""Two RL steps in a world of one with a recording Hooks; saves the calls to OUT_DIR/hooks.json.
+
+    python tests/dist/rl_hooks_run.py OUT_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from torchtitan_rl import platform
+from torchtitan_rl.config import parse_args
+from torchtitan_rl.rl_trainer import Hooks, RLTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Recorder(Hooks):
+    def __init__(self):
+        self.calls = []
+
+    def before_step(self, step):
+        self.calls.append(["before_step", step])
+
+    def after_train(self, step, metrics):
+        self.calls.append(["after_train", step, sorted(metrics)])
+
+    def after_sync(self, step, stats):
+        self.calls.append(["after_sync", step, stats.version])
+
+    def after_step(self, step, metrics):
+        self.calls.append(["after_step", step, metrics["policy_version"]])
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    config = parse_args(
+        [
+            "--job.config_file",
+            str(REPO / "run_configs" / "debug_cpu.toml"),
+            "--model.hf_checkpoint",
+            str(REPO / "assets" / "tiny_qwen3"),
+            "--training.steps",
+            "2",
+            "--training.prompts_per_step",
+            "4",
+            "--job.dump_folder",
+            str(out),
+        ]
+    )
+    platform.patch_torchtitan()
+    platform.init_distributed()
+    recorder = Recorder()
+    RLTrainer(config, hooks=recorder).train()
+    (out / "hooks.json").write_text(json.dumps(recorder.calls))
+    platform.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
+    platform.exit_process(0)

@@ -1,0 +1,84 @@
+"""Per-step metrics: metrics.jsonl (rank 0), a console line, a progress bar, a reward curve.
+
+    .venv/bin/python -m pytest tests/test_rl_trainer.py
+
+metrics.jsonl holds one JSON object per step; later tools and benchmarks read its keys (the
+contract): step, reward/mean, reward/std, response_length/mean, loss, entropy, clip_fraction,
+logprob_diff/max, logprob_diff/mean, policy_version, time/generate_s, time/train_s,
+time/weight_sync_s, time/step_s, throughput/generated_tokens_per_s.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+CONSOLE_KEYS = (
+    ("reward/mean", "reward {:.3f}"),
+    ("response_length/mean", "len {:.1f}"),
+    ("loss", "loss {:+.4f}"),
+    ("entropy", "entropy {:.3f}"),
+    ("logprob_diff/max", "lp_diff {:.1e}"),
+    ("time/step_s", "{:.2f}s"),
+)
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0 only; every other rank's logger does nothing."""
+
+    def __init__(self, dump_folder: str, *, enabled: bool, total_steps: int, log_interval: int):
+        self.enabled = enabled
+        self.log_interval = log_interval
+        self.path = Path(dump_folder) / "metrics.jsonl"
+        self.bar = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+            # A bar only where someone watches: not under CI, not into a file.
+            if sys.stderr.isatty() and not os.environ.get("CI"):
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, desc="steps", unit="step")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        if step % self.log_interval == 0:
+            parts = [fmt.format(metrics[key]) for key, fmt in CONSOLE_KEYS if key in metrics]
+            line = f"step {step:4d} | " + " | ".join(parts)
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.enabled:
+            plot_reward_curve(self.path, self.path.with_name("reward_curve.png"))
+
+
+def plot_reward_curve(metrics_path: Path, out: Path) -> None:
+    """Mean reward per step from metrics.jsonl, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["reward/mean"] for r in rows], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,208 @@
+"""RLTrainer: the colocated, synchronous GRPO loop, readable top to bottom.
+
+    torchrun --nproc_per_node 2 -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml
+
+Every rank holds a shard of the policy (PolicyTrainer) and a full generator replica
+(Generator). A step: this rank's prompts -> n samples each -> rewards -> group advantages ->
+one optimizer step over every rank's samples -> weight sync -> metrics. Shapes: P prompts on
+this rank, N samples per prompt, B = P * N sequences, T tokens.
+"""
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+
+from torchtitan_rl.algorithms import build_advantage, build_loss
+from torchtitan_rl.batch import RolloutBatch, rollout_batch
+from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.generator.engine import Completions, Generator
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.tasks import Prompt, build_task
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
+from torchtitan_rl.weight_sync import SyncStats, WeightSync
+
+
+class Hooks:
+    """Attach points for schedulers and user code; the default does nothing."""
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_train(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def after_sync(self, step: int, stats: SyncStats) -> None:
+        pass
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+
+class RLTrainer:
+    """Owns the policy trainer, the generator, weight sync, the task and the metrics."""
+
+    def __init__(self, config: JobConfig, hooks: Hooks | None = None):
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(config.job.seed)
+        sampling = config.generator.sampling
+        self.trainer = PolicyTrainer(
+            model=config.model,
+            training=config.training,
+            parallelism=config.parallelism,
+            temperature=sampling.temperature,
+            seed=config.job.seed,
+            dump_folder=config.job.dump_folder,
+        )
+        self.generator = Generator(
+            generator=config.generator, model=config.model, seed=config.job.seed + self.rank
+        )
+        self.weight_sync = WeightSync.between(
+            self.trainer,
+            self.generator,
+            bucket_mb=config.generator.weight_sync_bucket_mb,
+            verify=config.generator.verify_weight_sync,
+        )
+        tokenizer_dir = config.model.tokenizer_path or config.model.hf_checkpoint
+        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        self.pad_id = self.tokenizer.token_to_id("<|pad|>") or 0
+        self.task = build_task(config.task, seed=config.job.seed)
+        self.advantage = build_advantage(config.algorithm.advantage)
+        self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
+        self.metrics = MetricsLogger(
+            config.job.dump_folder,
+            enabled=self.rank == 0,
+            total_steps=config.training.steps,
+            log_interval=config.metrics.log_interval,
+        )
+
+    def train(self) -> None:
+        for step in range(1, self.config.training.steps + 1):
+            self.train_step(step)
+        self.metrics.close()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        self.hooks.before_step(step)
+        start = time.perf_counter()
+        prompts = self.my_prompts(step)
+        prompt_ids = self.encode(prompts)
+        completions = self.generator.generate(prompt_ids, seed=self.sampling_seed(step))
+        generated = time.perf_counter()
+
+        rewards_PN = self.score(step, prompts, completions)
+        advantages = self.advantage(rewards_PN)
+        batch = rollout_batch(
+            prompt_ids,
+            [[s.token_ids for s in group] for group in completions.samples],
+            [[s.logprobs for s in group] for group in completions.samples],
+            advantages.values_PN,
+            self.pad_id,
+        )
+        if self.config.algorithm.filter_zero_variance_groups:
+            keep_B = (~advantages.zero_variance_PN).reshape(-1, 1).float()
+            batch.loss_mask_BT = batch.loss_mask_BT * keep_B
+        logprob_diff = self.logprob_diff(batch)
+        train_metrics = self.trainer.train_step(batch, self.loss)
+        trained = time.perf_counter()
+        self.hooks.after_train(step, train_metrics)
+
+        sync_stats = self.weight_sync.sync(self.trainer, self.generator)
+        synced = time.perf_counter()
+        self.hooks.after_sync(step, sync_stats)
+
+        metrics = {
+            **self.rollout_metrics(rewards_PN, advantages.zero_variance_PN, completions),
+            **logprob_diff,
+            "loss": train_metrics["loss"],
+            "entropy": train_metrics["entropy"],
+            "grad_norm": train_metrics["grad_norm"],
+            "lr": train_metrics["lr"],
+            "clip_fraction": train_metrics["clipped_tokens"] / max(train_metrics["tokens"], 1),
+            "policy_version": float(self.generator.policy_version),
+            "time/generate_s": generated - start,
+            "time/train_s": trained - generated,
+            "time/weight_sync_s": synced - trained,
+            "time/step_s": synced - start,
+        }
+        metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / (
+            generated - start
+        )
+        self.metrics.log(step, metrics)
+        self.hooks.after_step(step, metrics)
+        return metrics
+
+    def my_prompts(self, step: int) -> list[Prompt]:
+        """This rank's contiguous shard of the step's global prompts."""
+        per_rank = self.config.training.prompts_per_step // self.world
+        prompts = self.task.prompts(step, per_rank * self.world)
+        return prompts[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
+        ids = [self.tokenizer.encode(p.text).ids for p in prompts]
+        limit = self.config.training.max_prompt_len
+        for prompt, tokens in zip(prompts, ids, strict=True):
+            if len(tokens) > limit:
+                raise ValueError(
+                    f"prompt {prompt.text[:40]!r} has {len(tokens)} tokens, more than "
+                    f"training.max_prompt_len = {limit}: raise it or shorten the prompt"
+                )
+        return ids
+
+    def sampling_seed(self, step: int) -> int:
+        # Per-request seeds: samples depend on (seed, step, rank, prompt), not on batching.
+        return (self.config.job.seed * 1_000_003 + step) * 65_536 + self.rank * 4_096
+
+    def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
+        """Rewards [P, N] of every sample; a NaN/inf reward stops the run."""
+        rewards = [
+            [self.task.reward(prompt, self.tokenizer.decode(s.token_ids)) for s in group]
+            for prompt, group in zip(prompts, completions.samples, strict=True)
+        ]
+        rewards_PN = torch.tensor(rewards, dtype=torch.float32)
+        if not bool(torch.isfinite(rewards_PN).all()):
+            raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")
+        return rewards_PN
+
+    def logprob_diff(self, batch: RolloutBatch) -> dict[str, float]:
+        """|generator - trainer| logprob of the sampled tokens, before the update (all ranks)."""
+        trainer_BT, _ = self.trainer.logprobs(batch.tokens_BT)
+        diff_BT = (trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT
+        total = torch.tensor([float(diff_BT.sum()), float(batch.loss_mask_BT.sum())])
+        largest = diff_BT.max().reshape(1)
+        dist.all_reduce(total)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return {
+            "logprob_diff/max": float(largest),
+            "logprob_diff/mean": float(total[0] / total[1].clamp(min=1)),
+        }
+
+    def rollout_metrics(
+        self, rewards_PN: torch.Tensor, zero_variance_PN: torch.Tensor, completions: Completions
+    ) -> dict[str, float]:
+        """Reward and length statistics over every rank's samples."""
+        lengths = [len(s.token_ids) for group in completions.samples for s in group]
+        sums = torch.tensor(
+            [
+                float(rewards_PN.sum()),
+                float((rewards_PN**2).sum()),
+                float(rewards_PN.numel()),
+                float(sum(lengths)),
+                float(zero_variance_PN[:, 0].sum()),
+                float(rewards_PN.shape[0]),
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(sums)
+        reward_sum, reward_sq, samples, tokens, flat_groups, groups = sums.tolist()
+        mean = reward_sum / samples
+        return {
+            "reward/mean": mean,
+            "reward/std": max(reward_sq / samples - mean**2, 0.0) ** 0.5,
+            "response_length/mean": tokens / samples,
+            "zero_variance_groups/fraction": flat_groups / groups,
+            "generated_tokens": tokens,
+        }
