@@ -91,7 +91,7 @@ def _copy_fsdp_bucket(bucket, verify: bool) -> int:
         local = source.to_local().reshape(-1)
         send[offset : offset + local.numel()].copy_(local)
     received = torch.empty(world * total, dtype=send.dtype, device=send.device)
-    dist.all_gather_into_tensor(received, send, group=mesh.get_group())
+    dist.all_gather_single(received, send, group=mesh.get_group())
     received = received.view(world, total)
     for (offset, rows_per_rank, row_numel), (name, source, target) in zip(
         layout, bucket, strict=True

@@ -23,8 +23,10 @@ import torch.nn as nn
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
 
-# vLLM reads these at import: the engine must run inside this process, not a child.
+# vLLM reads these at import: the engine must run inside this process, not a child, and its
+# per-step INFO lines (one per prefix-cache reset) would drown the run's own output.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,7 @@ class Generator:
         `seed` makes the samples of request i depend only on (seed, i), not on the batch.
         """
         from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         sampling = self.config.sampling
@@ -159,7 +162,7 @@ class Generator:
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            self.engine.add_request(str(first + i), {"prompt_token_ids": list(prompt)}, params)
+            self.engine.add_request(str(first + i), tokens_input(list(prompt)), params)
 
         finished = {}
         bar = _progress_bar(len(prompt_token_ids)) if progress else None
