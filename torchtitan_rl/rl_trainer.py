@@ -21,6 +21,7 @@ from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.tasks import Prompt, build_task
+from torchtitan_rl.tasks.rewards import Scorer, load_reward_fn
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
 from torchtitan_rl.weight_sync import SyncStats, WeightSync
 
@@ -71,6 +72,8 @@ class RLTrainer:
         self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
         self.pad_id = self.tokenizer.token_to_id("<|pad|>") or 0
         self.task = build_task(config.task, seed=config.job.seed)
+        reward_fn = config.task.reward_fn and load_reward_fn(config.task.reward_fn)
+        self.scorer = Scorer(self.task, reward_fn or None, config.task.reward_on_error)
         self.advantage = build_advantage(config.algorithm.advantage)
         self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
         self.metrics = MetricsLogger(
@@ -159,7 +162,7 @@ class RLTrainer:
     def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
         """Rewards [P, N] of every sample; a NaN/inf reward stops the run."""
         rewards = [
-            [self.task.reward(prompt, self.tokenizer.decode(s.token_ids)) for s in group]
+            [self.scorer(prompt, self.tokenizer.decode(s.token_ids)) for s in group]
             for prompt, group in zip(prompts, completions.samples, strict=True)
         ]
         rewards_PN = torch.tensor(rewards, dtype=torch.float32)
@@ -193,16 +196,18 @@ class RLTrainer:
                 float(sum(lengths)),
                 float(zero_variance_PN[:, 0].sum()),
                 float(rewards_PN.shape[0]),
+                float(self.scorer.errors),
             ],
             dtype=torch.float64,
         )
         dist.all_reduce(sums)
-        reward_sum, reward_sq, samples, tokens, flat_groups, groups = sums.tolist()
+        reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors = sums.tolist()
         mean = reward_sum / samples
         return {
             "reward/mean": mean,
             "reward/std": max(reward_sq / samples - mean**2, 0.0) ** 0.5,
             "response_length/mean": tokens / samples,
             "zero_variance_groups/fraction": flat_groups / groups,
+            "reward/errors": errors,
             "generated_tokens": tokens,
         }

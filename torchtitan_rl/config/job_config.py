@@ -313,23 +313,24 @@ class AlgorithmSection:
 
 @dataclass(kw_only=True, slots=True)
 class TaskSection:
-    name: str = "echo_digits"
-    """Built-in task: echo_digits ('echo 407:' -> '407')."""
+    name: Literal["echo_digits", "jsonl"] = "echo_digits"
+    """echo_digits ('echo 407:' -> '407'), or jsonl: task.dataset_path scored by math-verify."""
     num_digits: int = 1
     """Digits to echo (echo_digits)."""
     dataset_path: str | None = None
     """JSONL file of {"prompt": ..., "answer": ...} rows (task.name = jsonl)."""
     reward_fn: str | None = None
-    """Custom reward function as `module:function`; None: the task's own reward."""
+    """Custom reward `module:function(prompt, completion, answer) -> float`; None: the task's."""
+    reward_on_error: Literal["zero", "fail"] = "zero"
+    """When the reward function raises: count and log it and give the sample 0, or stop."""
 
     def validate(self) -> None:
-        _require(
-            self.name in ("echo_digits",),
-            f"task.name = {self.name!r} is not a task: use echo_digits",
-        )
         _require(self.num_digits >= 1, f"task.num_digits = {self.num_digits}: must be >= 1")
-        _not_yet(self.dataset_path is not None, "task.dataset_path", "leave it unset")
-        _not_yet(self.reward_fn is not None, "task.reward_fn", "leave it unset")
+        _require(
+            self.name != "jsonl" or self.dataset_path is not None,
+            "task.name = 'jsonl' needs task.dataset_path: a JSONL file of "
+            '{"prompt": ..., "answer": ...} rows',
+        )
         _require(
             self.dataset_path is None or os.path.isfile(self.dataset_path),
             f"task.dataset_path = {self.dataset_path!r}: no such file",
@@ -338,6 +339,14 @@ class TaskSection:
             self.reward_fn is None or self.reward_fn.count(":") == 1,
             f"task.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
         )
+        if self.reward_fn is not None:
+            from torchtitan_rl.tasks.rewards import load_reward_fn
+
+            load_reward_fn(self.reward_fn)  # fails here, not at the first step
+        if self.dataset_path is not None:
+            from torchtitan_rl.tasks.jsonl import read_jsonl
+
+            read_jsonl(self.dataset_path)
 
 
 @dataclass(kw_only=True, slots=True)

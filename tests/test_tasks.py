@@ -1,0 +1,132 @@
+"""Tasks and rewards: JSONL prompts, math-verify, user reward functions, the error policy.
+
+.venv/bin/python -m pytest tests/test_tasks.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_rl.config import parse_args
+from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.jsonl import JsonlTask, read_jsonl
+from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn, math_reward
+from torchtitan_rl.tasks.toy import EchoDigitsTask
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = str(REPO / "tests" / "helpers")
+
+
+@pytest.fixture
+def dataset(tmp_path) -> str:
+    path = tmp_path / "math.jsonl"
+    rows = [{"prompt": f"what is {i}+1?", "answer": str(i + 1)} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_jsonl_cycles_every_row_once_per_epoch_in_seeded_order(dataset):
+    task = JsonlTask(dataset, seed=3)
+    first_epoch = [p.text for p in task.prompts(1, 5)]
+    assert sorted(first_epoch) == sorted(f"what is {i}+1?" for i in range(5))
+    assert task.prompts(2, 5) != task.prompts(1, 5)  # a new order in the next epoch
+    assert [p.text for p in JsonlTask(dataset, seed=3).prompts(1, 5)] == first_epoch
+
+
+@pytest.mark.parametrize(
+    "completion, reward",
+    [("so it is \\boxed{3}", 1.0), ("2 + 1 = 3", 1.0), ("\\boxed{4}", 0.0), ("no idea", 0.0)],
+)
+def test_math_reward_reads_boxed_or_last_number(completion, reward):
+    assert math_reward("what is 2+1?", completion, "3") == reward
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "a", "answer": "1"}\n{"prompt": "b",\n', ":2: not a JSON object"),
+        (b'{"answer": "1"}\n', ':1: needs a string "prompt"'),
+        (b'{"prompt": "  ", "answer": "1"}\n', ":1: the prompt is empty"),
+        (b"\n\n", "has no rows"),
+        (b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text"),
+    ],
+)
+def test_bad_dataset_files_name_the_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        read_jsonl(str(path))
+
+
+def test_user_reward_functions_load_or_say_why(monkeypatch):
+    monkeypatch.syspath_prepend(HELPERS)
+    fn = load_reward_fn("user_rewards:starts_with_answer")
+    assert fn("p", "42!", "42") == 1.0
+    with pytest.raises(ConfigError, match="cannot import 'no_such_module'"):
+        load_reward_fn("no_such_module:f")
+    with pytest.raises(ConfigError, match="has no function 'missing'"):
+        load_reward_fn("user_rewards:missing")
+
+
+def test_reward_errors_count_as_zero_or_stop_the_run(monkeypatch):
+    monkeypatch.syspath_prepend(HELPERS)
+    fn = load_reward_fn("user_rewards:raises_on_odd")
+    task = EchoDigitsTask()
+    odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
+    zero = Scorer(task, fn, on_error="zero")
+    assert [zero(odd, "3"), zero(even, "4"), zero(odd, "3")] == [0.0, 1.0, 0.0]
+    assert zero.errors == 2
+    with pytest.raises(RewardError, match="raised on prompt 'echo 3:'"):
+        Scorer(task, fn, on_error="fail")(odd, "3")
+
+
+def test_task_config_errors(dataset):
+    tiny = str(REPO / "assets" / "tiny_qwen3")
+    with pytest.raises(ConfigError, match="task.name = 'jsonl' needs task.dataset_path"):
+        parse_args(["--model.hf_checkpoint", tiny, "--task.name", "jsonl"])
+    with pytest.raises(ConfigError, match="task.reward_fn = 'nope:f': cannot import"):
+        parse_args(["--model.hf_checkpoint", tiny, "--task.reward_fn", "nope:f"])
+    config = parse_args(
+        ["--model.hf_checkpoint", tiny, "--task.name", "jsonl", "--task.dataset_path", dataset]
+    )
+    assert config.task.name == "jsonl"
+
+
+def test_a_run_on_a_jsonl_dataset_with_a_user_reward_that_raises(tmp_path):
+    rows = [{"prompt": f"echo {d}:", "answer": str(d)} for d in range(10)]
+    (tmp_path / "echo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_rl.train",
+            "--job.config_file",
+            "run_configs/debug_cpu.toml",
+            "--training.steps",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--task.name",
+            "jsonl",
+            "--task.dataset_path",
+            str(tmp_path / "echo.jsonl"),
+            "--task.reward_fn",
+            "user_rewards:raises_on_odd",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": HELPERS, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in metrics]
+    # Every step draws odd answers, whose reward raises: counted (cumulatively), scored 0.
+    assert 0 < rows[0]["reward/errors"] < rows[1]["reward/errors"]
+    assert all(0.0 <= r["reward/mean"] <= 0.5 for r in rows)
