@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan_rl.algorithms.advantages import DrGRPOAdvantage, GRPOAdvantage, RLOOAdvantage
-from torchtitan_rl.algorithms.losses import GSPOLoss, PPOClipLoss
+from torchtitan_rl.algorithms.losses import GSPOLoss, PPOClipLoss, kl_penalty
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.trainer.policy_trainer import LossScale
 
@@ -99,3 +99,33 @@ def test_gspo_uses_one_ratio_per_sequence():
     assert value == pytest.approx(-(2.0 - 1.0) / 2)
     # d/dlogp of exp(mean over the sequence's tokens): -A / length / sequences
     torch.testing.assert_close(gradient, torch.tensor([[0, -0.5, -0.5], [0, 0.5, 0]]))
+
+
+@pytest.mark.parametrize(
+    "estimator, value, grad",
+    # policy logprob -1, reference -2: r = -1
+    [("k1", 1.0, 1.0), ("k2", 0.5, 1.0), ("k3", math.exp(-1), 1 - math.exp(-1))],
+)
+def test_kl_estimators(estimator, value, grad):
+    logprobs = torch.tensor([-1.0], requires_grad=True)
+    kl = kl_penalty(logprobs, torch.tensor([-2.0]), estimator)
+    kl.sum().backward()
+    assert kl.item() == pytest.approx(value)
+    assert logprobs.grad.item() == pytest.approx(grad)
+
+
+def test_kl_penalty_joins_the_token_loss():
+    logprobs_BT = torch.full((2, 3), -1.0, requires_grad=True)
+    b = batch()
+    b.reference_logprobs_BT = torch.full((2, 3), -2.0)
+    fn = PPOClipLoss(
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="token_mean",
+        max_tokens=4,
+        kl_beta=0.5,
+        kl_estimator="k1",
+    )
+    loss, metrics = fn(logprobs_BT, b, SCALE)
+    assert loss.item() == pytest.approx(-1.0 + 0.5 * 1.0)  # pg -1, k1 = 1 on every token
+    assert metrics["kl_sum"] == pytest.approx(3.0)

@@ -100,7 +100,7 @@ def test_run_writes_its_files_and_a_line_per_step(demo):
     assert stdout.count("step ") == 5 and "reward " in stdout
 
 
-def test_hooks_fire_in_order(tmp_path):
+def test_hooks_fire_in_order_and_kl_grows_from_zero(tmp_path):
     result = run([str(REPO / "tests" / "dist" / "rl_hooks_run.py"), str(tmp_path)])
     assert result.returncode == 0, result.stderr[-4000:]
     calls = json.loads((tmp_path / "hooks.json").read_text())
@@ -110,6 +110,9 @@ def test_hooks_fire_in_order(tmp_path):
         for name in ("before_step", "after_train", "after_sync", "after_step")
     ]
     assert "loss" in calls[1][2] and calls[2][2] == 1 and calls[7][2] == 2.0
+    # KL to the frozen reference: 0 while the policy is the reference, > 0 once step 1 (whose
+    # 256 samples include some rewarded ones) has moved the policy.
+    assert calls[3][3] == 0.0 and calls[7][3] > 0
 
 
 def test_rollout_batch_masks_sampled_tokens_and_aligns_logprobs():

@@ -22,6 +22,8 @@ class RolloutBatch:
     """Advantage of each sequence."""
     generator_logprobs_BT: torch.Tensor
     """Logprob the generator reported for each sampled token (0 where loss_mask is 0)."""
+    reference_logprobs_BT: torch.Tensor | None = None
+    """Logprob of each token under the frozen reference model (only with a KL penalty)."""
 
     @property
     def batch_size(self) -> int:
@@ -31,11 +33,21 @@ class RolloutBatch:
         """`n` micro-batches of consecutive rows (the last ones may be one row shorter)."""
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"cannot split {self.batch_size} sequences into {n} micro-batches")
-        parts = {f.name: torch.tensor_split(getattr(self, f.name), n) for f in fields(self)}
+        parts = {
+            f.name: torch.tensor_split(getattr(self, f.name), n)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
         return [RolloutBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
 
     def to(self, device: torch.device) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return RolloutBatch(
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            }
+        )
 
 
 def rollout_batch(

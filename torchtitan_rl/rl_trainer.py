@@ -59,6 +59,18 @@ class RLTrainer:
             seed=config.job.seed,
             dump_folder=config.job.dump_folder,
         )
+        # The frozen reference for the KL penalty: the starting policy, sharded like it, never
+        # stepped (its optimizer state is never allocated). Built only when it is used.
+        self.reference = None
+        if config.algorithm.kl_beta > 0:
+            self.reference = PolicyTrainer(
+                model=config.model,
+                training=config.training,
+                parallelism=config.parallelism,
+                temperature=sampling.temperature,
+                seed=config.job.seed,
+                dump_folder=config.job.dump_folder,
+            )
         self.generator = Generator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.rank
         )
@@ -108,6 +120,8 @@ class RLTrainer:
         if self.config.algorithm.filter_zero_variance_groups:
             keep_B = (~advantages.zero_variance_PN).reshape(-1, 1).float()
             batch.loss_mask_BT = batch.loss_mask_BT * keep_B
+        if self.reference is not None:
+            batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
         logprob_diff = self.logprob_diff(batch)
         train_metrics = self.trainer.train_step(batch, self.loss)
         trained = time.perf_counter()
@@ -134,6 +148,8 @@ class RLTrainer:
         metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / (
             generated - start
         )
+        if self.reference is not None:
+            metrics["kl"] = train_metrics["kl_sum"] / max(train_metrics["tokens"], 1)
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)
         return metrics

@@ -1,4 +1,4 @@
-"""Two RL steps in a world of one with a recording Hooks; saves the calls to OUT_DIR/hooks.json.
+"""Two RL steps in a world of one with a recording Hooks and a KL penalty; saves the calls.
 
     python tests/dist/rl_hooks_run.py OUT_DIR
 """
@@ -28,7 +28,7 @@ class Recorder(Hooks):
         self.calls.append(["after_sync", step, stats.version])
 
     def after_step(self, step, metrics):
-        self.calls.append(["after_step", step, metrics["policy_version"]])
+        self.calls.append(["after_step", step, metrics["policy_version"], metrics["kl"]])
 
 
 def main() -> None:
@@ -42,7 +42,11 @@ def main() -> None:
             "--training.steps",
             "2",
             "--training.prompts_per_step",
-            "4",
+            "32",
+            "--training.lr",
+            "1e-2",
+            "--algorithm.kl_beta",
+            "0.1",
             "--job.dump_folder",
             str(out),
         ]

@@ -40,6 +40,19 @@ def aggregate(
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
+def kl_penalty(
+    logprobs_BT: torch.Tensor, reference_BT: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens (Schulman's k1, k2,
+    k3, with r = reference - policy logprob): k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r."""
+    r_BT = reference_BT - logprobs_BT
+    if estimator == "k1":
+        return -r_BT
+    if estimator == "k2":
+        return r_BT**2 / 2
+    return torch.exp(r_BT) - 1 - r_BT
+
+
 def tis_weight(old_BT: torch.Tensor, generator_BT: torch.Tensor, cap: float) -> torch.Tensor:
     """min(exp(old - generator), cap): truncated importance weight (no gradient)."""
     return torch.exp(old_BT - generator_BT).clamp(max=cap)
@@ -56,9 +69,12 @@ class PPOClipLoss:
         aggregation: str,
         max_tokens: int,
         tis_cap: float = 0.0,
+        kl_beta: float = 0.0,
+        kl_estimator: str = "k3",
     ):
         self.clip_low, self.clip_high = clip_low, clip_high
         self.aggregation, self.max_tokens, self.tis_cap = aggregation, max_tokens, tis_cap
+        self.kl_beta, self.kl_estimator = kl_beta, kl_estimator
 
     def __call__(self, logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
         mask_BT = batch.loss_mask_BT
@@ -72,17 +88,31 @@ class PPOClipLoss:
             per_token_BT = per_token_BT * tis_weight(
                 old_BT, batch.generator_logprobs_BT, self.tis_cap
             )
+        metrics = {"clipped_tokens": float(((clipped_BT != unclipped_BT).float() * mask_BT).sum())}
+        if self.kl_beta > 0:
+            kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator)
+            per_token_BT = per_token_BT + self.kl_beta * kl_BT
+            metrics["kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
         loss = aggregate(per_token_BT, mask_BT, scale, self.aggregation, self.max_tokens)
-        clipped_tokens = float(((clipped_BT != unclipped_BT).float() * mask_BT).sum())
-        return loss, {"clipped_tokens": clipped_tokens}
+        return loss, metrics
 
 
 class GSPOLoss:
     """Sequence-level ratio (GSPO, Zheng et al. 2025): s = exp(mean over the sequence's sampled
     tokens of (logprob - old)), clipped per sequence, averaged over the step's sequences."""
 
-    def __init__(self, *, clip_low: float, clip_high: float, tis_cap: float = 0.0, **_):
+    def __init__(
+        self,
+        *,
+        clip_low: float,
+        clip_high: float,
+        tis_cap: float = 0.0,
+        kl_beta: float = 0.0,
+        kl_estimator: str = "k3",
+        **_,
+    ):
         self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
+        self.kl_beta, self.kl_estimator = kl_beta, kl_estimator
 
     def __call__(self, logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
         mask_BT = batch.loss_mask_BT
@@ -96,8 +126,14 @@ class GSPOLoss:
         if self.tis_cap > 0:
             log_ratio_B = ((old_BT - batch.generator_logprobs_BT) * mask_BT).sum(1) / lengths_B
             per_sequence_B = per_sequence_B * torch.exp(log_ratio_B).clamp(max=self.tis_cap)
-        clipped_tokens = float((mask_BT.sum(dim=1) * (clipped_B != unclipped_B)).sum())
-        return per_sequence_B.sum() / scale.sequences, {"clipped_tokens": clipped_tokens}
+        loss = per_sequence_B.sum() / scale.sequences
+        metrics = {"clipped_tokens": float((mask_BT.sum(dim=1) * (clipped_B != unclipped_B)).sum())}
+        if self.kl_beta > 0:
+            # The KL term stays per token: token-mean over the step, added to the sequence loss.
+            kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator)
+            loss = loss + self.kl_beta * (kl_BT * mask_BT).sum() / max(scale.tokens, 1)
+            metrics["kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
+        return loss, metrics
 
 
 LOSSES = {"grpo": PPOClipLoss, "dapo": PPOClipLoss, "gspo": GSPOLoss}
@@ -111,4 +147,6 @@ def build_loss(algorithm, max_tokens: int):
         aggregation=algorithm.aggregation,
         max_tokens=max_tokens,
         tis_cap=algorithm.tis_cap,
+        kl_beta=algorithm.kl_beta,
+        kl_estimator=algorithm.kl_estimator,
     )

@@ -304,11 +304,6 @@ class AlgorithmSection:
             self.clip_eps_low < 1,
             f"algorithm.clip_eps_low = {self.clip_eps_low}: must be < 1 (ratios clip at 1 - it)",
         )
-        _require(
-            self.kl_beta == 0,
-            f"algorithm.kl_beta = {self.kl_beta}: the KL penalty to a reference model is not "
-            "implemented yet; set algorithm.kl_beta = 0",
-        )
 
 
 @dataclass(kw_only=True, slots=True)
