@@ -156,7 +156,7 @@ BAD_INPUTS = {
         [],
         ["checkpoint.enable = true: not implemented yet"],
     ),
-    "unknown task": ('[task]\nname = "chess"\n', [], ["task.name = 'chess'", "echo_digits"]),
+    "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
 }
 
 

@@ -16,7 +16,7 @@ from torchtitan_rl.config.job_config import ConfigError
 from torchtitan_rl.tasks import Prompt
 from torchtitan_rl.tasks.jsonl import JsonlTask, read_jsonl
 from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn, math_reward
-from torchtitan_rl.tasks.toy import EchoDigitsTask
+from torchtitan_rl.tasks.toy import EchoDigitsTask, ReverseDigitsTask
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = str(REPO / "tests" / "helpers")
@@ -97,32 +97,54 @@ def test_task_config_errors(dataset):
     assert config.task.name == "jsonl"
 
 
-def test_a_run_on_a_jsonl_dataset_with_a_user_reward_that_raises(tmp_path):
-    rows = [{"prompt": f"echo {d}:", "answer": str(d)} for d in range(10)]
-    (tmp_path / "echo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    result = subprocess.run(
+def test_reverse_task():
+    prompt = ReverseDigitsTask(num_digits=3, seed=0).prompts(1, 1)[0]
+    digits = prompt.text.split()[1].rstrip(":")
+    assert prompt.text.startswith("reverse ") and prompt.answer == digits[::-1]
+
+
+def train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "torchtitan_rl.train",
             "--job.config_file",
             "run_configs/debug_cpu.toml",
-            "--training.steps",
-            "2",
             "--job.dump_folder",
             str(tmp_path / "run"),
-            "--task.name",
-            "jsonl",
-            "--task.dataset_path",
-            str(tmp_path / "echo.jsonl"),
-            "--task.reward_fn",
-            "user_rewards:raises_on_odd",
+            *flags,
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "PYTHONPATH": HELPERS, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_nan_reward_stops_the_run_naming_the_step(tmp_path):
+    result = train(
+        tmp_path, "--training.steps", "3", "--task.reward_fn", "user_rewards:not_a_number"
+    )
+    assert result.returncode == 1
+    assert "error: step 1: a reward is not finite" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_run_on_a_jsonl_dataset_with_a_user_reward_that_raises(tmp_path):
+    rows = [{"prompt": f"echo {d}:", "answer": str(d)} for d in range(10)]
+    (tmp_path / "echo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    result = train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--task.name",
+        "jsonl",
+        "--task.dataset_path",
+        str(tmp_path / "echo.jsonl"),
+        "--task.reward_fn",
+        "user_rewards:raises_on_odd",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

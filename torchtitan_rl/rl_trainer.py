@@ -17,13 +17,16 @@ from tokenizers import Tokenizer
 
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config.job_config import ConfigError, JobConfig
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.tasks import Prompt, build_task
-from torchtitan_rl.tasks.rewards import Scorer, load_reward_fn
+from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
-from torchtitan_rl.weight_sync import SyncStats, WeightSync
+from torchtitan_rl.weight_sync import SyncStats, WeightSync, WeightSyncError
+
+# Errors that stop a run with one line naming the step and the cause.
+StopRun = (NonFiniteError, RewardError, WeightSyncError)
 
 
 class Hooks:
@@ -165,7 +168,7 @@ class RLTrainer:
         limit = self.config.training.max_prompt_len
         for prompt, tokens in zip(prompts, ids, strict=True):
             if len(tokens) > limit:
-                raise ValueError(
+                raise ConfigError(
                     f"prompt {prompt.text[:40]!r} has {len(tokens)} tokens, more than "
                     f"training.max_prompt_len = {limit}: raise it or shorten the prompt"
                 )

@@ -32,16 +32,20 @@ def main(argv: list[str] | None = None) -> int:
 
     platform.patch_torchtitan()
     rank, world_size = platform.init_distributed()
+    from torchtitan_rl.rl_trainer import RLTrainer, StopRun
+
     try:
         if rank == 0:
             write_config(config, Path(config.job.dump_folder) / "config.toml")
-        from torchtitan_rl.rl_trainer import RLTrainer
-
         RLTrainer(config).train()
     except ConfigError as e:
         # Every rank meets the same config error; torchrun collects the exit codes.
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StopRun as e:
+        # A non-finite value, a failing reward function, a bad weight copy: stop, say why.
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     platform.shutdown_distributed()
     return 0
 

@@ -308,10 +308,11 @@ class AlgorithmSection:
 
 @dataclass(kw_only=True, slots=True)
 class TaskSection:
-    name: Literal["echo_digits", "jsonl"] = "echo_digits"
-    """echo_digits ('echo 407:' -> '407'), or jsonl: task.dataset_path scored by math-verify."""
+    name: Literal["echo_digits", "reverse_digits", "jsonl"] = "echo_digits"
+    """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'), or jsonl:
+    the rows of task.dataset_path, scored by math-verify."""
     num_digits: int = 1
-    """Digits to echo (echo_digits)."""
+    """Digits per prompt (echo_digits, reverse_digits)."""
     dataset_path: str | None = None
     """JSONL file of {"prompt": ..., "answer": ...} rows (task.name = jsonl)."""
     reward_fn: str | None = None

@@ -28,10 +28,14 @@ class Task(Protocol):
 
 def build_task(task: TaskSection, seed: int) -> Task:
     from torchtitan_rl.tasks.jsonl import JsonlTask
-    from torchtitan_rl.tasks.toy import EchoDigitsTask
+    from torchtitan_rl.tasks.toy import EchoDigitsTask, ReverseDigitsTask
 
     if task.name == "echo_digits":
         return EchoDigitsTask(num_digits=task.num_digits, seed=seed)
+    if task.name == "reverse_digits":
+        return ReverseDigitsTask(num_digits=task.num_digits, seed=seed)
     if task.name == "jsonl":
         return JsonlTask(task.dataset_path, seed=seed)
-    raise ConfigError(f"task.name = {task.name!r} is not a task: use echo_digits or jsonl")
+    raise ConfigError(
+        f"task.name = {task.name!r} is not a task: use echo_digits, reverse_digits or jsonl"
+    )

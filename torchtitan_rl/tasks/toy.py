@@ -11,18 +11,32 @@ from torchtitan_rl.tasks.base import Prompt
 class EchoDigitsTask:
     """'echo 407:' -> '407'. Dense reward: the fraction of digit positions echoed right."""
 
+    verb = "echo"
+
     def __init__(self, *, num_digits: int = 1, seed: int = 0):
         self.num_digits = num_digits
         self.seed = seed
+
+    def answer(self, digits: str) -> str:
+        return digits
 
     def prompts(self, step: int, count: int) -> list[Prompt]:
         rng = random.Random(self.seed * 1_000_003 + step)
         prompts = []
         for _ in range(count):
             digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
-            prompts.append(Prompt(text=f"echo {digits}:", answer=digits))
+            prompts.append(Prompt(text=f"{self.verb} {digits}:", answer=self.answer(digits)))
         return prompts
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         hits = sum(a == b for a, b in zip(prompt.answer, completion, strict=False))
         return hits / len(prompt.answer)
+
+
+class ReverseDigitsTask(EchoDigitsTask):
+    """'reverse 407:' -> '704'. Same dense reward; harder: the copy runs backwards."""
+
+    verb = "reverse"
+
+    def answer(self, digits: str) -> str:
+        return digits[::-1]
