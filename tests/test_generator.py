@@ -7,14 +7,12 @@ its CPU worker binds threads, which must not leak into the pytest process.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_dist
 
 from torchtitan_rl.config.job_config import ConfigError, ModelSection
 from torchtitan_rl.generator.engine import check_tokenizer_fits
@@ -26,16 +24,7 @@ TINY = REPO / "assets" / "tiny_qwen3"
 def launch(tmp_path_factory, nproc: int, model: str = "qwen3") -> list[dict]:
     """Run tests/dist/generator_run.py under torchrun, or as a plain process for nproc = 0."""
     out = tmp_path_factory.mktemp(f"generator_{model}_w{nproc}")
-    script = [str(REPO / "tests" / "dist" / "generator_run.py"), str(out), model]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    result = subprocess.run(
-        [sys.executable, *(launcher if nproc else []), *script],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_dist("generator_run.py", str(out), model, nproc=nproc)
     return [torch.load(out / f"rank{r}.pt") for r in range(max(nproc, 1))]
 
 

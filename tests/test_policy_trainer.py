@@ -3,13 +3,12 @@
 .venv/bin/python -m pytest tests/test_policy_trainer.py
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_dist
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny_qwen3"
@@ -19,24 +18,7 @@ from policy_trainer_run import fixed_batch  # noqa: E402
 
 def run(tmp_path_factory, nproc: int, micro_batches: int) -> dict:
     out = tmp_path_factory.mktemp(f"w{nproc}_m{micro_batches}")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",  # a free port: back-to-back launches never collide
-            "--nproc_per_node",
-            str(nproc),
-            str(REPO / "tests" / "dist" / "policy_trainer_run.py"),
-            str(out),
-            str(micro_batches),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_dist("policy_trainer_run.py", str(out), str(micro_batches), nproc=nproc)
     return torch.load(out / "result.pt")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_dist
 
 from torchtitan_rl.batch import rollout_batch
 from torchtitan_rl.tasks.toy import EchoDigitsTask
@@ -101,8 +102,7 @@ def test_run_writes_its_files_and_a_line_per_step(demo):
 
 
 def test_hooks_fire_in_order_and_kl_grows_from_zero(tmp_path):
-    result = run([str(REPO / "tests" / "dist" / "rl_hooks_run.py"), str(tmp_path)])
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_dist("rl_hooks_run.py", str(tmp_path), nproc=0)
     calls = json.loads((tmp_path / "hooks.json").read_text())
     assert [c[:2] for c in calls] == [
         [name, step]

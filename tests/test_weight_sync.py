@@ -6,37 +6,18 @@ The end-to-end checks run tests/dist/weight_sync_run.py (real FSDP trainer, real
 rank) under torchrun with 2 processes and as a plain process; the rest are unit tests.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
+from conftest import run_dist
 
 from torchtitan_rl import weight_sync
 from torchtitan_rl.weight_sync import WeightSync, WeightSyncError
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def launch(tmp_path_factory, nproc: int) -> list[dict]:
     out = tmp_path_factory.mktemp(f"weight_sync_w{nproc}")
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    result = subprocess.run(
-        [
-            sys.executable,
-            *(launcher if nproc else []),
-            str(REPO / "tests" / "dist" / "weight_sync_run.py"),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_dist("weight_sync_run.py", str(out), nproc=nproc)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
 
 

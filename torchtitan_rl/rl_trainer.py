@@ -54,19 +54,9 @@ class RLTrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.job.seed)
         sampling = config.generator.sampling
-        self.trainer = PolicyTrainer(
-            model=config.model,
-            training=config.training,
-            parallelism=config.parallelism,
-            temperature=sampling.temperature,
-            seed=config.job.seed,
-            dump_folder=config.job.dump_folder,
-        )
-        # The frozen reference for the KL penalty: the starting policy, sharded like it, never
-        # stepped (its optimizer state is never allocated). Built only when it is used.
-        self.reference = None
-        if config.algorithm.kl_beta > 0:
-            self.reference = PolicyTrainer(
+
+        def policy() -> PolicyTrainer:
+            return PolicyTrainer(
                 model=config.model,
                 training=config.training,
                 parallelism=config.parallelism,
@@ -74,6 +64,11 @@ class RLTrainer:
                 seed=config.job.seed,
                 dump_folder=config.job.dump_folder,
             )
+
+        self.trainer = policy()
+        # The frozen reference for the KL penalty: the starting policy, sharded like it, never
+        # stepped (its optimizer state is never allocated). Built only when it is used.
+        self.reference = policy() if config.algorithm.kl_beta > 0 else None
         self.generator = Generator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.rank
         )
@@ -85,10 +80,12 @@ class RLTrainer:
         )
         tokenizer_dir = config.model.tokenizer_path or config.model.hf_checkpoint
         self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-        self.pad_id = self.tokenizer.token_to_id("<|pad|>") or 0
+        # Padding follows every real token of a right-padded causal batch and is masked out of
+        # the loss, so any valid id serves.
+        self.pad_id = 0
         self.task = build_task(config.task, seed=config.job.seed)
-        reward_fn = config.task.reward_fn and load_reward_fn(config.task.reward_fn)
-        self.scorer = Scorer(self.task, reward_fn or None, config.task.reward_on_error)
+        reward_fn = load_reward_fn(config.task.reward_fn) if config.task.reward_fn else None
+        self.scorer = Scorer(self.task, reward_fn, config.task.reward_on_error)
         self.advantage = build_advantage(config.algorithm.advantage)
         self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
         self.metrics = MetricsLogger(

@@ -2,23 +2,22 @@
 
     .venv/bin/python scripts/bench/generator.py --checkpoint assets/tiny_qwen3
 
-One run measures both sides, each in a fresh process (one engine per process): the same
-prompts, sampling parameters and per-request seeds; one untimed warm-up round, then the median
-of the timed rounds. Prints one JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and
-`ratio` = ours / native (target >= 0.95). `--checkpoint assets/debug_qwen3` benchmarks the
-debugmodel-sized checkpoint, written on first use by scripts/make_tiny_checkpoint.py.
+One run measures both sides, each in fresh processes (one engine per process, the sides
+alternating over --trials): the same prompts, sampling parameters and per-request seeds; one
+untimed warm-up round per engine, then the median of all timed rounds of a side. Prints one
+JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and `ratio` = ours / native (target
+>= 0.95). `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
+on first use by scripts/make_tiny_checkpoint.py.
 """
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from children import REPO, ensure_checkpoint, report, run_child
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -56,41 +55,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per engine")
+    parser.add_argument("--trials", type=int, default=3, help="engines started per side")
     parser.add_argument("--side", choices=["ours", "native"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.side:  # a child process measuring one side
         from torchtitan_rl import platform
 
-        print("RESULT " + json.dumps(measure(args)), flush=True)
+        report(measure(args))
         platform.exit_process(0)  # also skips vLLM's slow teardown
 
-    if not (Path(args.checkpoint) / "torchtitan.json").is_file():
-        flavor = "debugmodel" if "debug" in Path(args.checkpoint).name else "tiny"
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tiny_checkpoint.py"),
-                "--out",
-                args.checkpoint,
-                "--flavor",
-                flavor,
-            ],
-            check=True,
-        )
-    medians = {}
-    for side in ("ours", "native"):
-        child = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--side", side],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        )
-        lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-        if child.returncode != 0 or not lines:
-            sys.exit(f"the {side} side failed:\n{child.stderr[-3000:]}")
-        medians[side] = statistics.median(json.loads(lines[-1][7:])["rates"])
+    ensure_checkpoint(args.checkpoint)
+    # The sides alternate over trials so that slow phases of a shared machine hit both.
+    rates = {"ours": [], "native": []}
+    for _ in range(args.trials):
+        for side in rates:
+            command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+            rates[side] += run_child(command)["rates"]
+    medians = {side: statistics.median(values) for side, values in rates.items()}
     print(
         json.dumps(
             {

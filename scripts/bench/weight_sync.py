@@ -15,15 +15,13 @@ Children measure, the parent prints one JSON line:
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from children import REPO, ensure_checkpoint, report, run_child
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -122,19 +120,6 @@ def measure_native(args) -> dict:
     return {"reload_weights_ms": round(reload_ms, 2), "file_reload_ms": round(file_ms, 2)}
 
 
-def run_child(command: list[str]) -> dict:
-    child = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
-    )
-    lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-    if child.returncode != 0 or not lines:
-        sys.exit(f"{command[-2:]} failed:\n{child.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=str(REPO / "assets" / "tiny_qwen3"))
@@ -150,22 +135,10 @@ def main() -> None:
 
         result = measure_ours(args) if args.side == "ours" else measure_native(args)
         if result is not None:
-            print("RESULT " + json.dumps(result), flush=True)
+            report(result)
         platform.exit_process(0)  # also skips vLLM's slow teardown
 
-    if not (Path(args.checkpoint) / "torchtitan.json").is_file():
-        flavor = "debugmodel" if "debug" in Path(args.checkpoint).name else "tiny"
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tiny_checkpoint.py"),
-                "--out",
-                args.checkpoint,
-                "--flavor",
-                flavor,
-            ],
-            check=True,
-        )
+    ensure_checkpoint(args.checkpoint)
     me = [__file__, *sys.argv[1:]]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     ours = run_child([*torchrun, "--nproc_per_node", str(args.procs), *me, "--side", "ours"])
