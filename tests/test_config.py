@@ -49,15 +49,16 @@ def test_precedence_defaults_toml_cli(tmp_path):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--batch_invariant", "true"], (True, False)),
-        (["--batch_invariant", "FALSE", "--job.dry_run", "true"], (False, True)),
-        (["--job.dry_run"], (False, True)),
-        (["--job.dry_run", "--batch_invariant=True"], (True, True)),
+        (["--generator.enforce_eager", "false"], (False, False)),
+        (["--generator.enforce_eager", "FALSE", "--job.dry_run", "true"], (False, True)),
+        (["--job.dry_run"], (True, True)),
+        (["--job.dry_run", "--generator.enforce_eager=True"], (True, True)),
+        (["--generator.enforce_eager", "--job.dry_run", "false"], (True, False)),
     ],
 )
 def test_booleans_take_explicit_values(flags, expected):
     config = parse_args(["--job.config_file", DEBUG_TOML, *flags])
-    assert (config.batch_invariant, config.job.dry_run) == expected
+    assert (config.generator.enforce_eager, config.job.dry_run) == expected
 
 
 def test_debug_config_validates_for_two_processes():
@@ -156,6 +157,11 @@ BAD_INPUTS = {
         [],
         ["checkpoint.enable = true: not implemented yet"],
     ),
+    "batch invariance not landed": (
+        "batch_invariant = true\n",
+        [],
+        ["batch_invariant = true: not implemented yet"],
+    ),
     "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
 }
 
@@ -232,7 +238,7 @@ def test_to_toml_round_trips_every_field_in_process(tmp_path):
         [
             "--job.config_file",
             DEBUG_TOML,
-            "--batch_invariant",
+            "--algorithm.filter_zero_variance_groups",
             "true",
             "--checkpoint.resume_from",
             "3",

@@ -404,7 +404,8 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
     batch_invariant: bool = False
-    """Global batch-invariant mode: trainer and generator logprobs bitwise identical."""
+    """Global batch-invariant mode: trainer and generator logprobs bitwise identical (not built
+    yet: true is refused)."""
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
@@ -417,6 +418,7 @@ class JobConfig:
 
     def validate(self, world_size: int = 1) -> None:
         """Check every section, then the rules that span sections, for `world_size` processes."""
+        _not_yet(self.batch_invariant, "batch_invariant = true", "set it false")
         self.job.validate()
         self.model.validate()
         self.training.validate()
