@@ -1,4 +1,5 @@
-"""Per-step metrics: metrics.jsonl (rank 0), a console line, a progress bar, a reward curve.
+"""Per-step metrics: metrics.jsonl (rank 0), TensorBoard, a console line, a progress bar,
+a reward curve, and sampled rollouts (rollouts.jsonl).
 
     .venv/bin/python -m pytest tests/test_rl_trainer.py
 
@@ -26,14 +27,29 @@ CONSOLE_KEYS = (
 class MetricsLogger:
     """Writes metrics on rank 0 only; every other rank's logger does nothing."""
 
-    def __init__(self, dump_folder: str, *, enabled: bool, total_steps: int, log_interval: int):
+    def __init__(
+        self,
+        dump_folder: str,
+        *,
+        enabled: bool,
+        total_steps: int,
+        log_interval: int,
+        tensorboard: bool = False,
+    ):
         self.enabled = enabled
         self.log_interval = log_interval
         self.path = Path(dump_folder) / "metrics.jsonl"
+        self.rollouts_path = Path(dump_folder) / "rollouts.jsonl"
         self.bar = None
+        self.tensorboard = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
+            self.rollouts_path.write_text("")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
             # A bar only where someone watches: not under CI, not into a file.
             if sys.stderr.isatty() and not os.environ.get("CI"):
                 from tqdm import tqdm
@@ -45,6 +61,9 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
@@ -56,9 +75,18 @@ class MetricsLogger:
             else:
                 print(line, flush=True)
 
+    def log_rollouts(self, step: int, samples: list[dict]) -> None:
+        """Append sampled prompts, completions, rewards and per-token logprob diffs."""
+        if not self.enabled:
+            return
+        with self.rollouts_path.open("a") as f:
+            f.write(json.dumps({"step": step, "samples": samples}) + "\n")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.enabled:
             plot_reward_curve(self.path, self.path.with_name("reward_curve.png"))
 

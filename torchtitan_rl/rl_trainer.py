@@ -93,6 +93,7 @@ class RLTrainer:
             enabled=self.rank == 0,
             total_steps=config.training.steps,
             log_interval=config.metrics.log_interval,
+            tensorboard=config.metrics.enable_tensorboard,
         )
 
     def train(self) -> None:
@@ -122,7 +123,8 @@ class RLTrainer:
             batch.loss_mask_BT = batch.loss_mask_BT * keep_B
         if self.reference is not None:
             batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
-        logprob_diff = self.logprob_diff(batch)
+        logprob_diff, trainer_logprobs_BT = self.logprob_diff(batch)
+        self.log_rollouts(step, prompts, completions, rewards_PN, batch, trainer_logprobs_BT)
         train_metrics = self.trainer.train_step(batch, self.loss)
         trained = time.perf_counter()
         self.hooks.after_train(step, train_metrics)
@@ -186,18 +188,53 @@ class RLTrainer:
             raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")
         return rewards_PN
 
-    def logprob_diff(self, batch: RolloutBatch) -> dict[str, float]:
-        """|generator - trainer| logprob of the sampled tokens, before the update (all ranks)."""
+    def logprob_diff(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
+        """|generator - trainer| logprob of the sampled tokens before the update (all ranks),
+        and the trainer's logprobs [B, T]."""
         trainer_BT, _ = self.trainer.logprobs(batch.tokens_BT)
         diff_BT = (trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT
         total = torch.tensor([float(diff_BT.sum()), float(batch.loss_mask_BT.sum())])
         largest = diff_BT.max().reshape(1)
         dist.all_reduce(total)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        return {
+        metrics = {
             "logprob_diff/max": float(largest),
             "logprob_diff/mean": float(total[0] / total[1].clamp(min=1)),
         }
+        return metrics, trainer_BT
+
+    def log_rollouts(
+        self,
+        step: int,
+        prompts: list[Prompt],
+        completions: Completions,
+        rewards_PN: torch.Tensor,
+        batch: RolloutBatch,
+        trainer_logprobs_BT: torch.Tensor,
+        count: int = 4,
+    ) -> None:
+        """Every metrics.rollout_log_interval steps: the first sample of a few prompts."""
+        interval = self.config.metrics.rollout_log_interval
+        if interval == 0 or step % interval:
+            return
+        n = len(completions.samples[0])
+        samples = []
+        for p, prompt in enumerate(prompts[:count]):
+            sample = completions.samples[p][0]
+            row = p * n  # batch rows are prompt-major
+            sampled = batch.loss_mask_BT[row].bool()
+            diffs = trainer_logprobs_BT[row][sampled] - batch.generator_logprobs_BT[row][sampled]
+            samples.append(
+                {
+                    "prompt": prompt.text,
+                    "completion": self.tokenizer.decode(sample.token_ids),
+                    "reward": float(rewards_PN[p, 0]),
+                    "token_ids": sample.token_ids,
+                    "generator_logprobs": sample.logprobs,
+                    "logprob_diff": diffs.tolist(),
+                }
+            )
+        self.metrics.log_rollouts(step, samples)
 
     def rollout_metrics(
         self, rewards_PN: torch.Tensor, zero_variance_PN: torch.Tensor, completions: Completions

@@ -383,10 +383,10 @@ class MetricsSection:
     enable_wandb: bool = False
     """Log to Weights & Biases (needs wandb installed and a login)."""
     rollout_log_interval: int = 10
-    """Write sample prompts/completions to rollouts.jsonl every this many steps; 0 disables."""
+    """Every this many steps, write a few of rank 0's prompts, completions, rewards and
+    per-token logprob diffs to rollouts.jsonl; 0 disables."""
 
     def validate(self) -> None:
-        _not_yet(self.enable_tensorboard, "metrics.enable_tensorboard = true", "set it false")
         _not_yet(self.enable_wandb, "metrics.enable_wandb = true", "set it false")
         _require(
             self.log_interval >= 1, f"metrics.log_interval = {self.log_interval}: must be >= 1"
