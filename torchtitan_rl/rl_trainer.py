@@ -78,8 +78,9 @@ class RLTrainer:
             bucket_mb=config.generator.weight_sync_bucket_mb,
             verify=config.generator.verify_weight_sync,
         )
-        tokenizer_dir = config.model.tokenizer_path or config.model.hf_checkpoint
-        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_file(
+            str(Path(config.model.tokenizer_dir) / "tokenizer.json")
+        )
         # Padding follows every real token of a right-padded causal batch and is masked out of
         # the loss, so any valid id serves.
         self.pad_id = 0

@@ -68,7 +68,8 @@ def _copy_bucket(bucket, verify: bool) -> int:
         else:
             full = source.to_local() if isinstance(source, DTensor) else source.detach()
         _write(target, full)
-        _verify(name, full, target, verify)
+        if verify:
+            _verify(name, full, target)
     return peak
 
 
@@ -106,12 +107,12 @@ def _copy_fsdp_bucket(bucket, verify: bool) -> int:
             _write(flat_target[start : start + piece.numel()], piece)
             pieces.append(piece)
         if verify:
-            _verify(name, torch.cat(pieces).view(source.shape), target, verify)
+            _verify(name, torch.cat(pieces).view(source.shape), target)
     return (send.numel() + received.numel()) * send.element_size()
 
 
-def _verify(name: str, source: torch.Tensor, target: torch.Tensor, verify: bool) -> None:
-    if verify and _checksum(source.to(target.dtype)) != _checksum(target):
+def _verify(name: str, source: torch.Tensor, target: torch.Tensor) -> None:
+    if _checksum(source.to(target.dtype)) != _checksum(target):
         raise WeightSyncError(f"{name}: generator copy differs from the trainer's")
 
 

@@ -59,6 +59,11 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer compute dtype (FSDP mixed precision); master weights and grads stay float32."""
 
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """Where tokenizer.json lives: model.tokenizer_path, else model.hf_checkpoint."""
+        return self.tokenizer_path or self.hf_checkpoint
+
     def validate(self) -> None:
         from torchtitan_rl.models import SUPPORTED_MODELS, flavors
 

@@ -56,7 +56,7 @@ def check_tokenizer_fits(model: ModelSection) -> None:
     """Refuse a tokenizer with ids beyond the checkpoint's vocabulary, before any engine starts."""
     from tokenizers import Tokenizer
 
-    tokenizer_dir = Path(model.tokenizer_path or model.hf_checkpoint)
+    tokenizer_dir = Path(model.tokenizer_dir)
     tokenizer_file = tokenizer_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ConfigError(f"model.tokenizer_path = '{tokenizer_dir}' has no tokenizer.json")
@@ -92,7 +92,6 @@ class Generator:
         from vllm import EngineArgs, LLMEngine
 
         self.config = generator
-        self.max_model_len = generator.max_model_len
         under_torchrun = "RANK" in os.environ
         overrides = {
             "architectures": [ARCH],
@@ -102,7 +101,7 @@ class Generator:
         }
         args = EngineArgs(
             model=model.hf_checkpoint,
-            tokenizer=model.tokenizer_path or model.hf_checkpoint,
+            tokenizer=model.tokenizer_dir,
             dtype=generator.dtype,
             seed=seed,
             max_model_len=generator.max_model_len,
@@ -143,10 +142,10 @@ class Generator:
         for i, prompt in enumerate(prompt_token_ids):
             if not prompt:
                 raise ValueError(f"prompt {i} has no tokens")
-            if len(prompt) >= self.max_model_len:
+            if len(prompt) >= self.config.max_model_len:
                 raise ValueError(
                     f"prompt {i} has {len(prompt)} tokens, generator.max_model_len = "
-                    f"{self.max_model_len} leaves no room to generate: raise max_model_len "
+                    f"{self.config.max_model_len} leaves no room to generate: raise max_model_len "
                     "or shorten the prompt"
                 )
         first = self._next_request

@@ -1,6 +1,6 @@
 """PolicyTrainer: a torchtitan model, parallelized on the trainer mesh, that scores and trains.
 
-    torchrun --nproc_per_node 2 -m pytest tests/dist/test_policy_trainer_dist.py  (via pytest)
+    .venv/bin/python -m pytest tests/test_policy_trainer.py tests/test_model.py
 
 Built from torchtitan parts: the model spec's config and `parallelize_fn` (FSDP2 / HSDP / TP),
 its state-dict adapter with DCP's HF reader, and torchtitan's optimizer and LR-scheduler
@@ -77,15 +77,17 @@ class PolicyTrainer:
         world_size = dist.get_world_size()
         platform.check_trainer_tp(parallelism.tp)
         self.tp_degree = parallelism.tp
+        dp_shard = parallelism.resolved_dp_shard(world_size)
+        spmd_backend = platform.spmd_backend()
         self.parallel_dims = ParallelDims(
             dp_replicate=parallelism.dp_replicate,
-            dp_shard=parallelism.resolved_dp_shard(world_size),
+            dp_shard=dp_shard,
             cp=1,
             tp=parallelism.tp,
             pp=1,
             ep=1,
             world_size=world_size,
-            spmd_backend=platform.spmd_backend(),
+            spmd_backend=spmd_backend,
         )
         self.spec = build_spec(model)
         with torch.device("meta"):
@@ -98,9 +100,9 @@ class PolicyTrainer:
             ),
             parallelism=ParallelismConfig(
                 data_parallel_replicate_degree=parallelism.dp_replicate,
-                data_parallel_shard_degree=parallelism.resolved_dp_shard(world_size),
+                data_parallel_shard_degree=dp_shard,
                 tensor_parallel_degree=parallelism.tp,
-                spmd_backend=platform.spmd_backend(),
+                spmd_backend=spmd_backend,
             ),
             compile_config=CompileConfig(enable=False),
             ac_config=None,
@@ -155,10 +157,10 @@ class PolicyTrainer:
         """
         return self.model.state_dict()
 
-    def _forward_logprobs(self, tokens_BT: torch.Tensor, with_entropy: bool):
+    def _forward_logprobs(self, tokens_BT: torch.Tensor):
         positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
         logits_BTV = self.model(tokens_BT, positions_BT, None)
-        return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=with_entropy)
+        return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=True)
 
     @torch.no_grad()
     def logprobs(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +168,7 @@ class PolicyTrainer:
 
         Column t scores token t given tokens < t; column 0 is 0.
         """
-        logprobs_BT, entropy_BT = self._forward_logprobs(tokens_BT.to(self.device), True)
+        logprobs_BT, entropy_BT = self._forward_logprobs(tokens_BT.to(self.device))
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
         return logprobs_BT, entropy_BT
@@ -193,14 +195,14 @@ class PolicyTrainer:
             [batch.loss_mask_BT.sum().item(), batch.batch_size], dtype=torch.float64
         )
         counting = dist.all_reduce(counts, async_op=True)
-        # Every rank of a TP group holds the same batch, so totals are divided by the TP degree.
         scale = None
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
         for micro in batch.split(min(self.training.micro_batches, batch.batch_size)):
-            logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT, True)
+            logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT)
             if scale is None:
                 counting.wait()
+                # Every rank of a TP group holds the same batch: count it once per group.
                 tokens, sequences = (counts / self.tp_degree).tolist()
                 scale = LossScale(tokens=int(tokens), sequences=int(sequences))
             loss, metrics = loss_fn(logprobs_BT, micro, scale)
@@ -251,7 +253,7 @@ class PolicyTrainer:
         }
 
     def _first_nonfinite_grad(self) -> str:
-        for name, param in self.model.named_parameters():
+        for name, param in self._params.items():
             grad = param.grad
             if grad is not None:
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
