@@ -4,13 +4,11 @@
 """
 
 import dataclasses
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import run_train
 
 from torchtitan_rl.config import ConfigError, JobConfig, parse_args, to_toml
 from torchtitan_rl.train import main
@@ -188,16 +186,6 @@ def test_missing_config_file(capsys):
     assert capsys.readouterr().err == "error: job.config_file = '/no/such.toml': no such file\n"
 
 
-def run_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.train", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_process_exits_2_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, "[training]\nsteps = -3\n")
     result = run_train("--job.config_file", path, "--model.hf_checkpoint", TINY)
@@ -265,13 +253,7 @@ def leaf_flags(cls: type, prefix: str = "--") -> list[str]:
 
 
 def test_help_lists_every_field_with_its_docstring():
-    result = subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.train", "--help"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-    )
+    result = run_train("--help", env={"COLUMNS": "200"})
     assert result.returncode == 0
     flags = leaf_flags(JobConfig)
     assert len(flags) > 40

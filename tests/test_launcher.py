@@ -3,61 +3,34 @@
 .venv/bin/python -m pytest tests/test_launcher.py
 """
 
-import os
 import subprocess
-import sys
 import tomllib
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_train
+
 DEBUG_TOML = "run_configs/debug_cpu.toml"
 
 
-def launch(prefix: list[str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*prefix, "-m", "torchtitan_rl.train", "--job.config_file", DEBUG_TOML, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+def launch(nproc: int, *flags: str) -> subprocess.CompletedProcess:
+    return run_train("--job.config_file", DEBUG_TOML, *flags, nproc=nproc)
 
 
 def test_torchrun_two_ranks_train_and_write_the_config(tmp_path):
     dump = tmp_path / "run"
-    result = launch(TORCHRUN, "--job.dump_folder", str(dump), "--training.steps", "3")
+    result = launch(2, "--job.dump_folder", str(dump), "--training.steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step    3 | reward" in result.stdout
 
     # The written config is the resolved one, and feeding it back reproduces it.
     written = (dump / "config.toml").read_text()
     assert tomllib.loads(written)["training"]["steps"] == 3
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchtitan_rl.train",
-            "--job.config_file",
-            str(dump / "config.toml"),
-            "--job.dry_run",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    again = run_train("--job.config_file", str(dump / "config.toml"), "--job.dry_run")
     assert again.returncode == 0, again.stderr
     assert again.stdout == written
 
 
 def test_plain_process_is_a_world_of_one(tmp_path):
-    result = launch(
-        [sys.executable], "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2"
-    )
+    result = launch(0, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step    2 | reward" in result.stdout
     assert (tmp_path / "run" / "config.toml").is_file()
@@ -65,7 +38,7 @@ def test_plain_process_is_a_world_of_one(tmp_path):
 
 
 def test_torchrun_world_size_mismatch_fails_on_every_rank(tmp_path):
-    result = launch(TORCHRUN, "--parallelism.dp_shard", "4", "--job.dump_folder", str(tmp_path))
+    result = launch(2, "--parallelism.dp_shard", "4", "--job.dump_folder", str(tmp_path))
     assert result.returncode != 0
     # Every rank fails alike, but torchrun stops the others as soon as the first exits, so one
     # or two copies of the line appear; torchrun then adds its own ChildFailedError report,
@@ -77,7 +50,7 @@ def test_torchrun_world_size_mismatch_fails_on_every_rank(tmp_path):
 
 
 def test_torchrun_wrong_flavor_for_the_checkpoint_names_the_tensor(tmp_path):
-    result = launch(TORCHRUN, "--model.flavor", "debugmodel", "--job.dump_folder", str(tmp_path))
+    result = launch(2, "--model.flavor", "debugmodel", "--job.dump_folder", str(tmp_path))
     assert result.returncode != 0
     message = (
         "error: model.hf_checkpoint = 'assets/tiny_qwen3': 'model.embed_tokens.weight' has "

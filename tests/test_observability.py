@@ -4,12 +4,12 @@
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,29 +17,19 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("observed")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchtitan_rl.train",
-            "--job.config_file",
-            "run_configs/debug_cpu.toml",
-            "--training.steps",
-            "3",
-            "--job.dump_folder",
-            str(dump),
-            "--metrics.enable_tensorboard",
-            "true",
-            "--metrics.rollout_log_interval",
-            "1",
-            "--algorithm.kl_beta",
-            "0.05",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    result = run_train(
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--training.steps",
+        "3",
+        "--job.dump_folder",
+        str(dump),
+        "--metrics.enable_tensorboard",
+        "true",
+        "--metrics.rollout_log_interval",
+        "1",
+        "--algorithm.kl_beta",
+        "0.05",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return dump

@@ -5,14 +5,11 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_dist
+from conftest import run_dist, run_train
 
 from torchtitan_rl.batch import rollout_batch
 from torchtitan_rl.tasks.toy import EchoDigitsTask
@@ -37,36 +34,17 @@ CONTRACT = [
 ]
 
 
-def run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     dump = tmp_path_factory.mktemp("demo")
-    result = run(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "torchtitan_rl.train",
-            "--job.config_file",
-            "run_configs/debug_cpu.toml",
-            "--training.steps",
-            "5",
-            "--job.dump_folder",
-            str(dump),
-        ]
+    result = run_train(
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--training.steps",
+        "5",
+        "--job.dump_folder",
+        str(dump),
+        nproc=2,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

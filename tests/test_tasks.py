@@ -4,12 +4,11 @@
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_train
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError
@@ -104,22 +103,13 @@ def test_reverse_task():
 
 
 def train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchtitan_rl.train",
-            "--job.config_file",
-            "run_configs/debug_cpu.toml",
-            "--job.dump_folder",
-            str(tmp_path / "run"),
-            *flags,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": HELPERS, "OMP_NUM_THREADS": "1"},
+    return run_train(
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        *flags,
+        env={"PYTHONPATH": HELPERS},
     )
 
 
