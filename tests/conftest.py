@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -23,15 +25,34 @@ def launcher(nproc: int) -> list[str]:
     ]
 
 
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it (torchrun puts each rank in a session
+    of its own, so signalling its group is not enough)."""
+    victims = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+
+
 def _run(command: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    process = subprocess.Popen(
         command,
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)  # no rank outlives its test
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def run_train(
@@ -39,6 +60,19 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     """`python -m torchtitan_rl.train FLAGS` from the repo root; the result, not checked."""
     return _run([*launcher(nproc), "-m", "torchtitan_rl.train", *flags], env)
+
+
+def start_train(*flags: str, nproc: int) -> subprocess.Popen:
+    """Start `python -m torchtitan_rl.train FLAGS` in its own session (so that the test can
+    signal it without signalling pytest); output goes to DEVNULL."""
+    return subprocess.Popen(
+        [*launcher(nproc), "-m", "torchtitan_rl.train", *flags],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
 
 
 def run_dist(script: str, *args: str, nproc: int) -> subprocess.CompletedProcess:

@@ -35,7 +35,10 @@ class MetricsLogger:
         total_steps: int,
         log_interval: int,
         tensorboard: bool = False,
+        resume_step: int = 0,
     ):
+        """`resume_step` > 0: a resumed run keeps the rows of steps up to it and drops the
+        later ones (the run being replaced wrote them after its last checkpoint)."""
         self.enabled = enabled
         self.log_interval = log_interval
         self.path = Path(dump_folder) / "metrics.jsonl"
@@ -44,12 +47,14 @@ class MetricsLogger:
         self.tensorboard = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
-            self.rollouts_path.write_text("")
+            _keep_rows_until(self.path, resume_step)
+            _keep_rows_until(self.rollouts_path, resume_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tensorboard = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
+                self.tensorboard = SummaryWriter(
+                    log_dir=str(Path(dump_folder) / "tb"), purge_step=resume_step + 1
+                )
             # A bar only where someone watches: not under CI, not into a file.
             if sys.stderr.isatty() and not os.environ.get("CI"):
                 from tqdm import tqdm
@@ -89,6 +94,21 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.enabled:
             plot_reward_curve(self.path, self.path.with_name("reward_curve.png"))
+
+
+def _keep_rows_until(path: Path, step: int) -> None:
+    """Rewrite the JSONL file `path` with only its rows of steps <= `step` (atomically)."""
+    rows = []
+    if step > 0 and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    rows.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the kill
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(rows))
+    os.replace(partial, path)
 
 
 def plot_reward_curve(metrics_path: Path, out: Path) -> None:

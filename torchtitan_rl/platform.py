@@ -5,7 +5,9 @@
 Everything else asks this module which device, process-group backend and attention to use.
 """
 
+import ctypes
 import os
+import signal
 import sys
 from datetime import timedelta
 from typing import NoReturn
@@ -109,6 +111,7 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     backend = dist_backend()
     timeout = timedelta(seconds=timeout_s)
+    die_with_launcher()
     if "RANK" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(device())
@@ -119,6 +122,19 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     return dist.get_rank(), dist.get_world_size()
+
+
+def die_with_launcher() -> None:
+    """Under torchrun every rank runs in a session of its own, so a launcher killed with
+    SIGKILL (a job scheduler, a test) leaves its ranks training on as orphans, writing into the
+    same dump folder as the next launch. On Linux the kernel kills this rank when its parent
+    dies instead (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def shutdown_distributed() -> None:

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
+from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_hf
 from torchtitan_rl.config.job_config import ConfigError, JobConfig
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
@@ -54,6 +55,9 @@ class RLTrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.job.seed)
         sampling = config.generator.sampling
+        # First, so that a wrong checkpoint folder fails before anything is built.
+        self.checkpointer = Checkpointer(config)
+        resume_path = self.checkpointer.find()
 
         def policy() -> PolicyTrainer:
             return PolicyTrainer(
@@ -89,18 +93,55 @@ class RLTrainer:
         self.scorer = Scorer(self.task, reward_fn, config.task.reward_on_error)
         self.advantage = build_advantage(config.algorithm.advantage)
         self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
+        self.state = TrainState()
+        self.checkpointer.attach(self.trainer, self.state)
+        # Before the first generation: the restored weights go to the generator too.
+        self.start_step = self.resume(resume_path)
         self.metrics = MetricsLogger(
             config.job.dump_folder,
             enabled=self.rank == 0,
             total_steps=config.training.steps,
             log_interval=config.metrics.log_interval,
             tensorboard=config.metrics.enable_tensorboard,
+            resume_step=self.start_step,
         )
 
+    def resume(self, path: Path | None) -> int:
+        """Load the checkpoint at `path`, if any, into both sides; returns its step."""
+        if path is None:
+            return 0
+        step = self.checkpointer.load(path)
+        self.scorer.errors = self.state.reward_errors
+        self.weight_sync.sync(self.trainer, self.generator, version=self.state.policy_version)
+        return step
+
     def train(self) -> None:
-        for step in range(1, self.config.training.steps + 1):
+        steps = self.config.training.steps
+        for step in range(self.start_step + 1, steps + 1):
             self.train_step(step)
+            self.state.step = step
+            self.state.policy_version = self.generator.policy_version
+            self.state.reward_errors = self.scorer.errors
+            if self.checkpointer.should_save(step, last=step == steps):
+                self.checkpointer.save(step)
+            self.checkpointer.poll()
+        self.checkpointer.close()
+        if self.config.checkpoint.export_hf_at_end:
+            self.export_hf(Path(self.config.job.dump_folder) / "hf")
         self.metrics.close()
+
+    def export_hf(self, out: Path) -> None:
+        """The current policy as an HF safetensors folder (every rank calls; rank 0 writes)."""
+        model = self.config.model
+        export_hf(
+            self.trainer.model.state_dict(),
+            self.trainer.spec,
+            model.hf_checkpoint,
+            model.tokenizer_dir,
+            out,
+        )
+        if self.rank == 0:
+            print(f"exported the policy to {out}", flush=True)
 
     def train_step(self, step: int) -> dict[str, float]:
         self.hooks.before_step(step)

@@ -191,13 +191,14 @@ class WeightSync:
             written += sum(target.numel() * target.element_size() for _, _, target in bucket)
         return written, peak
 
-    def sync(self, trainer, generator) -> SyncStats:
-        """Copy the weights, refresh the generator, bump the policy version on both sides."""
+    def sync(self, trainer, generator, version: int | None = None) -> SyncStats:
+        """Copy the weights, refresh the generator, and set the policy version on both sides:
+        `version`, or the next one (a resumed run passes the version it restored)."""
         start = time.perf_counter()
         written, peak = self.copy()
         generator.refresh_after_weight_update()
         seconds = time.perf_counter() - start
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         trainer.policy_version = generator.policy_version = self.version
         return SyncStats(
             bytes=written,

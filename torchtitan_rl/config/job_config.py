@@ -361,13 +361,25 @@ class CheckpointSection:
     keep_latest_k: int = 2
     """Keep this many newest checkpoints; 0 keeps all."""
     resume_from: int | None = None
-    """Resume from this step's checkpoint; None: the latest one, if any."""
+    """Resume from this step's checkpoint; None: the latest complete one, if any (a run
+    restarted with the same command continues where it stopped)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """async: training goes on while a background thread writes the checkpoint (DCP
+    async_save); the checkpoint is published when the write completes."""
     export_hf_at_end: bool = False
-    """Write an HF safetensors export of the final policy."""
+    """At the end, write the policy as an HF safetensors folder to {job.dump_folder}/hf
+    (loadable by vLLM and transformers); scripts/export_hf.py does it for any checkpoint."""
 
     def validate(self) -> None:
-        _not_yet(self.enable, "checkpoint.enable = true", "set it false")
-        _not_yet(self.export_hf_at_end, "checkpoint.export_hf_at_end = true", "set it false")
+        _require(
+            self.resume_from is None or self.enable,
+            f"checkpoint.resume_from = {self.resume_from} needs checkpoint.enable = true",
+        )
+        _require(
+            bool(self.folder.strip()) and not os.path.isabs(self.folder),
+            f"checkpoint.folder = {self.folder!r}: must be a folder name relative to "
+            "job.dump_folder, e.g. 'checkpoints'",
+        )
         _require(self.interval >= 1, f"checkpoint.interval = {self.interval}: must be >= 1")
         _require(
             self.keep_latest_k >= 0,

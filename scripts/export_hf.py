@@ -1,0 +1,45 @@
+"""Export a training checkpoint's policy as an HF safetensors folder for vLLM and transformers.
+
+    .venv/bin/python scripts/export_hf.py outputs/debug_cpu/checkpoints/step-100 --out outputs/hf
+
+The checkpoint's manifest names the model and the HF checkpoint the run started from (its
+config.json and tokenizer files are copied). One process, CPU, no torchrun: DCP reads the
+shards of any number of ranks into one unsharded model.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpoint import ModelWrapper
+
+from torchtitan_rl.checkpoint import export_hf, invalid_reason, read_manifest
+from torchtitan_rl.models import model_spec
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path, help="a step-N folder of a run's checkpoints")
+    parser.add_argument("--out", type=Path, required=True, help="the HF folder to write")
+    args = parser.parse_args()
+
+    reason = invalid_reason(args.checkpoint) if args.checkpoint.is_dir() else "no such folder"
+    if reason is not None:
+        print(f"error: {args.checkpoint} is not a complete checkpoint: {reason}", file=sys.stderr)
+        return 2
+    facts = read_manifest(args.checkpoint)["facts"]
+    spec = model_spec(facts["model"]["name"], facts["model"]["flavor"])
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    state = ModelWrapper(model).state_dict()
+    dcp.load(state, checkpoint_id=str(args.checkpoint))
+    export_hf(state, spec, facts["hf_checkpoint"], facts["tokenizer_dir"], args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Checkpoints a run can resume from exactly, written atomically, and HF safetensors export.
+
+    .venv/bin/python -m pytest tests/test_checkpoint.py
+
+Layout: {job.dump_folder}/{checkpoint.folder}/step-{N}/ holds DCP shards of the model,
+optimizer, LR schedule and train state (step, policy version, reward-error count, every rank's
+torch/python/numpy RNG state), plus manifest.json (the run facts a resume checks, and each
+file's size). A save writes step-{N}.tmp/, and only once the whole save is complete does rank
+0 write the manifest and rename the folder to step-{N}: a run killed mid-save leaves a .tmp
+folder that the next start removes, never a torn step-{N}. A step-{N} whose manifest is missing
+or whose files differ in size from it (truncated, copied half-way) is skipped with a warning.
+
+Prompts and sampling seeds are functions of (job.seed, step, rank), so restoring the step
+restores the prompt cursor and the generator's sampling state.
+"""
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import sys
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+from torchtitan.components.checkpoint import ModelWrapper
+
+from torchtitan_rl.config.job_config import CheckpointSection, ConfigError, JobConfig
+
+MANIFEST = "manifest.json"
+_NON_MODEL = ("optimizer", "lr_scheduler", "train_state")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(slots=True)
+class TrainState:
+    """The loop's own counters and this rank's random generators (a DCP Stateful)."""
+
+    step: int = 0
+    policy_version: int = 0
+    reward_errors: int = 0
+    with_rng: bool = True
+    """False while loading a checkpoint saved by another world size: no rank owns its RNGs."""
+
+    def state_dict(self) -> dict:
+        state = {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "reward_errors": self.reward_errors,
+        }
+        if self.with_rng:
+            # Keys differ per rank, so DCP keeps every rank's generators, not only rank 0's.
+            state[f"rng_rank{dist.get_rank()}"] = {
+                "torch": torch.get_rng_state(),
+                "python": pickle.dumps(random.getstate()),
+                "numpy": pickle.dumps(np.random.get_state()),
+            }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.policy_version = state["policy_version"]
+        self.reward_errors = state["reward_errors"]
+        rng = state.get(f"rng_rank{dist.get_rank()}")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(pickle.loads(rng["python"]))
+            np.random.set_state(pickle.loads(rng["numpy"]))
+
+
+def run_facts(config: JobConfig) -> dict:
+    """What a checkpoint records about its run, and a resume compares."""
+    return {
+        "model": {"name": config.model.name, "flavor": config.model.flavor},
+        "hf_checkpoint": _absolute(config.model.hf_checkpoint),
+        "tokenizer_dir": _absolute(config.model.tokenizer_dir),
+        "world_size": dist.get_world_size(),
+        "seed": config.job.seed,
+        "prompts_per_step": config.training.prompts_per_step,
+    }
+
+
+@dataclass(slots=True)
+class PendingSave:
+    step: int
+    tmp: Path
+    final: Path
+    future: Future | None = None
+    published: bool = False
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).resolve())
+
+
+def invalid_reason(path: Path) -> str | None:
+    """Why the checkpoint folder `path` cannot be loaded, or None when it is complete."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST} (a save that did not finish)"
+    except (OSError, ValueError) as e:
+        return f"unreadable {MANIFEST}: {e}"
+    for name, size in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
+    if not manifest.get("files"):
+        return f"{MANIFEST} lists no files"
+    return None
+
+
+def read_manifest(path: Path) -> dict:
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
+class Checkpointer:
+    """Saves and restores one RLTrainer's state under {dump_folder}/{checkpoint.folder}.
+
+    `find()` runs first, before anything is built, so a wrong folder fails in a second;
+    `attach()` then hands over the trainer and the train state that `load()`/`save()` use.
+    """
+
+    def __init__(self, config: JobConfig):
+        self.section: CheckpointSection = config.checkpoint
+        self.enabled = self.section.enable
+        self.folder = Path(config.job.dump_folder) / self.section.folder
+        self.facts = run_facts(config)
+        self.rank = dist.get_rank()
+        self.pending: PendingSave | None = None
+        self.async_group = None
+        if self.enabled and self.section.async_mode == "async":
+            self.async_group = dist.new_group(backend="gloo")
+
+    def attach(self, trainer, state: TrainState) -> None:
+        self.trainer = trainer
+        self.state = state
+        # Built only when used: it reads the model's state dict (a collective under FSDP).
+        self.model_state = ModelWrapper(trainer.model) if self.enabled else None
+
+    def _states(self) -> dict:
+        states = {
+            "optimizer": self.trainer.optimizers,
+            "lr_scheduler": self.trainer.lr_schedulers,
+            "train_state": self.state,
+        }
+        # Model keys at the top level, as torchtitan's checkpoints keep them.
+        states.update(self.model_state.state_dict())
+        return states
+
+    # ---- finding checkpoints ----
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the folder, oldest first; warns about others."""
+        steps = []
+        if not self.folder.is_dir():
+            return steps
+        for path in sorted(self.folder.iterdir()):
+            match = _STEP_DIR.match(path.name)
+            if not match or not path.is_dir():
+                continue
+            reason = invalid_reason(path)
+            if reason is not None:
+                if self.rank == 0:
+                    warn(f"skipping checkpoint {path}: {reason}")
+                continue
+            steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def remove_interrupted_saves(self) -> None:
+        if self.rank == 0 and self.folder.is_dir():
+            for path in self.folder.glob("step-*.tmp"):
+                warn(f"removing {path}: a save that was interrupted")
+                shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+
+    def find(self) -> Path | None:
+        """The checkpoint to resume from: checkpoint.resume_from, else the latest complete one;
+        None for a fresh start. Checks it belongs to this run's model."""
+        if not self.enabled:
+            return None
+        self.remove_interrupted_saves()
+        steps = self.complete_steps()
+        wanted = self.section.resume_from
+        if wanted is not None and wanted not in steps:
+            raise ConfigError(
+                f"checkpoint.resume_from = {wanted}: no complete checkpoint of that step in "
+                f"{self.folder} (complete: {steps or 'none'}); pick one of them or unset it"
+            )
+        if not steps:
+            return None
+        path = self.folder / f"step-{wanted if wanted is not None else steps[-1]}"
+        self.check_same_run(read_manifest(path), path)
+        return path
+
+    # ---- resume ----
+
+    def load(self, path: Path) -> int:
+        """Restore model, optimizer, LR schedule and train state from `path`; returns the step."""
+        states = self._states()
+        with warnings.catch_warnings():
+            # torchtitan's LR container reads the LR while loading; torch warns about it.
+            warnings.filterwarnings("ignore", message="To get the last learning rate")
+            dcp.load(states, checkpoint_id=str(path))
+        self.state.with_rng = True
+        # Through the modules' load hooks (e.g. torchtitan's fused-QKV split in reverse).
+        self.model_state.load_state_dict({k: v for k, v in states.items() if k not in _NON_MODEL})
+        self.trainer.step = self.state.step
+        if self.rank == 0:
+            print(f"resumed from {path}", flush=True)
+        return self.state.step
+
+    def check_same_run(self, manifest: dict, path: Path) -> None:
+        saved, ours = manifest["facts"], self.facts
+        if saved["model"] != ours["model"]:
+            raise ConfigError(
+                f"{path} holds a checkpoint of model {saved['model']['name']}/"
+                f"{saved['model']['flavor']}, but model.name/model.flavor are "
+                f"{ours['model']['name']}/{ours['model']['flavor']}: use another "
+                "job.dump_folder, or the model the checkpoint was saved from"
+            )
+        if saved["seed"] != ours["seed"] or saved["prompts_per_step"] != ours["prompts_per_step"]:
+            warn(
+                f"{path} was saved with job.seed = {saved['seed']}, training.prompts_per_step "
+                f"= {saved['prompts_per_step']}; this run's differ, so the prompt sequence "
+                "after the resume differs from the original run's"
+            )
+        if saved["world_size"] != ours["world_size"]:
+            # DCP reshards model and optimizer; per-rank random generators have no new owner.
+            self.state.with_rng = False
+            if self.rank == 0:
+                warn(
+                    f"{path} was saved by {saved['world_size']} ranks, this run has "
+                    f"{ours['world_size']}: weights and optimizer are resharded, RNG states "
+                    "are not restored"
+                )
+
+    # ---- save ----
+
+    def should_save(self, step: int, last: bool) -> bool:
+        return self.enabled and (last or step % self.section.interval == 0)
+
+    def save(self, step: int) -> None:
+        """Write step-{step}; synchronous, or in the background (checkpoint.async_mode)."""
+        self.wait()
+        save = PendingSave(step, self.folder / f"step-{step}.tmp", self.folder / f"step-{step}")
+        if self.rank == 0:
+            shutil.rmtree(save.tmp, ignore_errors=True)
+            save.tmp.mkdir(parents=True)
+        dist.barrier()
+        states = self._states()
+        if self.async_group is not None:
+            save.future = dcp.async_save(
+                states, checkpoint_id=str(save.tmp), process_group=self.async_group
+            )
+            self.pending = save
+            return
+        dcp.save(states, checkpoint_id=str(save.tmp))
+        dist.barrier()  # every rank's files are written
+        self._publish(save)
+        dist.barrier()
+
+    def poll(self) -> None:
+        """Publish a finished background save as soon as it is done. Rank 0 alone: its save
+        ends after every rank's (DCP's closing collective), and it alone renames."""
+        save = self.pending
+        if save is not None and self.rank == 0 and not save.published and save.future.done():
+            save.future.result()
+            self._publish(save)
+
+    def wait(self) -> None:
+        """Finish a background save on every rank (every rank calls it at the same point)."""
+        save, self.pending = self.pending, None
+        if save is None:
+            return
+        save.future.result()
+        dist.barrier()
+        self._publish(save)
+        dist.barrier()
+
+    def _publish(self, save: "PendingSave") -> None:
+        """Rank 0: manifest (written last, atomically), rename into place, drop old ones."""
+        if self.rank != 0 or save.published:
+            return
+        save.published = True
+        tmp, final, step = save.tmp, save.final, save.step
+        files = {
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
+        manifest = {"step": step, "facts": self.facts, "files": files}
+        partial = tmp / f"{MANIFEST}.partial"
+        partial.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(partial, tmp / MANIFEST)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.folder)
+        keep = self.section.keep_latest_k
+        if keep:
+            for old in self.complete_steps()[:-keep]:
+                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- HF export ----
+
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "torchtitan.json",
+)
+
+
+def export_hf(model_state: dict, spec, hf_source: str | None, tokenizer_dir: str, out: Path):
+    """Write `model_state` (torchtitan names; DTensors are gathered) as an HF safetensors folder.
+
+    Every rank must call this (gathering is collective); rank 0 writes. config.json and the
+    tokenizer files come from the HF checkpoint the run started from; weights are cast to its
+    config's dtype. The folder appears complete or not at all (written aside, then renamed).
+    """
+    from safetensors.torch import save_file
+
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+        for k, v in model_state.items()
+    }
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+        return
+    source = Path(hf_source or tokenizer_dir)
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"checkpoint.export_hf_at_end needs an HF config.json next to the weights; "
+            f"{source} has none: set model.hf_checkpoint to the checkpoint the run started from"
+        )
+    hf_config = json.loads(config_path.read_text())
+    dtype = getattr(torch, hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+    adapter = spec.state_dict_adapter(spec.model, None)
+    hf_state = {k: v.to(dtype).contiguous() for k, v in adapter.to_hf(full).items()}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
+    for name in HF_SIDE_FILES:
+        for folder in (source, Path(tokenizer_dir)):
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, tmp / name)
+                break
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
