@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/torchrun --nproc_per_node 2 -m torchtitan_rl.train \
+exec .venv/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_rl.train \
     --job.config_file run_configs/debug_cpu.toml "$@"

@@ -150,10 +150,15 @@ BAD_INPUTS = {
         ["generator.sampling.temperature = 0.0", "> 0"],
     ),
     "malformed TOML": ("[training]\nsteps = = 3\n", [], ["malformed TOML", "line 2"]),
-    "feature not landed": (
-        "[checkpoint]\nenable = true\n",
+    "resume without checkpointing": (
+        "[checkpoint]\nresume_from = 3\n",
         [],
-        ["checkpoint.enable = true: not implemented yet"],
+        ["checkpoint.resume_from = 3 needs checkpoint.enable = true"],
+    ),
+    "absolute checkpoint folder": (
+        '[checkpoint]\nfolder = "/ckpt"\n',
+        [],
+        ["checkpoint.folder = '/ckpt'", "relative to job.dump_folder"],
     ),
     "batch invariance not landed": (
         "batch_invariant = true\n",
@@ -227,6 +232,8 @@ def test_to_toml_round_trips_every_field_in_process(tmp_path):
             "--job.config_file",
             DEBUG_TOML,
             "--algorithm.filter_zero_variance_groups",
+            "true",
+            "--checkpoint.enable",
             "true",
             "--checkpoint.resume_from",
             "3",

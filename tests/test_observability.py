@@ -30,6 +30,10 @@ def run(tmp_path_factory) -> Path:
         "1",
         "--algorithm.kl_beta",
         "0.05",
+        "--metrics.enable_wandb",
+        "true",
+        # The real wandb package, writing locally: nothing here can reach W&B's servers.
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return dump
@@ -48,6 +52,16 @@ def test_tensorboard_gets_every_metric_every_step(run):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e.step for e in rewards] == [1, 2, 3]
     assert [e.value for e in rewards] == pytest.approx([m["reward/mean"] for m in metrics])
+
+
+def test_wandb_offline_run_gets_every_metric_every_step(run):
+    (run_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    assert run_file.stem == "run-" + (run / "wandb_run_id").read_text().strip()
+    records = run_file.read_bytes()
+    # Each step's history record names every metric it carries.
+    for key in (b"reward/mean", b"logprob_diff/max", b"kl"):
+        assert records.count(key) >= 3, key
+    assert b"debug_cpu" in records  # the run's config went along
 
 
 def test_rollouts_hold_prompts_completions_rewards_and_token_diffs(run):

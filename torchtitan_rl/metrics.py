@@ -12,6 +12,7 @@ time/weight_sync_s, time/step_s, throughput/generated_tokens_per_s.
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 CONSOLE_KEYS = (
@@ -35,9 +36,12 @@ class MetricsLogger:
         total_steps: int,
         log_interval: int,
         tensorboard: bool = False,
+        wandb_project: str | None = None,
+        run_config: dict | None = None,
         resume_step: int = 0,
     ):
-        """`resume_step` > 0: a resumed run keeps the rows of steps up to it and drops the
+        """`wandb_project`: also log to W&B (`run_config` is the run's config).
+        `resume_step` > 0: a resumed run keeps the rows of steps up to it and drops the
         later ones (the run being replaced wrote them after its last checkpoint)."""
         self.enabled = enabled
         self.log_interval = log_interval
@@ -45,6 +49,7 @@ class MetricsLogger:
         self.rollouts_path = Path(dump_folder) / "rollouts.jsonl"
         self.bar = None
         self.tensorboard = None
+        self.wandb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _keep_rows_until(self.path, resume_step)
@@ -55,6 +60,8 @@ class MetricsLogger:
                 self.tensorboard = SummaryWriter(
                     log_dir=str(Path(dump_folder) / "tb"), purge_step=resume_step + 1
                 )
+            if wandb_project is not None:
+                self.wandb = _wandb_run(Path(dump_folder), wandb_project, run_config or {})
             # A bar only where someone watches: not under CI, not into a file.
             if sys.stderr.isatty() and not os.environ.get("CI"):
                 from tqdm import tqdm
@@ -69,6 +76,8 @@ class MetricsLogger:
         if self.tensorboard is not None:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
@@ -92,8 +101,27 @@ class MetricsLogger:
             self.bar.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.enabled:
             plot_reward_curve(self.path, self.path.with_name("reward_curve.png"))
+
+
+def _wandb_run(dump_folder: Path, project: str, run_config: dict):
+    """A W&B run writing under the dump folder; a resumed run continues the same one."""
+    import wandb
+
+    id_file = dump_folder / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=project,
+        id=run_id,
+        resume="allow",
+        dir=str(dump_folder),
+        name=dump_folder.name,
+        config=run_config,
+    )
 
 
 def _keep_rows_until(path: Path, step: int) -> None:

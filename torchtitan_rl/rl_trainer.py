@@ -9,6 +9,7 @@ this rank, N samples per prompt, B = P * N sequences, T tokens.
 """
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -103,6 +104,8 @@ class RLTrainer:
             total_steps=config.training.steps,
             log_interval=config.metrics.log_interval,
             tensorboard=config.metrics.enable_tensorboard,
+            wandb_project=config.metrics.wandb_project if config.metrics.enable_wandb else None,
+            run_config=asdict(config),
             resume_step=self.start_step,
         )
 

@@ -398,13 +398,23 @@ class MetricsSection:
     enable_tensorboard: bool = False
     """Write TensorBoard event files to {job.dump_folder}/tb."""
     enable_wandb: bool = False
-    """Log to Weights & Biases (needs wandb installed and a login)."""
+    """Log every metric to Weights & Biases (needs `pip install wandb` and `wandb login`, or
+    WANDB_MODE=offline); never required. A resumed run continues the same W&B run."""
+    wandb_project: str = "torchtitan_rl"
+    """The W&B project the run logs to."""
     rollout_log_interval: int = 10
     """Every this many steps, write a few of rank 0's prompts, completions, rewards and
     per-token logprob diffs to rollouts.jsonl; 0 disables."""
 
     def validate(self) -> None:
-        _not_yet(self.enable_wandb, "metrics.enable_wandb = true", "set it false")
+        if self.enable_wandb:
+            import importlib.util
+
+            _require(
+                importlib.util.find_spec("wandb") is not None,
+                "metrics.enable_wandb = true needs the wandb package: pip install wandb, "
+                "or set it false",
+            )
         _require(
             self.log_interval >= 1, f"metrics.log_interval = {self.log_interval}: must be >= 1"
         )
