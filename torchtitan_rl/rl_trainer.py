@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
+from torchtitan_rl import batch_invariant
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_hf
@@ -54,6 +55,8 @@ class RLTrainer:
         self.config = config
         self.hooks = hooks or Hooks()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if config.batch_invariant:
+            batch_invariant.enable()  # before any model or engine is built
         torch.manual_seed(config.job.seed)
         sampling = config.generator.sampling
         # First, so that a wrong checkpoint folder fails before anything is built.
@@ -187,6 +190,7 @@ class RLTrainer:
             "lr": train_metrics["lr"],
             "clip_fraction": train_metrics["clipped_tokens"] / max(train_metrics["tokens"], 1),
             "policy_version": float(self.generator.policy_version),
+            "batch_invariant": float(batch_invariant.is_enabled()),
             "time/generate_s": generated - start,
             "time/train_s": trained - generated,
             "time/weight_sync_s": synced - trained,
@@ -237,14 +241,27 @@ class RLTrainer:
         """|generator - trainer| logprob of the sampled tokens before the update (all ranks),
         and the trainer's logprobs [B, T]."""
         trainer_BT, _ = self.trainer.logprobs(batch.tokens_BT)
-        diff_BT = (trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT
-        total = torch.tensor([float(diff_BT.sum()), float(batch.loss_mask_BT.sum())])
-        largest = diff_BT.max().reshape(1)
+        mask_BT = batch.loss_mask_BT.bool()
+        log_ratio_BT = trainer_BT - batch.generator_logprobs_BT
+        diff_BT = log_ratio_BT.abs() * mask_BT
+        total = torch.tensor([float(diff_BT.sum()), float(mask_BT.sum())])
+        # The importance ratio pi_trainer / pi_generator of the sampled tokens: exactly 1 where
+        # the two sides agree bit for bit (batch-invariant mode). Max of (max, -min).
+        ratio_BT = torch.exp(log_ratio_BT)
+        extremes = torch.stack(
+            [
+                diff_BT.max(),
+                ratio_BT.masked_fill(~mask_BT, 1.0).max(),
+                -ratio_BT.masked_fill(~mask_BT, 1.0).min(),
+            ]
+        )
         dist.all_reduce(total)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         metrics = {
-            "logprob_diff/max": float(largest),
+            "logprob_diff/max": float(extremes[0]),
             "logprob_diff/mean": float(total[0] / total[1].clamp(min=1)),
+            "behavior_ratio/max": float(extremes[1]),
+            "behavior_ratio/min": -float(extremes[2]),
         }
         return metrics, trainer_BT
 

@@ -22,11 +22,6 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _not_yet(is_set: bool, setting: str, fix: str) -> None:
-    """Refuse a setting whose feature has not landed, instead of silently ignoring it."""
-    _require(not is_set, f"{setting}: not implemented yet; {fix}")
-
-
 @dataclass(kw_only=True, slots=True)
 class JobSection:
     config_file: str | None = None
@@ -431,8 +426,10 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
     batch_invariant: bool = False
-    """Global batch-invariant mode: trainer and generator logprobs bitwise identical (not built
-    yet: true is refused)."""
+    """Global batch-invariant mode: trainer and generator run batch-invariant kernels, so the
+    logprob the generator reports for every sampled token equals the trainer's bit for bit
+    (logprob_diff/max = 0). Costs step time (see README); needs model.dtype ==
+    generator.dtype and generator.sampling.top_p = 1."""
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
@@ -443,9 +440,23 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
+    def _validate_batch_invariant(self) -> None:
+        model, generator = self.model.dtype, self.generator.dtype
+        _require(
+            model == generator,
+            f"batch_invariant = true needs the same dtype on both sides, but model.dtype = "
+            f"{model!r} and generator.dtype = {generator!r}: set both to 'float32' or both "
+            "to 'bfloat16'",
+        )
+        _require(
+            self.generator.sampling.top_p == 1.0,
+            f"batch_invariant = true: generator.sampling.top_p = {self.generator.sampling.top_p} "
+            "renormalizes the generator's logprobs over the nucleus, which the trainer does not "
+            "see: set top_p = 1.0",
+        )
+
     def validate(self, world_size: int = 1) -> None:
         """Check every section, then the rules that span sections, for `world_size` processes."""
-        _not_yet(self.batch_invariant, "batch_invariant = true", "set it false")
         self.job.validate()
         self.model.validate()
         self.training.validate()
@@ -462,6 +473,8 @@ class JobConfig:
             f"generator.sampling.n = {n}: algorithm.advantage = {self.algorithm.advantage!r} "
             "compares samples within a group, so it needs n >= 2",
         )
+        if self.batch_invariant:
+            self._validate_batch_invariant()
         longest = self.training.max_prompt_len + self.generator.sampling.max_tokens
         _require(
             longest <= self.generator.max_model_len,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from torchtitan_rl import batch_invariant
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
 
@@ -98,6 +99,7 @@ class Generator:
             "torchtitan_model": model.name,
             "torchtitan_flavor": model.flavor,
             "torchtitan_packed_gemm": generator.cpu_packed_gemm,
+            "torchtitan_batch_invariant": batch_invariant.is_enabled(),
         }
         args = EngineArgs(
             model=model.hf_checkpoint,

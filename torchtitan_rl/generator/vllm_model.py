@@ -17,6 +17,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
+from torchtitan_rl.batch_invariant import make_linears_invariant, ops
 from torchtitan_rl.models import model_spec
 
 
@@ -54,10 +55,27 @@ class PackedLinear(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen)."""
+    """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen).
 
-    def __init__(self, *, n_heads: int, n_kv_heads: int, head_dim: int, prefix: str, cache_config):
+    With `batch_invariant`, vLLM's Attention keeps the paged KV cache (its allocation, block
+    tables, prefix caching) but the attention itself is `batch_invariant.ops.attention`, the
+    trainer's routine: this step's keys/values are written to the cache first (samples of one
+    prompt share its prefill blocks within the same step), then each sequence's keys/values are
+    read back in position order and its queries attend over them.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        prefix: str,
+        cache_config,
+        batch_invariant: bool = False,
+    ):
         super().__init__()
+        self.batch_invariant = batch_invariant
         self.attn = Attention(
             n_heads,
             head_dim,
@@ -69,8 +87,60 @@ class PagedAttention(nn.Module):
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, **_) -> torch.Tensor:
         B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
+        if self.batch_invariant:
+            return self._invariant_forward(q_BLNH[0], k_BLNH[0], v_BLNH[0])[None]
         out_LD = self.attn(q_BLNH.reshape(L, N * H), k_BLNH.reshape(L, -1), v_BLNH.reshape(L, -1))
         return out_LD.view(B, L, N, H)
+
+    def _cache_rows(self) -> torch.Tensor:
+        """The layer's KV cache as rows of H values. vLLM allocates it as [blocks, K heads,
+        block size, 2H]; this mode owns the layout inside each block: (K head, k|v, slot)."""
+        return self.attn.kv_cache.view(-1, self.attn.kv_cache.shape[-1] // 2)
+
+    def _invariant_forward(self, q_LNH, k_LKH, v_LKH) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        out_LNH = torch.zeros_like(q_LNH)
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        if isinstance(metadata, list):
+            metadata = metadata[0]
+        if isinstance(metadata, dict):
+            metadata = metadata.get(self.attn.layer_name)
+        if metadata is None:  # a dummy run: nothing to attend to
+            return out_LNH
+        blocks, kv_heads, block_size, _ = self.attn.kv_cache.shape
+        H = q_LNH.shape[-1]
+        rows = self._cache_rows()
+        heads = torch.arange(kv_heads)
+
+        # 1. Write: row of (slot s, head h, k|v) = ((block * K + h) * 2 + k|v) * bs + offset.
+        slots = metadata.slot_mapping[: q_LNH.shape[0]]
+        valid = slots >= 0
+        block, offset = slots[valid] // block_size, slots[valid] % block_size
+        key_rows = ((block[:, None] * kv_heads + heads) * 2) * block_size + offset[:, None]
+        for rows_of, x_LKH in ((key_rows, k_LKH), (key_rows + block_size, v_LKH)):
+            rows.index_copy_(0, rows_of.reshape(-1), x_LKH[valid].to(rows.dtype).reshape(-1, H))
+
+        # 2. Read each sequence's keys/values back in position order, attend.
+        starts = metadata.query_start_loc.tolist()
+        lengths = metadata.seq_lens.tolist()
+        cache = self.attn.kv_cache.view(blocks, kv_heads, 2, block_size, H)
+        for i, length in enumerate(lengths):
+            first, last = starts[i], starts[i + 1]
+            if last <= first:
+                continue
+            used = metadata.block_table[i, : -(-length // block_size)].long()
+            kv_2SKH = cache[used].permute(2, 0, 3, 1, 4).reshape(2, -1, kv_heads, H)[:, :length]
+            positions = torch.arange(length - (last - first), length)[None]
+            out_LNH[first:last] = ops.attention(
+                q_LNH[None, first:last],
+                kv_2SKH[0][None],
+                kv_2SKH[1][None],
+                positions,
+                self.attn.impl.scale,
+            )[0]
+        return out_LNH
 
 
 class TorchTitanForCausalLM(nn.Module):
@@ -87,6 +157,7 @@ class TorchTitanForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config
         self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
         model = self.spec.model.build()
+        invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         for index, layer in model.layers.items():
             attention = layer.attention
             layer.attention.inner_attention = PagedAttention(
@@ -95,10 +166,14 @@ class TorchTitanForCausalLM(nn.Module):
                 head_dim=attention.head_dim,
                 prefix=f"{prefix}layers.{index}.attention.inner_attention",
                 cache_config=vllm_config.cache_config,
+                batch_invariant=invariant,
             )
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
-        if getattr(hf_config, "torchtitan_packed_gemm", True) and _onednn_available():
+        if invariant:
+            # The trainer's kernels on the generator side; no packed copies.
+            make_linears_invariant(model)
+        elif getattr(hf_config, "torchtitan_packed_gemm", True) and _onednn_available():
             for name, module in list(model.named_modules()):
                 if isinstance(module, nn.Linear):
                     parent, _, child = name.rpartition(".")

@@ -19,8 +19,10 @@ def _chunk_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperat
     scaled_BCV = logits_BCV.float()
     if temperature != 1.0:
         scaled_BCV = scaled_BCV / temperature
-    picked_BC = scaled_BCV.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1)
-    return picked_BC - torch.logsumexp(scaled_BCV, dim=-1)
+    # log_softmax, then pick: the very ops vLLM reports processed logprobs with, so equal logits
+    # give bitwise-equal logprobs (picked - logsumexp rounds differently).
+    logp_BCV = torch.log_softmax(scaled_BCV, dim=-1)
+    return logp_BCV.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()

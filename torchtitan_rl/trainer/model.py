@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_rl import platform
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config.job_config import ConfigError, ModelSection
 from torchtitan_rl.models import model_spec
 
@@ -23,6 +23,8 @@ def build_spec(model: ModelSection) -> ModelSpec:
     """The model spec of `model.name`/`model.flavor` with this platform's attention."""
     spec = model_spec(model.name, model.flavor, attn_backend=platform.attention_backend())
     platform.use_platform_attention(spec.model)
+    if batch_invariant.is_enabled():
+        batch_invariant.use_invariant_attention(spec.model)
     return spec
 
 

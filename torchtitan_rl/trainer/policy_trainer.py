@@ -21,7 +21,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
-from torchtitan_rl import platform
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer.logprobs import token_logprobs
@@ -92,6 +92,8 @@ class PolicyTrainer:
         self.spec = build_spec(model)
         with torch.device("meta"):
             module = self.spec.model.build()
+        if batch_invariant.is_enabled():
+            batch_invariant.make_linears_invariant(module)
         module = self.spec.parallelize_fn(
             module,
             parallel_dims=self.parallel_dims,

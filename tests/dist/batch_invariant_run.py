@@ -1,0 +1,88 @@
+"""Generator vs trainer logprobs under several batch compositions, after real RL steps.
+
+    torchrun --standalone --nproc_per_node 2 tests/dist/batch_invariant_run.py OUT.json \
+        --job.config_file run_configs/debug_cpu.toml --batch_invariant true ...
+
+Trains the given config's steps (each step logs logprob_diff/max), then on the trained weights
+measures max |generator - trainer| logprob of the sampled tokens for: prompts of mixed lengths
+(3 to 200 tokens, across vLLM's 128-token CPU KV block) sampled together; one prompt alone;
+the same prompt among 16 concurrent sequences. Rank 0 writes the figures to OUT.json.
+"""
+
+import json
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import platform
+from torchtitan_rl.batch import rollout_batch
+from torchtitan_rl.config import parse_args
+from torchtitan_rl.rl_trainer import Hooks, RLTrainer
+
+
+class StepDiffs(Hooks):
+    def __init__(self):
+        self.steps = []
+
+    def after_step(self, step, metrics):
+        self.steps.append({k: metrics[k] for k in ("logprob_diff/max", "behavior_ratio/max")})
+
+
+def digits(rng: random.Random, count: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(count))
+
+
+def max_diff(run: RLTrainer, prompts: list[str], seed: int) -> tuple[float, list]:
+    """Sample 2 completions of each prompt in one generate call; the largest |generator -
+    trainer| logprob over every sampled token (all ranks), and the first sample's logprobs."""
+    ids = [run.tokenizer.encode(p).ids for p in prompts]
+    completions = run.generator.generate(ids, n=2, max_tokens=6, seed=seed)
+    batch = rollout_batch(
+        ids,
+        [[s.token_ids for s in group] for group in completions.samples],
+        [[s.logprobs for s in group] for group in completions.samples],
+        torch.zeros(len(ids), 2),
+        run.pad_id,
+    )
+    trainer_BT, _ = run.trainer.logprobs(batch.tokens_BT)
+    diff = ((trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT).max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff), completions.samples[0][0].logprobs
+
+
+def main() -> None:
+    out, flags = sys.argv[1], sys.argv[2:]
+    platform.patch_torchtitan()
+    rank, world_size = platform.init_distributed()
+    recorder = StepDiffs()
+    run = RLTrainer(parse_args(flags, world_size), hooks=recorder)
+    run.train()
+
+    rng = random.Random(7)
+    mixed = [f"echo {digits(rng, n)}:" for n in (3, 17, 64, 121, 130, 200)]
+    target = f"echo {digits(rng, 40)}:"
+    crowd = [target] + [f"echo {digits(rng, rng.randint(2, 90))}:" for _ in range(7)]
+    mixed_diff, _ = max_diff(run, mixed, seed=11)
+    alone_diff, alone_logprobs = max_diff(run, [target], seed=13)
+    # 8 prompts x 2 samples = 16 concurrent sequences; the target is request 0 again, with the
+    # same per-request seed.
+    crowd_diff, crowd_logprobs = max_diff(run, crowd, seed=13)
+    if rank == 0:
+        result = {
+            "steps": recorder.steps,
+            "mixed_lengths": mixed_diff,
+            "alone": alone_diff,
+            "among_16": crowd_diff,
+            "alone_equals_among_16": alone_logprobs == crowd_logprobs,
+            "longest_prompt_tokens": len(run.tokenizer.encode(mixed[-1]).ids),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f)
+    platform.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
+    platform.exit_process(0)

@@ -1,0 +1,139 @@
+"""Batch-invariant mode: kernels, then the real thing (vLLM engine + FSDP trainer, 2 ranks).
+
+.venv/bin/python -m pytest tests/test_batch_invariant.py
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_dist, run_train
+
+from torchtitan_rl.batch_invariant import ops
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_linear_row_does_not_depend_on_the_batch(dtype):
+    torch.manual_seed(0)
+    weight, x = torch.randn(256, 128).to(dtype), torch.randn(100, 128).to(dtype)
+    full = ops.linear(x, weight)
+    for rows in (1, 2, 3, 7, 16, 17, 100):
+        for i in (0, rows // 2, rows - 1):
+            batch = torch.randn(rows, 128).to(dtype)
+            batch[i] = x[5]
+            assert torch.equal(ops.linear(batch, weight)[i], full[5]), (rows, i)
+    assert torch.allclose(full.float(), F.linear(x, weight).float(), rtol=1e-2, atol=1e-5)
+
+
+def test_linear_gradients_are_the_plain_ones():
+    torch.manual_seed(0)
+    x = torch.randn(30, 128, requires_grad=True)
+    weight = torch.randn(64, 128, requires_grad=True)
+    bias = torch.randn(64, requires_grad=True)
+    ops.linear(x, weight, bias).square().sum().backward()
+    ours = [x.grad.clone(), weight.grad.clone(), bias.grad.clone()]
+    for t in (x, weight, bias):
+        t.grad = None
+    F.linear(x, weight, bias).square().sum().backward()
+    for mine, plain in zip(ours, (x.grad, weight.grad, bias.grad), strict=True):
+        assert torch.allclose(mine, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_attention_row_is_the_same_in_full_forward_chunked_prefill_and_decode(dtype):
+    """The trainer's full causal forward, a generator decode of one row and a chunked prefill
+    give the same bits for a position (keys past 64 and 128 included)."""
+    torch.manual_seed(0)
+    B, T, N, K, H = 2, 150, 4, 2, 32
+    q, k, v = (torch.randn(B, T, n, H).to(dtype) for n in (N, K, K))
+    full = ops.attention(q, k, v, torch.arange(T).expand(B, T))
+    zero = torch.zeros(1, 1, dtype=torch.long)
+    for b in range(B):
+        q1, k1, v1 = q[b : b + 1], k[b : b + 1], v[b : b + 1]
+        for t in (0, 1, 15, 16, 63, 64, 65, 127, 128, 149):
+            decode = ops.attention(q1[:, t : t + 1], k1[:, : t + 1], v1[:, : t + 1], t + zero)
+            assert torch.equal(decode[0, 0], full[b, t]), (b, t)
+        for first, last in ((0, 40), (40, 77), (77, 150)):
+            positions = torch.arange(first, last)[None]
+            chunk = ops.attention(q1[:, first:last], k1[:, :last], v1[:, :last], positions)
+            assert torch.equal(chunk[0], full[b, first:last]), (b, first)
+    sdpa = F.scaled_dot_product_attention(
+        *(t.float().transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    assert torch.allclose(full.float(), sdpa, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+PROBE_FLAGS = (
+    "--job.config_file",
+    "run_configs/debug_cpu.toml",
+    "--training.steps",
+    "3",
+    "--training.lr",
+    "1e-2",
+    # Prompts up to 206 tokens: longer than vLLM's 128-token CPU KV block.
+    "--generator.max_model_len",
+    "320",
+    "--training.max_prompt_len",
+    "256",
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["true", "false"])
+def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, tmp_path):
+    """3 RL steps (FSDP=2, weight sync after each), then mixed-length prompts, one prompt
+    alone and among 16 sequences: with the mode on every difference is exactly 0.0; off, the
+    same measurement is not (so this test can fail)."""
+    out = tmp_path / "result.json"
+    run_dist(
+        "batch_invariant_run.py",
+        str(out),
+        *PROBE_FLAGS,
+        "--model.dtype",
+        dtype,
+        "--generator.dtype",
+        dtype,
+        "--batch_invariant",
+        mode,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        nproc=2,
+    )
+    result = json.loads(out.read_text())
+    assert result["longest_prompt_tokens"] > 128
+    diffs = [step["logprob_diff/max"] for step in result["steps"]]
+    diffs += [result["mixed_lengths"], result["alone"], result["among_16"]]
+    if mode == "true":
+        assert diffs == [0.0] * 6, result
+        assert [step["behavior_ratio/max"] for step in result["steps"]] == [1.0] * 3
+        assert result["alone_equals_among_16"]
+    else:
+        assert max(diffs) > 0.0, result
+
+
+def test_demo_learns_with_every_step_bitwise_on_policy(tmp_path):
+    result = run_train(
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--batch_invariant",
+        "true",
+        "--job.dump_folder",
+        str(tmp_path),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 100
+    assert all(row["batch_invariant"] == 1.0 for row in rows)
+    assert [row["logprob_diff/max"] for row in rows] == [0.0] * 100
+    assert (
+        {row["behavior_ratio/max"] for row in rows}
+        == {row["behavior_ratio/min"] for row in rows}
+        == {1.0}
+    )
+    first, last = rows[:5], rows[-10:]
+    assert sum(r["reward/mean"] for r in first) / 5 < 0.2
+    assert sum(r["reward/mean"] for r in last) / 10 > 0.9

@@ -1,0 +1,79 @@
+"""Batch-invariant mode: one global switch, set before any model or engine is built.
+
+    .venv/bin/python -m pytest tests/test_batch_invariant.py
+
+With it on, the trainer and the generator compute every sampled token's logprob with the same
+batch-invariant kernels, so the two agree bit for bit whatever the batch composition:
+- CPU (this project's kernels, ops.py): every linear layer (trainer modules and the generator
+  wrapper, which then skips its oneDNN-packed copies) pads its rows to a fixed tile; attention
+  is `ops.attention` on both sides, the generator reading keys/values from vLLM's paged cache;
+  RMSNorm, RoPE and log_softmax are row-invariant as they are. The trainer computes logprobs
+  as log_softmax(logits / T), exactly vLLM's processed logprobs.
+- CUDA (written, not run here: no GPU in this project's CI): torchtitan's
+  `set_batch_invariance` (the batch_invariant_ops ATen overrides, deterministic NCCL) and
+  vLLM's VLLM_BATCH_INVARIANT=1, with the trainer's attention as on CPU.
+"""
+
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torchtitan.protocols.module import Module
+
+from torchtitan_rl.batch_invariant import ops
+
+_enabled = False
+
+
+def enable() -> None:
+    """Turn the mode on for this process (before building any model or engine)."""
+    global _enabled
+    from torchtitan_rl import platform
+
+    if platform.device_type() == "cuda":
+        from torchtitan.distributed.utils import set_batch_invariance
+
+        set_batch_invariance(True)
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    _enabled = True
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def _invariant_linear_forward(self: nn.Linear, x):
+    return ops.linear(x, self.weight, self.bias)
+
+
+def make_linears_invariant(model: nn.Module) -> None:
+    """Run every nn.Linear of `model` through `ops.linear` (parameters and names unchanged)."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = types.MethodType(_invariant_linear_forward, module)
+
+
+class CausalAttention(Module):
+    """torchtitan inner attention over (B, L, N, H) right-padded causal sequences running
+    `ops.attention`: the trainer's side of the generator's paged attention in this mode."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config | None = None):
+        super().__init__()
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale: float | None = None, **_):
+        B, L = q_BLNH.shape[:2]
+        positions_BL = torch.arange(L, device=q_BLNH.device).expand(B, L)
+        return ops.attention(q_BLNH, k_BLNH, v_BLNH, positions_BL, scale)
+
+
+def use_invariant_attention(model_config) -> None:
+    """Make every layer of a torchtitan model config build CausalAttention (before build)."""
+    for layer in model_config.layers:
+        if getattr(layer, "attention", None) is not None:
+            layer.attention.inner_attention = CausalAttention.Config()

@@ -1,0 +1,109 @@
+"""Batch-invariant CPU kernels: a row's result never depends on how many rows come with it.
+
+    .venv/bin/python -m pytest tests/test_batch_invariant.py
+
+Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; /work notes in the README):
+- fp32 GEMM: a row's result changes with the number of rows M for M < 12, and is the same for
+  every M >= 12 that was tried (up to 4096) and at any position. `linear` pads the rows to a
+  multiple of ROW_TILE and runs one GEMM; the backward is the plain one (gradients equal
+  F.linear's bit for bit).
+- RMSNorm, log_softmax and logsumexp are row-invariant as they are.
+- SDPA is not: decoding one row alone differs from the same row in a causal forward. For P @ V
+  the contraction length must not change (trailing zero keys are not neutral past ~144 keys),
+  while QK^T and softmax are neutral to trailing zero keys / -inf scores. `attention` therefore
+  pads keys to a multiple of KEY_CHUNK and sums P @ V over fixed-size key chunks in order, so a
+  query at position t gets the same bits in a full causal forward (the trainer), a chunked
+  prefill or a one-token decode (the generator).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16
+KEY_CHUNK = 64
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        rows = x.reshape(-1, x.shape[-1])
+        pad = -rows.shape[0] % ROW_TILE
+        y = F.linear(F.pad(rows, (0, 0, 0, pad)), weight, bias)[: rows.shape[0]]
+        # Not a view in autograd's eyes (as F.linear's own 3-D result): FSDP warns about views.
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = (grad_rows @ weight.to(grad_rows.dtype)).reshape(x.shape)
+        grad_w = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad_rows.dtype)
+        grad_b = grad_rows.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w.to(weight.dtype), grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear whose result for a row depends only on that row (rows padded to ROW_TILE)."""
+    return _Linear.apply(x, weight, bias)
+
+
+def attention(
+    q_BLNH: torch.Tensor,
+    k_BSKH: torch.Tensor,
+    v_BSKH: torch.Tensor,
+    positions_BL: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of B sequences' L queries over their S keys (positions 0..S-1).
+
+    Query l of sequence b sits at position positions_BL[b, l] and sees keys 0..that position.
+    N query heads share K kv heads in groups of N // K (consecutive query heads per kv head,
+    like SDPA's enable_gqa). Computed in fp32, returned in q's dtype.
+    """
+    B, L, N, H = q_BLNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    scale = H**-0.5 if scale is None else scale
+    padded = max(KEY_CHUNK, math.ceil(S / KEY_CHUNK) * KEY_CHUNK)
+    tiles = math.ceil(L / ROW_TILE)
+    pad = tiles * ROW_TILE - L
+    batch = B * tiles * K
+
+    def keys(x_BSKH):  # [B, S, K, H] -> [B * tiles * K, padded, H], zero keys past S
+        x_BKPH = F.pad(x_BSKH.float(), (0, 0, 0, 0, 0, padded - S)).permute(0, 2, 1, 3)
+        return x_BKPH.unsqueeze(1).expand(B, tiles, K, padded, H).reshape(batch, padded, H)
+
+    # Queries in tiles of ROW_TILE rows: one [G * ROW_TILE, H] block per (b, tile, kv head).
+    q_bMH = (
+        F.pad(q_BLNH.float(), (0, 0, 0, 0, 0, pad))
+        .view(B, tiles, ROW_TILE, K, G, H)
+        .permute(0, 1, 3, 4, 2, 5)
+        .reshape(batch, G * ROW_TILE, H)
+    )
+    k_bPH, v_bPH = keys(k_BSKH), keys(v_BSKH)
+    scores_bMP = torch.bmm(q_bMH, k_bPH.transpose(1, 2)) * scale
+    # Padded query rows get position 0: finite, and dropped below.
+    pos_bM1 = (
+        F.pad(positions_BL, (0, pad))
+        .view(B, tiles, 1, 1, ROW_TILE)
+        .expand(B, tiles, K, G, ROW_TILE)
+        .reshape(batch, G * ROW_TILE, 1)
+    )
+    future = torch.arange(padded, device=q_BLNH.device).view(1, 1, padded) > pos_bM1
+    probs_bMP = torch.softmax(scores_bMP.masked_fill(future, float("-inf")), dim=-1)
+    # P @ V over fixed-size key chunks, summed in order: the contraction length never changes.
+    out_bMH = None
+    for start in range(0, padded, KEY_CHUNK):
+        chunk = slice(start, start + KEY_CHUNK)
+        part = torch.bmm(probs_bMP[:, :, chunk], v_bPH[:, chunk])
+        out_bMH = part if out_bMH is None else out_bMH + part
+    out_BLNH = (
+        out_bMH.view(B, tiles, K, G, ROW_TILE, H)
+        .permute(0, 1, 4, 2, 3, 5)
+        .reshape(B, tiles * ROW_TILE, N, H)[:, :L]
+    )
+    return out_BLNH.to(q_BLNH.dtype)
