@@ -160,10 +160,15 @@ BAD_INPUTS = {
         [],
         ["checkpoint.folder = '/ckpt'", "relative to job.dump_folder"],
     ),
-    "batch invariance not landed": (
-        "batch_invariant = true\n",
+    "batch invariance with mixed dtypes": (
+        'batch_invariant = true\n[model]\ndtype = "bfloat16"\n',
         [],
-        ["batch_invariant = true: not implemented yet"],
+        ["batch_invariant = true needs the same dtype", "generator.dtype = 'float32'"],
+    ),
+    "batch invariance with top_p": (
+        "[generator.sampling]\ntop_p = 0.9\n",
+        ["--batch_invariant", "true"],
+        ["generator.sampling.top_p = 0.9", "set top_p = 1.0"],
     ),
     "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
 }

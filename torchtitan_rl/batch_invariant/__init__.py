@@ -10,8 +10,9 @@ batch-invariant kernels, so the two agree bit for bit whatever the batch composi
   RMSNorm, RoPE and log_softmax are row-invariant as they are. The trainer computes logprobs
   as log_softmax(logits / T), exactly vLLM's processed logprobs.
 - CUDA (written, not run here: no GPU in this project's CI): torchtitan's
-  `set_batch_invariance` (the batch_invariant_ops ATen overrides, deterministic NCCL) and
-  vLLM's VLLM_BATCH_INVARIANT=1, with the trainer's attention as on CPU.
+  `set_batch_invariance` (the batch_invariant_ops ATen overrides, deterministic NCCL) for the
+  trainer and vLLM's VLLM_BATCH_INVARIANT=1 for the generator. Each side is then
+  batch-invariant; bitwise equality between them is unverified (different attention kernels).
 """
 
 import os
@@ -42,6 +43,14 @@ def enable() -> None:
 
 def is_enabled() -> bool:
     return _enabled
+
+
+def uses_own_kernels() -> bool:
+    """True where this project's kernels implement the mode (CPU); on CUDA the ATen overrides
+    of batch_invariant_ops and vLLM's own batch-invariant backend do."""
+    from torchtitan_rl import platform
+
+    return _enabled and platform.device_type() == "cpu"
 
 
 def _invariant_linear_forward(self: nn.Linear, x):

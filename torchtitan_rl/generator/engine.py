@@ -99,7 +99,7 @@ class Generator:
             "torchtitan_model": model.name,
             "torchtitan_flavor": model.flavor,
             "torchtitan_packed_gemm": generator.cpu_packed_gemm,
-            "torchtitan_batch_invariant": batch_invariant.is_enabled(),
+            "torchtitan_batch_invariant": batch_invariant.uses_own_kernels(),
         }
         args = EngineArgs(
             model=model.hf_checkpoint,

@@ -23,7 +23,7 @@ def build_spec(model: ModelSection) -> ModelSpec:
     """The model spec of `model.name`/`model.flavor` with this platform's attention."""
     spec = model_spec(model.name, model.flavor, attn_backend=platform.attention_backend())
     platform.use_platform_attention(spec.model)
-    if batch_invariant.is_enabled():
+    if batch_invariant.uses_own_kernels():
         batch_invariant.use_invariant_attention(spec.model)
     return spec
 

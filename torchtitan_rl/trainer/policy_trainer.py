@@ -92,7 +92,7 @@ class PolicyTrainer:
         self.spec = build_spec(model)
         with torch.device("meta"):
             module = self.spec.model.build()
-        if batch_invariant.is_enabled():
+        if batch_invariant.uses_own_kernels():
             batch_invariant.make_linears_invariant(module)
         module = self.spec.parallelize_fn(
             module,
