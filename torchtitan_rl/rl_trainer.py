@@ -32,6 +32,17 @@ from torchtitan_rl.weight_sync import SyncStats, WeightSync, WeightSyncError
 StopRun = (NonFiniteError, RewardError, WeightSyncError)
 
 
+def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
+    """Stop on a NaN/inf logprob of a sampled token, naming the step and the first one."""
+    bad_BT = ~torch.isfinite(logprobs_BT) & mask_BT
+    if bool(bad_BT.any()):
+        b, t = (int(i) for i in bad_BT.nonzero()[0])
+        raise NonFiniteError(
+            f"step {step}: the {side} logprob of sequence {b}, token {t} is "
+            f"{float(logprobs_BT[b, t])}"
+        )
+
+
 class Hooks:
     """Attach points for schedulers and user code; the default does nothing."""
 
@@ -94,7 +105,9 @@ class RLTrainer:
         self.pad_id = 0
         self.task = build_task(config.task, seed=config.job.seed)
         reward_fn = load_reward_fn(config.task.reward_fn) if config.task.reward_fn else None
-        self.scorer = Scorer(self.task, reward_fn, config.task.reward_on_error)
+        self.scorer = Scorer(
+            self.task, reward_fn, config.task.reward_on_error, config.task.reward_timeout_s
+        )
         self.advantage = build_advantage(config.algorithm.advantage)
         self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
         self.state = TrainState()
@@ -171,7 +184,7 @@ class RLTrainer:
             batch.loss_mask_BT = batch.loss_mask_BT * keep_B
         if self.reference is not None:
             batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
-        logprob_diff, trainer_logprobs_BT = self.logprob_diff(batch)
+        logprob_diff, trainer_logprobs_BT = self.logprob_diff(step, batch)
         self.log_rollouts(step, prompts, completions, rewards_PN, batch, trainer_logprobs_BT)
         train_metrics = self.trainer.train_step(batch, self.loss)
         trained = time.perf_counter()
@@ -215,6 +228,12 @@ class RLTrainer:
         ids = [self.tokenizer.encode(p.text).ids for p in prompts]
         limit = self.config.training.max_prompt_len
         for prompt, tokens in zip(prompts, ids, strict=True):
+            if not tokens:
+                raise ConfigError(
+                    f"prompt {prompt.text[:40]!r} encodes to no tokens with "
+                    f"{self.config.model.tokenizer_dir}/tokenizer.json: fix the prompt or "
+                    "use the tokenizer the model was trained with"
+                )
             if len(tokens) > limit:
                 raise ConfigError(
                     f"prompt {prompt.text[:40]!r} has {len(tokens)} tokens, more than "
@@ -224,7 +243,9 @@ class RLTrainer:
 
     def sampling_seed(self, step: int) -> int:
         # Per-request seeds: samples depend on (seed, step, rank, prompt), not on batching.
-        return (self.config.job.seed * 1_000_003 + step) * 65_536 + self.rank * 4_096
+        # Each (step, rank) owns 2**20 consecutive seeds, one per sample (Generator.generate).
+        run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.rank
+        return run * 2**20 % 2**62
 
     def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
         """Rewards [P, N] of every sample; a NaN/inf reward stops the run."""
@@ -237,11 +258,13 @@ class RLTrainer:
             raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")
         return rewards_PN
 
-    def logprob_diff(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
+    def logprob_diff(self, step: int, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
         """|generator - trainer| logprob of the sampled tokens before the update (all ranks),
         and the trainer's logprobs [B, T]."""
         trainer_BT, _ = self.trainer.logprobs(batch.tokens_BT)
         mask_BT = batch.loss_mask_BT.bool()
+        check_finite(step, "trainer", trainer_BT, mask_BT)
+        check_finite(step, "generator", batch.generator_logprobs_BT, mask_BT)
         log_ratio_BT = trainer_BT - batch.generator_logprobs_BT
         diff_BT = log_ratio_BT.abs() * mask_BT
         total = torch.tensor([float(diff_BT.sum()), float(mask_BT.sum())])

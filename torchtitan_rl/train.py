@@ -8,12 +8,46 @@ Config errors exit with code 2 and one line on stderr. A real run writes the res
 """
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ConfigError, parse_args, to_toml
 from torchtitan_rl.config.manager import write_config
+
+# Room a run needs besides checkpoints: metrics, TensorBoard, rollouts, an HF export.
+MIN_FREE_BYTES = 256 * 2**20
+
+
+def check_dump_folder(config) -> None:
+    """Refuse to start when job.dump_folder cannot be written or lacks the space the run needs
+    (checkpoints estimated from the HF checkpoint's size: fp32 weights + two AdamW moments)."""
+    folder = Path(config.job.dump_folder)
+    probe = folder / f".write_check.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"job.dump_folder = {str(folder)!r} is not writable ({e.strerror}): "
+            "point it at a folder this user can write"
+        ) from None
+    needed = MIN_FREE_BYTES
+    checkpoint = config.checkpoint
+    if checkpoint.enable and config.model.hf_checkpoint:
+        weights = sum(
+            f.stat().st_size for f in Path(config.model.hf_checkpoint).glob("*.safetensors")
+        )
+        needed += 6 * weights * (checkpoint.keep_latest_k + 1 if checkpoint.keep_latest_k else 2)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise ConfigError(
+            f"job.dump_folder = {str(folder)!r} has {free / 2**20:.0f} MiB free, the run needs "
+            f"about {needed / 2**20:.0f} MiB (metrics and checkpoints): free space, move "
+            "job.dump_folder, or lower checkpoint.keep_latest_k"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
             print(to_toml(config), end="")
         return 0
 
+    try:
+        check_dump_folder(config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     platform.patch_torchtitan()
     rank, world_size = platform.init_distributed()
     from torchtitan_rl.rl_trainer import RLTrainer, StopRun

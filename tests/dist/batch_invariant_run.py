@@ -34,16 +34,18 @@ def digits(rng: random.Random, count: int) -> str:
     return "".join(rng.choice("0123456789") for _ in range(count))
 
 
-def max_diff(run: RLTrainer, prompts: list[str], seed: int) -> tuple[float, list]:
-    """Sample 2 completions of each prompt in one generate call; the largest |generator -
+def max_diff(
+    run: RLTrainer, prompts: list[str], seed: int, n: int = 2, max_tokens: int = 6
+) -> tuple[float, list]:
+    """Sample n completions of each prompt in one generate call; the largest |generator -
     trainer| logprob over every sampled token (all ranks), and the first sample's logprobs."""
     ids = [run.tokenizer.encode(p).ids for p in prompts]
-    completions = run.generator.generate(ids, n=2, max_tokens=6, seed=seed)
+    completions = run.generator.generate(ids, n=n, max_tokens=max_tokens, seed=seed)
     batch = rollout_batch(
         ids,
         [[s.token_ids for s in group] for group in completions.samples],
         [[s.logprobs for s in group] for group in completions.samples],
-        torch.zeros(len(ids), 2),
+        torch.zeros(len(ids), n),
         run.pad_id,
     )
     trainer_BT, _ = run.trainer.logprobs(batch.tokens_BT)

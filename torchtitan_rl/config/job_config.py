@@ -230,6 +230,10 @@ class GeneratorSection:
     """Fraction of GPU memory vLLM may use (CUDA only)."""
     kv_cache_space_gib: int = 1
     """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    num_kv_blocks: int | None = None
+    """Cap the KV cache at this many blocks (vLLM's num_gpu_blocks_override; a CPU block holds
+    128 tokens); None: as many as kv_cache_space_gib / gpu_memory_utilization allow. When the
+    running sequences outgrow it, vLLM preempts and recomputes some of them."""
     enforce_eager: bool = True
     """Run the engine eagerly (no CUDA graphs / torch.compile)."""
     cpu_packed_gemm: bool = True
@@ -257,6 +261,10 @@ class GeneratorSection:
         _require(
             self.max_model_len >= 2,
             f"generator.max_model_len = {self.max_model_len}: must be >= 2",
+        )
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"generator.num_kv_blocks = {self.num_kv_blocks}: must be >= 1, or unset",
         )
         _require(
             0 < self.gpu_memory_utilization <= 1,
@@ -318,10 +326,18 @@ class TaskSection:
     reward_fn: str | None = None
     """Custom reward `module:function(prompt, completion, answer) -> float`; None: the task's."""
     reward_on_error: Literal["zero", "fail"] = "zero"
-    """When the reward function raises: count and log it and give the sample 0, or stop."""
+    """When the reward function raises or times out: count and log it and give the sample 0,
+    or stop."""
+    reward_timeout_s: float = 30.0
+    """Longest one reward call may take before it counts as failed (reward_on_error); 0
+    disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
 
     def validate(self) -> None:
         _require(self.num_digits >= 1, f"task.num_digits = {self.num_digits}: must be >= 1")
+        _require(
+            self.reward_timeout_s >= 0,
+            f"task.reward_timeout_s = {self.reward_timeout_s}: must be >= 0 (0: no limit)",
+        )
         _require(
             self.name != "jsonl" or self.dataset_path is not None,
             "task.name = 'jsonl' needs task.dataset_path: a JSONL file of "
@@ -440,6 +456,20 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
+    def _validate_heads(self) -> None:
+        from torchtitan_rl.models import model_spec
+
+        tp = self.parallelism.tp
+        if tp == 1:
+            return
+        attention = model_spec(self.model.name, self.model.flavor).model.layers[0].attention
+        heads, kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
+        _require(
+            heads % tp == 0 and kv_heads % tp == 0,
+            f"parallelism.tp = {tp} does not divide the {heads} attention heads and {kv_heads} "
+            f"KV heads of {self.model.name}/{self.model.flavor}: pick a tp that divides both",
+        )
+
     def _validate_batch_invariant(self) -> None:
         model, generator = self.model.dtype, self.generator.dtype
         _require(
@@ -475,6 +505,7 @@ class JobConfig:
         )
         if self.batch_invariant:
             self._validate_batch_invariant()
+        self._validate_heads()
         longest = self.training.max_prompt_len + self.generator.sampling.max_tokens
         _require(
             longest <= self.generator.max_model_len,

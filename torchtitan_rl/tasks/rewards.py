@@ -5,7 +5,10 @@
 
 import importlib
 import logging
+import signal
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from torchtitan_rl.config.job_config import ConfigError
 from torchtitan_rl.tasks.base import Prompt, Task
@@ -20,7 +23,9 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     """1.0 if the completion's final answer (\\boxed{...} or the last number) equals `answer`."""
     from math_verify import parse, verify
 
-    return 1.0 if verify(parse(answer), parse(completion)) else 0.0
+    # math-verify's own SIGALRM timeouts would cancel the Scorer's (task.reward_timeout_s).
+    gold, guess = parse(answer, parsing_timeout=None), parse(completion, parsing_timeout=None)
+    return 1.0 if verify(gold, guess, timeout_seconds=None) else 0.0
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -41,28 +46,57 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 class RewardError(RuntimeError):
-    """A reward function raised and task.reward_on_error = "fail"."""
+    """A reward function raised or timed out and task.reward_on_error = "fail"."""
+
+
+class RewardTimeout(Exception):
+    """One reward call ran past task.reward_timeout_s."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise RewardTimeout in the block after `seconds` (0: no limit). SIGALRM interrupts
+    Python code, so the limit applies in the main thread only; elsewhere there is none."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout(f"took longer than task.reward_timeout_s = {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class Scorer:
     """Scores completions with the task's reward (or `reward_fn`), applying the error policy:
-    a reward function that raises is counted and logged, and the sample gets 0 ("zero") or the
-    run stops ("fail")."""
+    a reward function that raises or runs past `timeout_s` is counted and logged, and the
+    sample gets 0 ("zero") or the run stops ("fail")."""
 
-    def __init__(self, task: Task, reward_fn: RewardFn | None, on_error: str):
+    def __init__(
+        self, task: Task, reward_fn: RewardFn | None, on_error: str, timeout_s: float = 0.0
+    ):
         self.task, self.reward_fn, self.on_error = task, reward_fn, on_error
+        self.timeout_s = timeout_s
         self.errors = 0
 
     def __call__(self, prompt: Prompt, completion: str) -> float:
         try:
-            if self.reward_fn is not None:
-                return float(self.reward_fn(prompt.text, completion, prompt.answer))
-            return float(self.task.reward(prompt, completion))
+            with time_limit(self.timeout_s):
+                if self.reward_fn is not None:
+                    return float(self.reward_fn(prompt.text, completion, prompt.answer))
+                return float(self.task.reward(prompt, completion))
         except Exception as e:  # user code: any exception is the reward function's failure
+            what = str(e) if isinstance(e, RewardTimeout) else f"raised {e!r}"
             if self.on_error == "fail":
-                message = f"the reward function raised on prompt {prompt.text!r}: {e!r}"
+                message = f"the reward function {what} on prompt {prompt.text!r}"
                 raise RewardError(message) from e
             self.errors += 1
             if self.errors == 1:
-                logger.warning("reward function raised (%r); such samples get reward 0", e)
+                logger.warning("the reward function %s; such samples get reward 0", what)
             return 0.0
