@@ -1,14 +1,52 @@
 """Shared test helpers: launching the train entry point and the scripts in tests/dist, as a plain
 process (a world of one, nproc = 0) or under `torchrun --standalone` with nproc ranks."""
 
+import ctypes
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Orphans (a rank whose launcher died) are re-parented to this process instead of init, so
+# the check below sees every process a test started, however it lost its parent.
+if sys.platform.startswith("linux"):
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _reap() -> None:
+    """Collect exited orphans (they are this process's children now)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Every test ends with no process of its own still running (they are killed, and the
+    test fails)."""
+    yield
+    _reap()
+    alive = {}
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive[process] = " ".join(process.cmdline()[:4])
+                process.kill()
+        except psutil.NoSuchProcess:
+            pass  # ended while we looked
+    psutil.wait_procs(list(alive), timeout=30)
+    _reap()
+    assert not alive, f"processes left running: {list(alive.values())}"
 
 
 def launcher(nproc: int) -> list[str]:
@@ -28,7 +66,11 @@ def launcher(nproc: int) -> list[str]:
 def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL a launcher and every process under it (torchrun puts each rank in a session
     of its own, so signalling its group is not enough)."""
-    victims = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    try:
+        root = psutil.Process(process.pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return  # already gone (its orphans, if any, are this process's children: see above)
     for victim in victims:
         try:
             victim.kill()

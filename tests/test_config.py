@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import run_train
 
-from torchtitan_rl.config import ConfigError, JobConfig, parse_args, to_toml
-from torchtitan_rl.train import main
+from torchtitan_rl.config import JobConfig, parse_args, to_toml
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(REPO / "run_configs" / "debug_cpu.toml")
@@ -80,120 +79,6 @@ def test_gpu_configs_parse(tmp_path):
         )
         assert config.model.flavor in ("0.6B", "1.7B")
         assert config.model.dtype == "bfloat16"
-
-
-# Each bad input: the TOML text and/or CLI flags, and words the one-line error must contain.
-BAD_INPUTS = {
-    "unknown section": ("[trainng]\nsteps = 3\n", [], ["'trainng'", "did you mean training"]),
-    "unknown key": ("[training]\nstep = 3\n", [], ["'training.step'", "did you mean steps"]),
-    "unknown nested key": (
-        "[generator.sampling]\ntemprature = 0.7\n",
-        [],
-        ["'generator.sampling.temprature'", "temperature"],
-    ),
-    "wrong type in TOML": (
-        '[training]\nsteps = "ten"\n',
-        [],
-        ["training.steps", "expected int", "'ten'"],
-    ),
-    "bool for int in TOML": ("[training]\nsteps = true\n", [], ["training.steps", "expected int"]),
-    "wrong literal in TOML": (
-        '[generator]\ndtype = "fp8"\n',
-        [],
-        ["generator.dtype", "'float32'", "'fp8'"],
-    ),
-    "value for a section": ("generator = 3\n", [], ["generator is a section"]),
-    "wrong type on CLI": ("", ["--training.steps", "ten"], ["--training.steps", "'ten'"]),
-    "wrong choice on CLI": ("", ["--generator.dtype", "fp8"], ["--generator.dtype", "fp8"]),
-    "unknown CLI flag": ("", ["--training.stepz", "3"], ["--training.stepz"]),
-    "negative steps": ("[training]\nsteps = -1\n", [], ["training.steps = -1", ">= 1"]),
-    "negative steps on CLI": ("", ["--training.steps=-5"], ["training.steps = -5"]),
-    "degrees vs world size": (
-        "[parallelism]\ndp_shard = 4\n",
-        [],
-        ["parallelism.dp_replicate * dp_shard * tp = 4", "world size is 1"],
-    ),
-    "tp not dividing world": (
-        "[parallelism]\ntp = 2\n",
-        [],
-        ["parallelism.dp_replicate * parallelism.tp = 2", "world size 1"],
-    ),
-    "generator tp vs world": (
-        "[generator.parallelism]\ntensor_parallel_degree = 3\n",
-        [],
-        ["generator.parallelism.tensor_parallel_degree = 3"],
-    ),
-    "generator tp unsupported": (
-        "[generator.parallelism]\ntensor_parallel_degree = 2\n",
-        [],
-        ["generator.parallelism.tensor_parallel_degree = 2", "not supported yet"],
-    ),
-    "group size < 2 for GRPO": (
-        "[generator.sampling]\nn = 1\n",
-        [],
-        ["generator.sampling.n = 1", "'grpo'", "n >= 2"],
-    ),
-    "missing checkpoint dir": (
-        '[model]\nhf_checkpoint = "/no/such/checkpoint"\n',
-        [],
-        ["model.hf_checkpoint = '/no/such/checkpoint'", "no such directory"],
-    ),
-    "unknown flavor": ('[model]\nflavor = "huge"\n', [], ["model.flavor = 'huge'", "tiny"]),
-    "prompt + completion too long": (
-        "[generator]\nmax_model_len = 16\n",
-        [],
-        ["exceeds generator.max_model_len = 16"],
-    ),
-    "zero temperature": (
-        "[generator.sampling]\ntemperature = 0.0\n",
-        [],
-        ["generator.sampling.temperature = 0.0", "> 0"],
-    ),
-    "malformed TOML": ("[training]\nsteps = = 3\n", [], ["malformed TOML", "line 2"]),
-    "resume without checkpointing": (
-        "[checkpoint]\nresume_from = 3\n",
-        [],
-        ["checkpoint.resume_from = 3 needs checkpoint.enable = true"],
-    ),
-    "absolute checkpoint folder": (
-        '[checkpoint]\nfolder = "/ckpt"\n',
-        [],
-        ["checkpoint.folder = '/ckpt'", "relative to job.dump_folder"],
-    ),
-    "batch invariance with mixed dtypes": (
-        'batch_invariant = true\n[model]\ndtype = "bfloat16"\n',
-        [],
-        ["batch_invariant = true needs the same dtype", "generator.dtype = 'float32'"],
-    ),
-    "batch invariance with top_p": (
-        "[generator.sampling]\ntop_p = 0.9\n",
-        ["--batch_invariant", "true"],
-        ["generator.sampling.top_p = 0.9", "set top_p = 1.0"],
-    ),
-    "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
-}
-
-
-@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys):
-    text, flags, words = BAD_INPUTS[name]
-    path = write(tmp_path, text)
-    if name != "missing checkpoint dir":
-        flags = ["--model.hf_checkpoint", TINY, *flags]
-    with pytest.raises(ConfigError):
-        parse_args(["--job.config_file", path, *flags])
-    assert main(["--job.config_file", path, *flags]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    for word in words:
-        assert word in err, f"{word!r} not in {err!r}"
-    if name == "malformed TOML":
-        assert path in err
-
-
-def test_missing_config_file(capsys):
-    assert main(["--job.config_file", "/no/such.toml"]) == 2
-    assert capsys.readouterr().err == "error: job.config_file = '/no/such.toml': no such file\n"
 
 
 def test_process_exits_2_with_one_line_and_no_traceback(tmp_path):

@@ -1,0 +1,263 @@
+"""Bad input: every way a user can get the config, the data or the model wrong ends in exit
+code 2 and one line naming the field or file and the fix, never a traceback.
+
+.venv/bin/python -m pytest tests/test_bad_inputs.py
+
+Covered elsewhere, with the real engine or run they need: a tokenizer larger than the model's
+vocabulary (test_generator.py), a checkpoint of the wrong flavor (test_model.py,
+test_launcher.py), degrees inconsistent with the torchrun world (test_launcher.py).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_train
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from torchtitan_rl.config import ConfigError, parse_args
+from torchtitan_rl.train import check_dump_folder, main
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_TOML = str(REPO / "run_configs" / "debug_cpu.toml")
+TINY = str(REPO / "assets" / "tiny_qwen3")
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    # run_configs name assets/ relative to the repo root, as the README's commands do.
+    monkeypatch.chdir(REPO)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# Each bad input: the TOML text and/or CLI flags, and words the one-line error must contain.
+BAD_INPUTS = {
+    "unknown section": ("[trainng]\nsteps = 3\n", [], ["'trainng'", "did you mean training"]),
+    "unknown key": ("[training]\nstep = 3\n", [], ["'training.step'", "did you mean steps"]),
+    "unknown nested key": (
+        "[generator.sampling]\ntemprature = 0.7\n",
+        [],
+        ["'generator.sampling.temprature'", "temperature"],
+    ),
+    "wrong type in TOML": (
+        '[training]\nsteps = "ten"\n',
+        [],
+        ["training.steps", "expected int", "'ten'"],
+    ),
+    "bool for int in TOML": ("[training]\nsteps = true\n", [], ["training.steps", "expected int"]),
+    "wrong literal in TOML": (
+        '[generator]\ndtype = "fp8"\n',
+        [],
+        ["generator.dtype", "'float32'", "'fp8'"],
+    ),
+    "value for a section": ("generator = 3\n", [], ["generator is a section"]),
+    "wrong type on CLI": ("", ["--training.steps", "ten"], ["--training.steps", "'ten'"]),
+    "wrong choice on CLI": ("", ["--generator.dtype", "fp8"], ["--generator.dtype", "fp8"]),
+    "unknown CLI flag": ("", ["--training.stepz", "3"], ["--training.stepz"]),
+    "negative steps": ("[training]\nsteps = -1\n", [], ["training.steps = -1", ">= 1"]),
+    "negative steps on CLI": ("", ["--training.steps=-5"], ["training.steps = -5"]),
+    "degrees vs world size": (
+        "[parallelism]\ndp_shard = 4\n",
+        [],
+        ["parallelism.dp_replicate * dp_shard * tp = 4", "world size is 1"],
+    ),
+    "tp not dividing world": (
+        "[parallelism]\ntp = 2\n",
+        [],
+        ["parallelism.dp_replicate * parallelism.tp = 2", "world size 1"],
+    ),
+    "generator tp vs world": (
+        "[generator.parallelism]\ntensor_parallel_degree = 3\n",
+        [],
+        ["generator.parallelism.tensor_parallel_degree = 3"],
+    ),
+    "generator tp unsupported": (
+        "[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        [],
+        ["generator.parallelism.tensor_parallel_degree = 2", "not supported yet"],
+    ),
+    "group size < 2 for GRPO": (
+        "[generator.sampling]\nn = 1\n",
+        [],
+        ["generator.sampling.n = 1", "'grpo'", "n >= 2"],
+    ),
+    "missing checkpoint dir": (
+        '[model]\nhf_checkpoint = "/no/such/checkpoint"\n',
+        [],
+        ["model.hf_checkpoint = '/no/such/checkpoint'", "no such directory"],
+    ),
+    "unknown flavor": ('[model]\nflavor = "huge"\n', [], ["model.flavor = 'huge'", "tiny"]),
+    "prompt + completion too long": (
+        "[generator]\nmax_model_len = 16\n",
+        [],
+        ["exceeds generator.max_model_len = 16"],
+    ),
+    "zero temperature": (
+        "[generator.sampling]\ntemperature = 0.0\n",
+        [],
+        ["generator.sampling.temperature = 0.0", "> 0"],
+    ),
+    "malformed TOML": ("[training]\nsteps = = 3\n", [], ["malformed TOML", "line 2"]),
+    "resume without checkpointing": (
+        "[checkpoint]\nresume_from = 3\n",
+        [],
+        ["checkpoint.resume_from = 3 needs checkpoint.enable = true"],
+    ),
+    "absolute checkpoint folder": (
+        '[checkpoint]\nfolder = "/ckpt"\n',
+        [],
+        ["checkpoint.folder = '/ckpt'", "relative to job.dump_folder"],
+    ),
+    "batch invariance with mixed dtypes": (
+        'batch_invariant = true\n[model]\ndtype = "bfloat16"\n',
+        [],
+        ["batch_invariant = true needs the same dtype", "generator.dtype = 'float32'"],
+    ),
+    "batch invariance with top_p": (
+        "[generator.sampling]\ntop_p = 0.9\n",
+        ["--batch_invariant", "true"],
+        ["generator.sampling.top_p = 0.9", "set top_p = 1.0"],
+    ),
+    "tp not dividing the heads": (
+        "[parallelism]\ntp = 3\ndp_shard = 1\n",
+        ["--world_size_for_test", "3"],
+        ["parallelism.tp = 3 does not divide the 4 attention heads", "qwen3/tiny"],
+    ),
+    "missing dataset file": (
+        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/none.jsonl"\n',
+        [],
+        ["task.dataset_path = '{tmp}/none.jsonl': no such file"],
+    ),
+    "empty dataset file": (
+        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/empty.jsonl"\n',
+        [],
+        ["task.dataset_path = '{tmp}/empty.jsonl' has no rows"],
+    ),
+    "malformed JSONL line": (
+        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/broken.jsonl"\n',
+        [],
+        ["{tmp}/broken.jsonl:2: not a JSON object"],
+    ),
+    "non-UTF-8 dataset": (
+        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/latin1.jsonl"\n',
+        [],
+        ["task.dataset_path = '{tmp}/latin1.jsonl' is not UTF-8 text"],
+    ),
+    "empty prompt in the dataset": (
+        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/blank.jsonl"\n',
+        [],
+        ["{tmp}/blank.jsonl:1: the prompt is empty"],
+    ),
+    "reward function that does not import": (
+        '[task]\nreward_fn = "no_such_module:score"\n',
+        [],
+        ["task.reward_fn = 'no_such_module:score': cannot import 'no_such_module'"],
+    ),
+    "model the generator cannot run": (
+        '[model]\nname = "deepseek_v3"\n',
+        [],
+        ["model.name = 'deepseek_v3' is not supported", "qwen3"],
+    ),
+    "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
+}
+
+
+def datasets(folder: Path) -> None:
+    (folder / "empty.jsonl").write_text("\n")
+    (folder / "broken.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": 3\n')
+    (folder / "latin1.jsonl").write_bytes(
+        '{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1")
+    )
+    (folder / "blank.jsonl").write_text('{"prompt": "  ", "answer": "1"}\n')
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys, monkeypatch):
+    text, flags, words = BAD_INPUTS[name]
+    datasets(tmp_path)
+    text, words = (
+        text.replace("{tmp}", str(tmp_path)),
+        [w.replace("{tmp}", str(tmp_path)) for w in words],
+    )
+    path = write(tmp_path, text)
+    world_size = 1
+    if flags[:1] == ["--world_size_for_test"]:
+        world_size, flags = int(flags[1]), flags[2:]
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    if name != "missing checkpoint dir":
+        flags = ["--model.hf_checkpoint", TINY, *flags]
+    with pytest.raises(ConfigError):
+        parse_args(["--job.config_file", path, *flags], world_size)
+    assert main(["--job.config_file", path, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for word in words:
+        assert word in err, f"{word!r} not in {err!r}"
+    if name == "malformed TOML":
+        assert path in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["--job.config_file", "/no/such.toml"]) == 2
+    assert capsys.readouterr().err == "error: job.config_file = '/no/such.toml': no such file\n"
+
+
+def test_unwritable_dump_folder_refuses_to_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = run_train("--job.config_file", DEBUG_TOML, "--job.dump_folder", str(blocker / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: job.dump_folder = '{blocker / 'run'}' is not writable (Not a directory): "
+        "point it at a folder this user can write"
+    ]
+
+
+def test_a_full_disk_refuses_to_start(tmp_path, monkeypatch):
+    config = parse_args(
+        ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    )
+    free = shutil.disk_usage(tmp_path)._replace(free=10 * 2**20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: free)
+    with pytest.raises(ConfigError, match=r"has 10 MiB free, the run needs about \d+ MiB"):
+        check_dump_folder(config)
+
+
+def test_dump_folder_with_a_checkpoint_of_another_model(tmp_path):
+    step = tmp_path / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(b"x" * 10)
+    facts = {"model": {"name": "llama3", "flavor": "tiny"}, "seed": 0, "prompts_per_step": 32,
+             "world_size": 1, "hf_checkpoint": None, "tokenizer_dir": None}  # fmt: skip
+    manifest = {"step": 4, "facts": facts, "files": {"__0_0.distcp": 10}}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    result = run_train(
+        "--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {step} holds a checkpoint of model llama3/tiny, but model.name/model.flavor "
+        "are qwen3/tiny: use another job.dump_folder, or the model the checkpoint was saved from"
+    )
+
+
+def test_prompt_with_no_tokens_is_named():
+    from types import SimpleNamespace
+
+    from torchtitan_rl.rl_trainer import RLTrainer
+    from torchtitan_rl.tasks import Prompt
+
+    # A tokenizer that drops 'x': the prompt "xxx" encodes to nothing.
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Replace("x", "")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    config = parse_args(["--job.config_file", DEBUG_TOML])
+    run = SimpleNamespace(tokenizer=tokenizer, config=config)
+    with pytest.raises(ConfigError, match=r"prompt 'xxx' encodes to no tokens with .*tokenizer"):
+        RLTrainer.encode(run, [Prompt(text="a", answer=""), Prompt(text="xxx", answer="")])

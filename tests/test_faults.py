@@ -1,0 +1,152 @@
+"""Faults: a rank killed mid-step, NaNs, a generator short of KV cache, long seeded steps.
+
+.venv/bin/python -m pytest tests/test_faults.py
+
+Real runs: torchrun with 2 ranks, SIGKILL, the real vLLM engine. Reward functions that raise
+or hang are tested in test_tasks.py, a NaN/inf loss or gradient in test_model.py.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import REPO, kill_tree, run_dist, run_train, start_train
+
+from torchtitan_rl.checkpoint import invalid_reason
+from torchtitan_rl.rl_trainer import check_finite
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError
+
+HELPERS = str(REPO / "tests" / "helpers")
+RUN = (
+    "--job.config_file",
+    "run_configs/debug_cpu.toml",
+    "--training.steps",
+    "6",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+)
+
+
+def logged_steps(folder: Path) -> set[int]:
+    steps = set()
+    path = folder / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            steps.add(json.loads(line)["step"])
+        except ValueError:
+            pass  # a line being written
+    return steps
+
+
+def test_a_killed_rank_ends_the_run_quickly_and_the_next_launch_resumes(tmp_path):
+    process = start_train(*RUN, "--job.dump_folder", str(tmp_path), nproc=2)
+    try:
+        deadline = time.monotonic() + 300
+        while 3 not in logged_steps(tmp_path) and time.monotonic() < deadline:
+            assert process.poll() is None, "the run ended before step 3"
+            time.sleep(0.005)
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        rank_1 = next(
+            p for p in ranks if "LOCAL_RANK" in p.environ() and p.environ()["LOCAL_RANK"] == "1"
+        )
+        killed_at = time.monotonic()
+        rank_1.kill()
+        process.wait(timeout=120)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        kill_tree(process)
+    assert process.returncode != 0
+    assert ended_after < 60, f"the surviving rank took {ended_after:.0f} s to stop"
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert invalid_reason(tmp_path / "checkpoints" / "step-2") is None
+
+    result = run_train(*RUN, "--job.dump_folder", str(tmp_path), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_nan_reward_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    result = run_train(
+        *RUN,
+        "--task.reward_fn",
+        "user_rewards:nan_from_step_3",
+        "--job.dump_folder",
+        str(tmp_path),
+        nproc=2,
+        env={"PYTHONPATH": HELPERS},
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(e.startswith("error: step 3: a reward is not finite") for e in errors)
+    assert invalid_reason(tmp_path / "checkpoints" / "step-2") is None
+    assert not list((tmp_path / "checkpoints").glob("step-3*"))
+
+
+def test_a_non_finite_logprob_is_named():
+    logprobs = torch.zeros(2, 5)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[:, 2:] = True
+    logprobs[0, 1] = float("nan")  # not a sampled token: ignored
+    check_finite(7, "generator", logprobs, mask)
+    logprobs[1, 3] = float("-inf")
+    with pytest.raises(
+        NonFiniteError, match="step 7: the generator logprob of sequence 1, token 3 is -inf"
+    ):
+        check_finite(7, "generator", logprobs, mask)
+
+
+def test_kv_cache_too_small_for_one_sequence_is_a_clear_error(tmp_path):
+    result = run_train(
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--generator.num_kv_blocks",
+        "1",
+        "--generator.max_model_len",
+        "320",
+        "--job.dump_folder",
+        str(tmp_path),
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the generator's KV cache cannot hold one sequence of generator.max_model_len = "
+        "320 tokens: raise generator.kv_cache_space_gib (CPU) or "
+        "generator.gpu_memory_utilization (GPU), raise or unset generator.num_kv_blocks, or "
+        "lower generator.max_model_len"
+    )
+
+
+def test_preemption_keeps_logprobs_exact_and_seeded_long_steps_run(tmp_path):
+    """4 KV blocks for 32 sequences of ~150 tokens: vLLM preempts and recomputes, and in
+    batch-invariant mode the logprobs still equal the trainer's exactly. 2400 seeded prompt
+    tokens in one step (more than vLLM's 2048-token budget) run, with the same samples as
+    alone."""
+    out = tmp_path / "result.json"
+    run_dist(
+        "generator_faults_run.py",
+        str(out),
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--generator.max_model_len",
+        "320",
+        "--training.max_prompt_len",
+        "256",
+        "--generator.num_kv_blocks",
+        "4",
+        "--batch_invariant",
+        "true",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        nproc=0,
+    )
+    result = json.loads(out.read_text())
+    assert result["preemptions"] > 0
+    assert result["max_diff"] == 0.0
+    assert result["budget_prompt_tokens"] > 2048
+    assert result["seeded_alone_equals_together"]
