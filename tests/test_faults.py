@@ -7,6 +7,9 @@ or hang are tested in test_tasks.py, a NaN/inf loss or gradient in test_model.py
 """
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,3 +153,36 @@ def test_preemption_keeps_logprobs_exact_and_seeded_long_steps_run(tmp_path):
     assert result["max_diff"] == 0.0
     assert result["budget_prompt_tokens"] > 2048
     assert result["seeded_alone_equals_together"]
+
+
+def test_a_failing_checkpoint_write_stops_the_run_with_one_line(tmp_path):
+    """After step 1, files of the run may not grow past 256 KiB (RLIMIT_FSIZE set on the live
+    process; Python ignores SIGXFSZ, so a write fails with EFBIG as on a full disk): metrics
+    still fit, the step-2 checkpoint shard does not."""
+    flags = (*RUN, "--training.steps", "3", "--job.dump_folder", str(tmp_path))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_rl.train", *flags],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while 1 not in logged_steps(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        limit = 256 * 1024
+        psutil.Process(process.pid).rlimit(psutil.RLIMIT_FSIZE, (limit, limit))
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        kill_tree(process)
+    assert process.returncode == 1, stderr[-3000:]
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("error: step 2: saving the checkpoint to "), error
+    assert "File too large" in error
+    assert error.endswith(
+        "the latest complete checkpoint is still none: free space and restart to resume"
+    )
+    assert not list((tmp_path / "checkpoints").iterdir())
+    assert logged_steps(tmp_path) == {1, 2}

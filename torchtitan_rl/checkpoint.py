@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 
@@ -38,6 +39,21 @@ from torchtitan_rl.config.job_config import CheckpointSection, ConfigError, JobC
 MANIFEST = "manifest.json"
 _NON_MODEL = ("optimizer", "lr_scheduler", "train_state")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (e.g. the disk is full); earlier checkpoints are untouched."""
+
+
+def _reason(error: BaseException) -> str:
+    """One line for a failed save: the first rank's own error, not DCP's multi-line report."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, failure = next(iter(error.failures.items()))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {_reason(cause)}"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def warn(message: str) -> None:
@@ -269,7 +285,17 @@ class Checkpointer:
             )
             self.pending = save
             return
-        dcp.save(states, checkpoint_id=str(save.tmp))
+        try:
+            dcp.save(states, checkpoint_id=str(save.tmp))
+        except (OSError, CheckpointException) as e:  # DCP's wraps each rank's error (a
+            # BaseException, not an Exception); OSError: disk full, quota, permissions
+            shutil.rmtree(save.tmp, ignore_errors=True)
+            steps = self.complete_steps()
+            latest = f"step-{steps[-1]}" if steps else "none"
+            raise CheckpointError(
+                f"step {step}: saving the checkpoint to {save.tmp} failed ({_reason(e)}); the "
+                f"latest complete checkpoint is still {latest}: free space and restart to resume"
+            ) from e
         dist.barrier()  # every rank's files are written
         self._publish(save)
         dist.barrier()

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from torchtitan_rl import batch_invariant
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
-from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_hf
+from torchtitan_rl.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf
 from torchtitan_rl.config.job_config import ConfigError, JobConfig
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
@@ -29,7 +29,7 @@ from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
 from torchtitan_rl.weight_sync import SyncStats, WeightSync, WeightSyncError
 
 # Errors that stop a run with one line naming the step and the cause.
-StopRun = (NonFiniteError, RewardError, WeightSyncError)
+StopRun = (NonFiniteError, RewardError, WeightSyncError, CheckpointError)
 
 
 def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
