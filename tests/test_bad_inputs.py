@@ -3,9 +3,9 @@ code 2 and one line naming the field or file and the fix, never a traceback.
 
 .venv/bin/python -m pytest tests/test_bad_inputs.py
 
-Covered elsewhere, with the real engine or run they need: a tokenizer larger than the model's
-vocabulary (test_generator.py), a checkpoint of the wrong flavor (test_model.py,
-test_launcher.py), degrees inconsistent with the torchrun world (test_launcher.py).
+Covered elsewhere, with the real run they need: a checkpoint of the wrong flavor
+(test_model.py, test_launcher.py), degrees inconsistent with the torchrun world
+(test_launcher.py).
 """
 
 import json
@@ -17,6 +17,8 @@ from conftest import run_train
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from torchtitan_rl.config import ConfigError, parse_args
+from torchtitan_rl.config.job_config import ModelSection
+from torchtitan_rl.generator.engine import check_tokenizer_fits
 from torchtitan_rl.train import check_dump_folder, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,3 +263,13 @@ def test_prompt_with_no_tokens_is_named():
     run = SimpleNamespace(tokenizer=tokenizer, config=config)
     with pytest.raises(ConfigError, match=r"prompt 'xxx' encodes to no tokens with .*tokenizer"):
         RLTrainer.encode(run, [Prompt(text="a", answer=""), Prompt(text="xxx", answer="")])
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    shutil.copytree(TINY, tmp_path / "ckpt")
+    config = json.loads((Path(TINY) / "config.json").read_text())
+    config["vocab_size"] = 32
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="tokenizer has 64 tokens but the checkpoint's vocab"):
+        check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
+    check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits

@@ -5,7 +5,6 @@
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,12 @@ from conftest import run_train
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError
-from torchtitan_rl.tasks import Prompt
 from torchtitan_rl.tasks.jsonl import JsonlTask, read_jsonl
 from torchtitan_rl.tasks.rewards import (
-    RewardError,
-    Scorer,
     load_reward_fn,
     math_reward,
-    time_limit,
 )
-from torchtitan_rl.tasks.toy import EchoDigitsTask, ReverseDigitsTask
+from torchtitan_rl.tasks.toy import ReverseDigitsTask
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = str(REPO / "tests" / "helpers")
@@ -77,34 +72,6 @@ def test_user_reward_functions_load_or_say_why(monkeypatch):
         load_reward_fn("no_such_module:f")
     with pytest.raises(ConfigError, match="has no function 'missing'"):
         load_reward_fn("user_rewards:missing")
-
-
-def test_reward_errors_count_as_zero_or_stop_the_run(monkeypatch):
-    monkeypatch.syspath_prepend(HELPERS)
-    fn = load_reward_fn("user_rewards:raises_on_odd")
-    task = EchoDigitsTask()
-    odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
-    zero = Scorer(task, fn, on_error="zero")
-    assert [zero(odd, "3"), zero(even, "4"), zero(odd, "3")] == [0.0, 1.0, 0.0]
-    assert zero.errors == 2
-    with pytest.raises(RewardError, match=r"raised ValueError\(.*\) on prompt 'echo 3:'"):
-        Scorer(task, fn, on_error="fail")(odd, "3")
-
-
-def test_a_hanging_reward_times_out_and_counts_or_stops(monkeypatch):
-    monkeypatch.syspath_prepend(HELPERS)
-    fn = load_reward_fn("user_rewards:hangs_on_odd")
-    task = EchoDigitsTask()
-    odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
-    zero = Scorer(task, fn, on_error="zero", timeout_s=0.2)
-    start = time.monotonic()
-    assert [zero(odd, "3"), zero(even, "4")] == [0.0, 1.0]
-    assert zero.errors == 1 and time.monotonic() - start < 5
-    with pytest.raises(RewardError, match=r"took longer than task.reward_timeout_s = 0.2 s on"):
-        Scorer(task, fn, on_error="fail", timeout_s=0.2)(odd, "3")
-    # The built-in math reward runs under the same limit without math-verify's own alarms.
-    with time_limit(5.0):
-        assert math_reward("2 + 2?", "so \\boxed{4}", "4") == 1.0
 
 
 def test_task_config_errors(dataset):
