@@ -151,11 +151,12 @@ class Checkpointer:
     `attach()` then hands over the trainer and the train state that `load()`/`save()` use.
     """
 
-    def __init__(self, config: JobConfig):
-        self.section: CheckpointSection = config.checkpoint
-        self.enabled = self.section.enable
-        self.folder = Path(config.job.dump_folder) / self.section.folder
-        self.facts = run_facts(config)
+    def __init__(self, section: CheckpointSection, dump_folder: str, facts: dict):
+        """`facts`: run_facts() of the run, recorded in every manifest and checked on resume."""
+        self.section = section
+        self.enabled = section.enable
+        self.folder = Path(dump_folder) / section.folder
+        self.facts = facts
         self.rank = dist.get_rank()
         self.pending: PendingSave | None = None
         self.async_group = None

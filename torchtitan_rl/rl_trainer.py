@@ -19,7 +19,13 @@ from tokenizers import Tokenizer
 from torchtitan_rl import batch_invariant
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
-from torchtitan_rl.checkpoint import Checkpointer, CheckpointError, TrainState, export_hf
+from torchtitan_rl.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    TrainState,
+    export_hf,
+    run_facts,
+)
 from torchtitan_rl.config.job_config import ConfigError, JobConfig
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
@@ -71,7 +77,9 @@ class RLTrainer:
         torch.manual_seed(config.job.seed)
         sampling = config.generator.sampling
         # First, so that a wrong checkpoint folder fails before anything is built.
-        self.checkpointer = Checkpointer(config)
+        self.checkpointer = Checkpointer(
+            config.checkpoint, config.job.dump_folder, run_facts(config)
+        )
         resume_path = self.checkpointer.find()
 
         def policy() -> PolicyTrainer:
