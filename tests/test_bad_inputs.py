@@ -131,6 +131,16 @@ BAD_INPUTS = {
         ["--world_size_for_test", "3"],
         ["parallelism.tp = 3 does not divide the 4 attention heads", "qwen3/tiny"],
     ),
+    "disaggregated placement without a trainer rank": (
+        '[generator]\nplacement = "disaggregated"\n',
+        [],
+        ["generator.num_ranks = 1 in a world of 1", "at least one trainer and one generator"],
+    ),
+    "off-policy steps while colocated": (
+        "[algorithm]\nmax_offpolicy_steps = 2\n",
+        [],
+        ["algorithm.max_offpolicy_steps = 2 needs generator.placement = 'disaggregated'"],
+    ),
     "missing dataset file": (
         '[task]\nname = "jsonl"\ndataset_path = "{tmp}/none.jsonl"\n',
         [],

@@ -79,8 +79,11 @@ def test_run_writes_its_files_and_a_line_per_step(demo):
     assert stdout.count("step ") == 5 and "reward " in stdout
 
 
-def test_hooks_fire_in_order_and_kl_grows_from_zero(tmp_path):
-    run_dist("rl_hooks_run.py", str(tmp_path), nproc=0)
+@pytest.mark.parametrize(
+    "placement, nproc", [("colocated", 0), ("disaggregated", 2)], ids=["colocated", "disaggregated"]
+)
+def test_hooks_fire_in_order_and_kl_grows_from_zero(placement, nproc, tmp_path):
+    run_dist("rl_hooks_run.py", str(tmp_path), "--generator.placement", placement, nproc=nproc)
     calls = json.loads((tmp_path / "hooks.json").read_text())
     assert [c[:2] for c in calls] == [
         [name, step]

@@ -102,7 +102,6 @@ def run_facts(config: JobConfig) -> dict:
         "model": {"name": config.model.name, "flavor": config.model.flavor},
         "hf_checkpoint": _absolute(config.model.hf_checkpoint),
         "tokenizer_dir": _absolute(config.model.tokenizer_dir),
-        "world_size": dist.get_world_size(),
         "seed": config.job.seed,
         "prompts_per_step": config.training.prompts_per_step,
     }
@@ -151,16 +150,26 @@ class Checkpointer:
     `attach()` then hands over the trainer and the train state that `load()`/`save()` use.
     """
 
-    def __init__(self, section: CheckpointSection, dump_folder: str, facts: dict):
-        """`facts`: run_facts() of the run, recorded in every manifest and checked on resume."""
+    def __init__(
+        self,
+        section: CheckpointSection,
+        dump_folder: str,
+        facts: dict,
+        group: dist.ProcessGroup | None = None,
+        async_group: dist.ProcessGroup | None = None,
+    ):
+        """`facts`: run_facts() of the run, recorded in every manifest and checked on resume.
+        `group`: the ranks that hold the trainer (default: the world); `async_group`: a gloo
+        group over them for background saves (made here when the world trains)."""
         self.section = section
         self.enabled = section.enable
         self.folder = Path(dump_folder) / section.folder
-        self.facts = facts
-        self.rank = dist.get_rank()
+        self.facts = {**facts, "world_size": dist.get_world_size(group)}
+        self.group = group
+        self.rank = dist.get_rank(group)
         self.pending: PendingSave | None = None
-        self.async_group = None
-        if self.enabled and self.section.async_mode == "async":
+        self.async_group = async_group
+        if self.enabled and section.async_mode == "async" and group is None:
             self.async_group = dist.new_group(backend="gloo")
 
     def attach(self, trainer, state: TrainState) -> None:
@@ -203,7 +212,7 @@ class Checkpointer:
             for path in self.folder.glob("step-*.tmp"):
                 warn(f"removing {path}: a save that was interrupted")
                 shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def find(self) -> Path | None:
         """The checkpoint to resume from: checkpoint.resume_from, else the latest complete one;
@@ -232,7 +241,7 @@ class Checkpointer:
         with warnings.catch_warnings():
             # torchtitan's LR container reads the LR while loading; torch warns about it.
             warnings.filterwarnings("ignore", message="To get the last learning rate")
-            dcp.load(states, checkpoint_id=str(path))
+            dcp.load(states, checkpoint_id=str(path), process_group=self.group)
         self.state.with_rng = True
         # Through the modules' load hooks (e.g. torchtitan's fused-QKV split in reverse).
         self.model_state.load_state_dict({k: v for k, v in states.items() if k not in _NON_MODEL})
@@ -278,7 +287,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(save.tmp, ignore_errors=True)
             save.tmp.mkdir(parents=True)
-        dist.barrier()
+        dist.barrier(group=self.group)
         states = self._states()
         if self.async_group is not None:
             save.future = dcp.async_save(
@@ -287,7 +296,7 @@ class Checkpointer:
             self.pending = save
             return
         try:
-            dcp.save(states, checkpoint_id=str(save.tmp))
+            dcp.save(states, checkpoint_id=str(save.tmp), process_group=self.group)
         except (OSError, CheckpointException) as e:  # DCP's wraps each rank's error (a
             # BaseException, not an Exception); OSError: disk full, quota, permissions
             shutil.rmtree(save.tmp, ignore_errors=True)
@@ -297,9 +306,9 @@ class Checkpointer:
                 f"step {step}: saving the checkpoint to {save.tmp} failed ({_reason(e)}); the "
                 f"latest complete checkpoint is still {latest}: free space and restart to resume"
             ) from e
-        dist.barrier()  # every rank's files are written
+        dist.barrier(group=self.group)  # every rank's files are written
         self._publish(save)
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def poll(self) -> None:
         """Publish a finished background save as soon as it is done. Rank 0 alone: its save
@@ -315,9 +324,9 @@ class Checkpointer:
         if save is None:
             return
         save.future.result()
-        dist.barrier()
+        dist.barrier(group=self.group)
         self._publish(save)
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def _publish(self, save: "PendingSave") -> None:
         """Rank 0: manifest (written last, atomically), rename into place, drop old ones."""
@@ -365,7 +374,14 @@ HF_SIDE_FILES = (
 )
 
 
-def export_hf(model_state: dict, spec, hf_source: str | None, tokenizer_dir: str, out: Path):
+def export_hf(
+    model_state: dict,
+    spec,
+    hf_source: str | None,
+    tokenizer_dir: str,
+    out: Path,
+    group: dist.ProcessGroup | None = None,
+):
     """Write `model_state` (torchtitan names; DTensors are gathered) as an HF safetensors folder.
 
     Every rank must call this (gathering is collective); rank 0 writes. config.json and the
@@ -378,8 +394,8 @@ def export_hf(model_state: dict, spec, hf_source: str | None, tokenizer_dir: str
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
         for k, v in model_state.items()
     }
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
+    if dist.is_initialized() and dist.get_rank(group) != 0:
+        dist.barrier(group=group)
         return
     source = Path(hf_source or tokenizer_dir)
     config_path = source / "config.json"
@@ -405,4 +421,4 @@ def export_hf(model_state: dict, spec, hf_source: str | None, tokenizer_dir: str
         shutil.rmtree(out)
     os.replace(tmp, out)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)

@@ -72,6 +72,7 @@ class RLTrainer:
         self.config = config
         self.hooks = hooks or Hooks()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = None  # the ranks that train: all of them, colocated
         if config.batch_invariant:
             batch_invariant.enable()  # before any model or engine is built
         torch.manual_seed(config.job.seed)
@@ -82,20 +83,10 @@ class RLTrainer:
         )
         resume_path = self.checkpointer.find()
 
-        def policy() -> PolicyTrainer:
-            return PolicyTrainer(
-                model=config.model,
-                training=config.training,
-                parallelism=config.parallelism,
-                temperature=sampling.temperature,
-                seed=config.job.seed,
-                dump_folder=config.job.dump_folder,
-            )
-
-        self.trainer = policy()
+        self.trainer = self.policy()
         # The frozen reference for the KL penalty: the starting policy, sharded like it, never
         # stepped (its optimizer state is never allocated). Built only when it is used.
-        self.reference = policy() if config.algorithm.kl_beta > 0 else None
+        self.reference = self.policy() if config.algorithm.kl_beta > 0 else None
         self.generator = Generator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.rank
         )
@@ -105,6 +96,30 @@ class RLTrainer:
             bucket_mb=config.generator.weight_sync_bucket_mb,
             verify=config.generator.verify_weight_sync,
         )
+        self.build_task()
+        self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
+        self.state = TrainState()
+        self.checkpointer.attach(self.trainer, self.state)
+        # Before the first generation: the restored weights go to the generator too.
+        self.start_step = self.resume(resume_path)
+        self.build_metrics(enabled=self.rank == 0)
+
+    def policy(self, group: dist.ProcessGroup | None = None) -> PolicyTrainer:
+        """A policy sharded over `group` (default: the world), from the run's HF checkpoint."""
+        config = self.config
+        return PolicyTrainer(
+            model=config.model,
+            training=config.training,
+            parallelism=config.parallelism,
+            temperature=config.generator.sampling.temperature,
+            seed=config.job.seed,
+            dump_folder=config.job.dump_folder,
+            group=group,
+        )
+
+    def build_task(self) -> None:
+        """Tokenizer, prompts, rewards and advantages."""
+        config = self.config
         self.tokenizer = Tokenizer.from_file(
             str(Path(config.model.tokenizer_dir) / "tokenizer.json")
         )
@@ -117,14 +132,12 @@ class RLTrainer:
             self.task, reward_fn, config.task.reward_on_error, config.task.reward_timeout_s
         )
         self.advantage = build_advantage(config.algorithm.advantage)
-        self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
-        self.state = TrainState()
-        self.checkpointer.attach(self.trainer, self.state)
-        # Before the first generation: the restored weights go to the generator too.
-        self.start_step = self.resume(resume_path)
+
+    def build_metrics(self, enabled: bool) -> None:
+        config = self.config
         self.metrics = MetricsLogger(
             config.job.dump_folder,
-            enabled=self.rank == 0,
+            enabled=enabled,
             total_steps=config.training.steps,
             log_interval=config.metrics.log_interval,
             tensorboard=config.metrics.enable_tensorboard,
@@ -286,8 +299,8 @@ class RLTrainer:
                 -ratio_BT.masked_fill(~mask_BT, 1.0).min(),
             ]
         )
-        dist.all_reduce(total)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, group=self.group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
         metrics = {
             "logprob_diff/max": float(extremes[0]),
             "logprob_diff/mean": float(total[0] / total[1].clamp(min=1)),
@@ -330,8 +343,13 @@ class RLTrainer:
         self.metrics.log_rollouts(step, samples)
 
     def rollout_metrics(
-        self, rewards_PN: torch.Tensor, zero_variance_PN: torch.Tensor, completions: Completions
+        self,
+        rewards_PN: torch.Tensor,
+        zero_variance_PN: torch.Tensor,
+        completions: Completions,
+        errors: int | None = None,
     ) -> dict[str, float]:
+        """`errors`: the reward-error count, when this rank's scorer does not hold it."""
         """Reward and length statistics over every rank's samples."""
         lengths = [len(s.token_ids) for group in completions.samples for s in group]
         sums = torch.tensor(
@@ -342,11 +360,11 @@ class RLTrainer:
                 float(sum(lengths)),
                 float(zero_variance_PN[:, 0].sum()),
                 float(rewards_PN.shape[0]),
-                float(self.scorer.errors),
+                float(self.scorer.errors if errors is None else errors),
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=self.group)
         reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors = sums.tolist()
         mean = reward_sum / samples
         return {

@@ -76,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if rank == 0:
             write_config(config, Path(config.job.dump_folder) / "config.toml")
-        RLTrainer(config).train()
+        if config.generator.placement == "disaggregated":
+            from torchtitan_rl import disaggregated
+
+            disaggregated.run(config)
+        else:
+            RLTrainer(config).train()
     except ConfigError as e:
         # Every rank meets the same config error; torchrun collects the exit codes.
         print(f"error: {e}", file=sys.stderr)

@@ -36,9 +36,14 @@ def measure(flags: list[str]) -> int:
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     collect = Collect()
-    trainer = RLTrainer(config, hooks=collect)
-    for step in range(1, config.training.steps + 1):
-        trainer.train_step(step)
+    if config.generator.placement == "disaggregated":
+        from torchtitan_rl import disaggregated
+
+        disaggregated.run(config, hooks=collect)  # rank 0 trains, and collects
+    else:
+        trainer = RLTrainer(config, hooks=collect)
+        for step in range(1, config.training.steps + 1):
+            trainer.train_step(step)
     platform.shutdown_distributed()
     if rank == 0:
         timed = collect.rows[1:] or collect.rows
@@ -55,6 +60,11 @@ def measure(flags: list[str]) -> int:
                 "generated_tokens_per_s": median("throughput/generated_tokens_per_s"),
                 "final_reward": round(collect.rows[-1]["reward/mean"], 4),
                 "logprob_diff_max": max(r["logprob_diff/max"] for r in collect.rows),
+                "weight_sync_gb_per_s": median("weight_sync/gb_per_s")
+                if "weight_sync/gb_per_s" in timed[0]
+                else None,
+                "placement": config.generator.placement,
+                "max_offpolicy_steps": config.algorithm.max_offpolicy_steps,
                 "model_path": config.model.hf_checkpoint,
                 "prompts_per_step": config.training.prompts_per_step,
                 "group_size": config.generator.sampling.n,

@@ -1,13 +1,15 @@
-"""Two RL steps in a world of one with a recording Hooks and a KL penalty; saves the calls.
+"""Two RL steps with a recording Hooks and a KL penalty; rank 0 saves the calls.
 
-    python tests/dist/rl_hooks_run.py OUT_DIR
+    python tests/dist/rl_hooks_run.py OUT_DIR [FLAGS...]
+
+A world of one (colocated), or under torchrun with e.g. --generator.placement disaggregated.
 """
 
 import json
 import sys
 from pathlib import Path
 
-from torchtitan_rl import platform
+from torchtitan_rl import disaggregated, platform
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.rl_trainer import Hooks, RLTrainer
 
@@ -33,6 +35,8 @@ class Recorder(Hooks):
 
 def main() -> None:
     out = Path(sys.argv[1])
+    platform.patch_torchtitan()
+    rank, world_size = platform.init_distributed()
     config = parse_args(
         [
             "--job.config_file",
@@ -49,13 +53,17 @@ def main() -> None:
             "0.1",
             "--job.dump_folder",
             str(out),
-        ]
+            *sys.argv[2:],
+        ],
+        world_size,
     )
-    platform.patch_torchtitan()
-    platform.init_distributed()
     recorder = Recorder()
-    RLTrainer(config, hooks=recorder).train()
-    (out / "hooks.json").write_text(json.dumps(recorder.calls))
+    if config.generator.placement == "disaggregated":
+        disaggregated.run(config, hooks=recorder)
+    else:
+        RLTrainer(config, hooks=recorder).train()
+    if rank == 0:
+        (out / "hooks.json").write_text(json.dumps(recorder.calls))
     platform.shutdown_distributed()
 
 

@@ -222,6 +222,12 @@ class SamplingSection:
 
 @dataclass(kw_only=True, slots=True)
 class GeneratorSection:
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every rank trains a shard and holds a generator. disaggregated: the last
+    generator.num_ranks ranks of the torchrun world only generate, the others only train;
+    weights travel by broadcast in buckets after every optimizer step."""
+    num_ranks: int = 1
+    """Generator ranks in disaggregated placement (a multiple of the trainer ranks)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weight and activation dtype."""
     max_model_len: int = 512
@@ -303,6 +309,10 @@ class AlgorithmSection:
     """KL estimator (Schulman's k1, k2, k3)."""
     tis_cap: float = 0.0
     """Truncated importance-sampling cap on trainer/generator ratios; 0 disables it."""
+    max_offpolicy_steps: int = 0
+    """Disaggregated placement: generators may sample with weights up to this many optimizer
+    steps old (policy age <= k), generating steps s+1..s+k while the trainer trains step s;
+    0 is the synchronous loop. tis_cap > 0 corrects the loss for the stale policy."""
 
     def validate(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high", "kl_beta", "tis_cap"):
@@ -456,6 +466,31 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
+    def _validate_placement(self, world_size: int) -> int:
+        """The number of generator-only ranks: 0 when colocated."""
+        k = self.algorithm.max_offpolicy_steps
+        _require(k >= 0, f"algorithm.max_offpolicy_steps = {k}: must be >= 0")
+        if self.generator.placement == "colocated":
+            _require(
+                k == 0,
+                f"algorithm.max_offpolicy_steps = {k} needs generator.placement = "
+                "'disaggregated' (colocated ranks alternate generating and training)",
+            )
+            return 0
+        generators, trainers = self.generator.num_ranks, world_size - self.generator.num_ranks
+        _require(
+            generators >= 1 and trainers >= 1,
+            f"generator.num_ranks = {generators} in a world of {world_size}: disaggregated "
+            "placement needs at least one trainer and one generator rank; launch more "
+            "processes or lower generator.num_ranks",
+        )
+        _require(
+            generators % trainers == 0,
+            f"generator.num_ranks = {generators} is not a multiple of the {trainers} trainer "
+            "ranks: each trainer rank takes the rollouts of as many generators as the others",
+        )
+        return generators
+
     def _validate_heads(self) -> None:
         from torchtitan_rl.models import model_spec
 
@@ -490,8 +525,9 @@ class JobConfig:
         self.job.validate()
         self.model.validate()
         self.training.validate()
-        self.parallelism.validate(world_size)
-        self.generator.validate(world_size)
+        generators = self._validate_placement(world_size)
+        self.parallelism.validate(world_size - generators)
+        self.generator.validate(generators or world_size)
         self.algorithm.validate()
         self.task.validate()
         self.checkpoint.validate()
@@ -513,7 +549,7 @@ class JobConfig:
             f"generator.max_model_len = {self.generator.max_model_len}: raise max_model_len "
             "or lower one of them",
         )
-        replicas = world_size // self.generator.parallelism.tensor_parallel_degree
+        replicas = (generators or world_size) // self.generator.parallelism.tensor_parallel_degree
         _require(
             self.training.prompts_per_step % replicas == 0,
             f"training.prompts_per_step = {self.training.prompts_per_step} does not split over "

@@ -70,14 +70,15 @@ def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor:
         )
 
 
-def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str) -> None:
+def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) -> None:
     """Load the HF checkpoint at `path` into `model` (plain or DTensor parameters), sharded.
 
     The spec's adapter maps our state dict to HF names; DCP's HF reader then fills each rank's
-    shards from the safetensors files, reading only what the rank holds.
+    shards from the safetensors files, reading only what the rank holds. `group`: the ranks
+    that load together (default: the world).
     """
     adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = adapter.to_hf(model.state_dict())
     check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in hf_state.items()}, spec.flavor)
-    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(path))
+    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(path), process_group=group)
     set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=True))

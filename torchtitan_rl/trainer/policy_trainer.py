@@ -68,13 +68,16 @@ class PolicyTrainer:
         temperature: float = 1.0,
         seed: int = 0,
         dump_folder: str = "outputs",
+        group: dist.ProcessGroup | None = None,
     ):
+        """`group`: the trainer's ranks, the first ones of the world (default: all of it)."""
         self.training = training
         self.temperature = temperature
         self.device = platform.device()
         self.step = 0
         self.policy_version = 0  # bumped by weight sync
-        world_size = dist.get_world_size()
+        self.group = group
+        world_size = dist.get_world_size(group)
         platform.check_trainer_tp(parallelism.tp)
         self.tp_degree = parallelism.tp
         dp_shard = parallelism.resolved_dp_shard(world_size)
@@ -119,7 +122,7 @@ class PolicyTrainer:
         with torch.no_grad():
             module.init_weights(buffer_device=self.device)
         if model.hf_checkpoint is not None:
-            load_hf_weights(module, self.spec, model.hf_checkpoint)
+            load_hf_weights(module, self.spec, model.hf_checkpoint, group)
         module.train()
         self.model: nn.Module = module
         # The sharded parameters the optimizer updates. FSDP swaps unsharded tensors into the
@@ -196,7 +199,7 @@ class PolicyTrainer:
         counts = torch.tensor(
             [batch.loss_mask_BT.sum().item(), batch.batch_size], dtype=torch.float64
         )
-        counting = dist.all_reduce(counts, async_op=True)
+        counting = dist.all_reduce(counts, group=self.group, async_op=True)
         scale = None
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
@@ -235,7 +238,7 @@ class PolicyTrainer:
         totals = torch.tensor(
             [local_loss, entropy_sum, *(metric_sums[n] for n in names)], dtype=torch.float64
         )
-        reducing = dist.all_reduce(totals, async_op=True)
+        reducing = dist.all_reduce(totals, group=self.group, async_op=True)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.optimizers.step()
         self.lr_schedulers.step()
