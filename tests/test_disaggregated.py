@@ -90,3 +90,28 @@ def test_a_rollout_older_than_k_is_refused(monkeypatch):
     message = "step 7: got the rollout of step 7, sampled with policy version 3, 3 versions old"
     with pytest.raises(StalenessError, match=message):
         DisaggregatedTrainer.receive(trainer, 7)
+
+
+def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks(tmp_path):
+    """4 ranks: FSDP over the 2 trainers, each taking the rollouts of one generator rank."""
+    result = run_train(
+        *DISAGGREGATED,
+        "--generator.num_ranks",
+        "2",
+        "--algorithm.max_offpolicy_steps",
+        "1",
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        nproc=4,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = rows(tmp_path)
+    assert {row["weight_sync/verified"] for row in metrics} == {1.0}
+    assert [row["policy_age/max"] for row in metrics] == [0.0, 1.0, 1.0, 1.0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
