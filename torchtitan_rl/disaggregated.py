@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import batch_invariant
 from torchtitan_rl.algorithms import build_loss
-from torchtitan_rl.batch import rollout_batch
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.generator.engine import Completions
@@ -191,20 +190,11 @@ class GeneratorWorker(RLTrainer):
         if config.batch_invariant:
             batch_invariant.enable()
         # Prompts and seeds are split over the generator ranks only.
-        self.index, self.world = topology.generators.index(self.rank), len(topology.generators)
+        self.shard, self.shards = topology.generators.index(self.rank), len(topology.generators)
         self.generator = RemoteGenerator(
-            generator=config.generator, model=config.model, seed=config.job.seed + self.index
+            generator=config.generator, model=config.model, seed=config.job.seed + self.shard
         )
         self.build_task()
-
-    def sampling_seed(self, step: int) -> int:
-        run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.index
-        return run * 2**20 % 2**62
-
-    def my_prompts(self, step: int) -> list[Prompt]:
-        per_rank = self.config.training.prompts_per_step // self.world
-        prompts = self.task.prompts(step, per_rank * self.world)
-        return prompts[self.index * per_rank : (self.index + 1) * per_rank]
 
     def take_weights(self) -> None:
         receive_weights(self.generator, self.topology, self.config.generator.weight_sync_bucket_mb)
@@ -227,11 +217,11 @@ class GeneratorWorker(RLTrainer):
             rewards_PN = self.score(step, prompts, completions)
             advantages = self.advantage(rewards_PN)
             params = self.generator.named_parameters()
-            names = [n for bucket in _buckets(params, 1e9) for n in bucket]
             rollout = Rollout(
                 step=step,
                 version=self.generator.policy_version,
-                weights_sha256=_digest(params[n].reshape(-1) for n in names) if verify else None,
+                # In the order the trainer broadcasts: sorted names (see _buckets).
+                weights_sha256=_digest(params[n] for n in sorted(params)) if verify else None,
                 prompts=prompts,
                 completions=completions,
                 rewards_PN=rewards_PN,
@@ -258,7 +248,6 @@ class DisaggregatedTrainer(RLTrainer):
     def __init__(self, config: JobConfig, topology: Topology, hooks: Hooks | None = None):
         self.config, self.topology, self.hooks = config, topology, hooks or Hooks()
         self.rank, self.group = dist.get_rank(), topology.trainer_group
-        self.world = len(topology.trainers)
         if config.batch_invariant:
             batch_invariant.enable()
         torch.manual_seed(config.job.seed)
@@ -335,20 +324,14 @@ class DisaggregatedTrainer(RLTrainer):
         )
         rewards_PN = torch.cat([r.rewards_PN for r in rollouts])
         zero_variance_PN = torch.cat([r.zero_variance_PN for r in rollouts])
-        batch = rollout_batch(
-            completions.prompts,
-            [[s.token_ids for s in group] for group in completions.samples],
-            [[s.logprobs for s in group] for group in completions.samples],
+        logprob_diff, train_metrics = self.learn(
+            step,
+            prompts,
+            completions,
+            rewards_PN,
             torch.cat([r.advantages_PN for r in rollouts]),
-            self.pad_id,
+            zero_variance_PN,
         )
-        if self.config.algorithm.filter_zero_variance_groups:
-            batch.loss_mask_BT = batch.loss_mask_BT * (~zero_variance_PN).reshape(-1, 1).float()
-        if self.reference is not None:
-            batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
-        logprob_diff, trainer_logprobs_BT = self.logprob_diff(step, batch)
-        self.log_rollouts(step, prompts, completions, rewards_PN, batch, trainer_logprobs_BT)
-        train_metrics = self.trainer.train_step(batch, self.loss)
         trained = time.perf_counter()
         self.hooks.after_train(step, train_metrics)
         stats = self.send_weights(step)
@@ -370,11 +353,7 @@ class DisaggregatedTrainer(RLTrainer):
                 rewards_PN, zero_variance_PN, completions, sum(r.reward_errors for r in rollouts)
             ),
             **logprob_diff,
-            "loss": train_metrics["loss"],
-            "entropy": train_metrics["entropy"],
-            "grad_norm": train_metrics["grad_norm"],
-            "lr": train_metrics["lr"],
-            "clip_fraction": train_metrics["clipped_tokens"] / max(train_metrics["tokens"], 1),
+            **self.train_summary(train_metrics),
             "policy_version": float(step),
             "policy_age/mean": float(figures[0] / figures[1]),
             "policy_age/max": float(figures[2]),
@@ -392,8 +371,6 @@ class DisaggregatedTrainer(RLTrainer):
         metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / max(
             generate_s, 1e-9
         )
-        if self.reference is not None:
-            metrics["kl"] = train_metrics["kl_sum"] / max(train_metrics["tokens"], 1)
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)
         return metrics

@@ -71,8 +71,10 @@ class RLTrainer:
     def __init__(self, config: JobConfig, hooks: Hooks | None = None):
         self.config = config
         self.hooks = hooks or Hooks()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
         self.group = None  # the ranks that train: all of them, colocated
+        # This rank's share of the prompts: one of `shards` (every rank generates, colocated).
+        self.shard, self.shards = self.rank, dist.get_world_size()
         if config.batch_invariant:
             batch_invariant.enable()  # before any model or engine is built
         torch.manual_seed(config.job.seed)
@@ -193,21 +195,14 @@ class RLTrainer:
 
         rewards_PN = self.score(step, prompts, completions)
         advantages = self.advantage(rewards_PN)
-        batch = rollout_batch(
-            prompt_ids,
-            [[s.token_ids for s in group] for group in completions.samples],
-            [[s.logprobs for s in group] for group in completions.samples],
+        logprob_diff, train_metrics = self.learn(
+            step,
+            prompts,
+            completions,
+            rewards_PN,
             advantages.values_PN,
-            self.pad_id,
+            advantages.zero_variance_PN,
         )
-        if self.config.algorithm.filter_zero_variance_groups:
-            keep_B = (~advantages.zero_variance_PN).reshape(-1, 1).float()
-            batch.loss_mask_BT = batch.loss_mask_BT * keep_B
-        if self.reference is not None:
-            batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
-        logprob_diff, trainer_logprobs_BT = self.logprob_diff(step, batch)
-        self.log_rollouts(step, prompts, completions, rewards_PN, batch, trainer_logprobs_BT)
-        train_metrics = self.trainer.train_step(batch, self.loss)
         trained = time.perf_counter()
         self.hooks.after_train(step, train_metrics)
 
@@ -218,11 +213,7 @@ class RLTrainer:
         metrics = {
             **self.rollout_metrics(rewards_PN, advantages.zero_variance_PN, completions),
             **logprob_diff,
-            "loss": train_metrics["loss"],
-            "entropy": train_metrics["entropy"],
-            "grad_norm": train_metrics["grad_norm"],
-            "lr": train_metrics["lr"],
-            "clip_fraction": train_metrics["clipped_tokens"] / max(train_metrics["tokens"], 1),
+            **self.train_summary(train_metrics),
             "policy_version": float(self.generator.policy_version),
             "batch_invariant": float(batch_invariant.is_enabled()),
             "time/generate_s": generated - start,
@@ -233,17 +224,56 @@ class RLTrainer:
         metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / (
             generated - start
         )
-        if self.reference is not None:
-            metrics["kl"] = train_metrics["kl_sum"] / max(train_metrics["tokens"], 1)
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)
         return metrics
 
+    def learn(
+        self,
+        step: int,
+        prompts: list[Prompt],
+        completions: Completions,
+        rewards_PN: torch.Tensor,
+        advantages_PN: torch.Tensor,
+        zero_variance_PN: torch.Tensor,
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Scored samples -> RolloutBatch -> one optimizer step; returns the logprob_diff
+        metrics and the trainer's step metrics."""
+        batch = rollout_batch(
+            completions.prompts,
+            [[s.token_ids for s in group] for group in completions.samples],
+            [[s.logprobs for s in group] for group in completions.samples],
+            advantages_PN,
+            self.pad_id,
+        )
+        if self.config.algorithm.filter_zero_variance_groups:
+            keep_B = (~zero_variance_PN).reshape(-1, 1).float()
+            batch.loss_mask_BT = batch.loss_mask_BT * keep_B
+        if self.reference is not None:
+            batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
+        logprob_diff, trainer_logprobs_BT = self.logprob_diff(step, batch)
+        self.log_rollouts(step, prompts, completions, rewards_PN, batch, trainer_logprobs_BT)
+        return logprob_diff, self.trainer.train_step(batch, self.loss)
+
+    def train_summary(self, train_metrics: dict[str, float]) -> dict[str, float]:
+        """The logged metrics of one optimizer step."""
+        tokens = max(train_metrics["tokens"], 1)
+        summary = {
+            "loss": train_metrics["loss"],
+            "entropy": train_metrics["entropy"],
+            "grad_norm": train_metrics["grad_norm"],
+            "lr": train_metrics["lr"],
+            "clip_fraction": train_metrics["clipped_tokens"] / tokens,
+        }
+        if self.reference is not None:
+            summary["kl"] = train_metrics["kl_sum"] / tokens
+        return summary
+
     def my_prompts(self, step: int) -> list[Prompt]:
         """This rank's contiguous shard of the step's global prompts."""
-        per_rank = self.config.training.prompts_per_step // self.world
-        prompts = self.task.prompts(step, per_rank * self.world)
-        return prompts[self.rank * per_rank : (self.rank + 1) * per_rank]
+        per_shard = self.config.training.prompts_per_step // self.shards
+        prompts = self.task.prompts(step, per_shard * self.shards)
+        return prompts[self.shard * per_shard : (self.shard + 1) * per_shard]
 
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
         ids = [self.tokenizer.encode(p.text).ids for p in prompts]
@@ -263,9 +293,9 @@ class RLTrainer:
         return ids
 
     def sampling_seed(self, step: int) -> int:
-        # Per-request seeds: samples depend on (seed, step, rank, prompt), not on batching.
-        # Each (step, rank) owns 2**20 consecutive seeds, one per sample (Generator.generate).
-        run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.rank
+        # Per-request seeds: samples depend on (seed, step, shard, prompt), not on batching.
+        # Each (step, shard) owns 2**20 consecutive seeds, one per sample (Generator.generate).
+        run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.shard
         return run * 2**20 % 2**62
 
     def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
