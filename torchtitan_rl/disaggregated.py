@@ -119,7 +119,7 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
     """Trainer ranks: gather each bucket (FSDP shards, on the trainer mesh); trainer rank 0
     broadcasts it flat, in the generator's dtype. Returns (figures, digest or None)."""
     start = time.perf_counter()
-    sent, leader = 0, dist.get_rank() == topology.trainers[0]
+    sent, peak, leader = 0, 0, dist.get_rank() == topology.trainers[0]
     sha = hashlib.sha256() if verify else None
     if leader:
         dist.broadcast(torch.tensor([version]), topology.trainers[0], topology.transfer_group)
@@ -129,6 +129,8 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
             flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in full])
             dist.broadcast(flat, topology.trainers[0], topology.transfer_group)
             sent += flat.numel() * flat.element_size()
+            gathered = sum(t.numel() * t.element_size() for t in full)
+            peak = max(peak, gathered + flat.numel() * flat.element_size())
             if sha is not None:
                 sha.update(flat.view(torch.uint8).numpy().tobytes())
     seconds = time.perf_counter() - start
@@ -136,7 +138,7 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
         bytes=sent,
         seconds=seconds,
         gb_per_s=sent / seconds / 1e9,
-        peak_extra_bytes=sent,
+        peak_extra_bytes=peak,  # one bucket's gathered tensors and its flat copy
         version=version,
     )
     return stats, (sha.hexdigest() if sha is not None and leader else None)
