@@ -11,6 +11,8 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+DEBUG_TOML = str(REPO / "run_configs" / "debug_cpu.toml")
+TINY = str(REPO / "assets" / "tiny_qwen3")
 
 # Orphans (a rank whose launcher died) are re-parented to this process instead of init, so
 # the check below sees every process a test started, however it lost its parent.
@@ -61,6 +63,19 @@ def launcher(nproc: int) -> list[str]:
         "--nproc_per_node",
         str(nproc),
     ]
+
+
+@pytest.fixture
+def repo_cwd(monkeypatch):
+    """Run from the repo root: run_configs name assets/ relative to it."""
+    monkeypatch.chdir(REPO)
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    """`text` as tmp_path/run.toml; returns its path."""
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
 
 
 def kill_tree(process: subprocess.Popen) -> None:

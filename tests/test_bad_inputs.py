@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from conftest import DEBUG_TOML, TINY, run_train, write_toml
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from torchtitan_rl.config import ConfigError, parse_args
@@ -21,21 +21,8 @@ from torchtitan_rl.config.job_config import ModelSection
 from torchtitan_rl.generator.engine import check_tokenizer_fits
 from torchtitan_rl.train import check_dump_folder, main
 
-REPO = Path(__file__).resolve().parents[1]
-DEBUG_TOML = str(REPO / "run_configs" / "debug_cpu.toml")
-TINY = str(REPO / "assets" / "tiny_qwen3")
-
-
-@pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    # run_configs name assets/ relative to the repo root, as the README's commands do.
-    monkeypatch.chdir(REPO)
-
-
-def write(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "run.toml"
-    path.write_text(text)
-    return str(path)
+# run_configs name assets/ relative to the repo root, as the README's commands do.
+pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
 # Each bad input: the TOML text and/or CLI flags, and words the one-line error must contain.
@@ -197,7 +184,7 @@ def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys, monkeypatch):
         text.replace("{tmp}", str(tmp_path)),
         [w.replace("{tmp}", str(tmp_path)) for w in words],
     )
-    path = write(tmp_path, text)
+    path = write_toml(tmp_path, text)
     world_size = 1
     if flags[:1] == ["--world_size_for_test"]:
         world_size, flags = int(flags[1]), flags[2:]

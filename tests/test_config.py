@@ -5,32 +5,18 @@
 
 import dataclasses
 import tomllib
-from pathlib import Path
 
 import pytest
-from conftest import run_train
+from conftest import DEBUG_TOML, REPO, TINY, run_train, write_toml
 
 from torchtitan_rl.config import JobConfig, parse_args, to_toml
 
-REPO = Path(__file__).resolve().parents[1]
-DEBUG_TOML = str(REPO / "run_configs" / "debug_cpu.toml")
-TINY = str(REPO / "assets" / "tiny_qwen3")
-
-
-@pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    # run_configs name assets/ relative to the repo root, as the README's commands do.
-    monkeypatch.chdir(REPO)
-
-
-def write(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "run.toml"
-    path.write_text(text)
-    return str(path)
+# run_configs name assets/ relative to the repo root, as the README's commands do.
+pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
 def test_precedence_defaults_toml_cli(tmp_path):
-    path = write(
+    path = write_toml(
         tmp_path,
         f'[model]\nhf_checkpoint = "{TINY}"\n[training]\nsteps = 5\nlr = 1\n'
         "[generator.sampling]\ntemperature = 0.5\n",
@@ -82,7 +68,7 @@ def test_gpu_configs_parse(tmp_path):
 
 
 def test_process_exits_2_with_one_line_and_no_traceback(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = -3\n")
+    path = write_toml(tmp_path, "[training]\nsteps = -3\n")
     result = run_train("--job.config_file", path, "--model.hf_checkpoint", TINY)
     assert result.returncode == 2
     assert result.stderr == "error: training.steps = -3: must be >= 1\n"
@@ -110,7 +96,7 @@ def test_dry_run_prints_toml_and_round_trips(tmp_path):
     assert parsed["training"]["steps"] == 7 and "config_file" not in parsed["job"]
     assert not dump.exists()  # a dry run builds and writes nothing
 
-    fed_back = write(tmp_path, first.stdout)
+    fed_back = write_toml(tmp_path, first.stdout)
     second = run_train("--job.config_file", fed_back, "--job.dry_run")
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout
@@ -133,7 +119,7 @@ def test_to_toml_round_trips_every_field_in_process(tmp_path):
             "dapo",
         ]
     )
-    again = parse_args(["--job.config_file", write(tmp_path, to_toml(config))])
+    again = parse_args(["--job.config_file", write_toml(tmp_path, to_toml(config))])
     again.job.config_file = config.job.config_file
     assert again == config
 
