@@ -2,9 +2,11 @@
 process (a world of one, nproc = 0) or under `torchrun --standalone` with nproc ranks."""
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -76,6 +78,27 @@ def write_toml(tmp_path: Path, text: str) -> str:
     path = tmp_path / "run.toml"
     path.write_text(text)
     return str(path)
+
+
+def logged_steps(folder: Path) -> set[int]:
+    """Steps in folder/metrics.jsonl so far (none yet, or a last line still being written)."""
+    steps = set()
+    path = folder / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            steps.add(json.loads(line)["step"])
+        except ValueError:
+            pass  # a line being written
+    return steps
+
+
+def wait_for_step(process: subprocess.Popen, folder: Path, step: int) -> None:
+    """Poll (every 5 ms) until the run in `folder` has logged `step`; fail if it ends first."""
+    deadline = time.monotonic() + 300
+    while step not in logged_steps(folder):
+        assert process.poll() is None, f"the run ended before step {step}"
+        assert time.monotonic() < deadline, f"the run did not reach step {step} in 300 s"
+        time.sleep(0.005)
 
 
 def kill_tree(process: subprocess.Popen) -> None:

@@ -8,12 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, kill_tree, run_dist, run_train, start_train
+from conftest import REPO, kill_tree, run_dist, run_train, start_train, wait_for_step
 from safetensors.torch import load_file
 
 from torchtitan_rl.checkpoint import MANIFEST, invalid_reason
@@ -66,26 +65,10 @@ def full_run(tmp_path_factory) -> Path:
 def kill_during_step_5(out: Path) -> None:
     """Start the run and SIGKILL the launcher and both ranks once step 4 is logged."""
     process = start_train(*FLAGS, "--job.dump_folder", str(out), nproc=2)
-    deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline and process.poll() is None:
-            if (out / "metrics.jsonl").is_file() and 4 in rows_tolerant(out):
-                break
-            time.sleep(0.005)
+        wait_for_step(process, out, 4)
     finally:
         kill_tree(process)
-    assert 4 in rows_tolerant(out), "the run never reached step 4"
-
-
-def rows_tolerant(folder: Path) -> set[int]:
-    """Steps logged so far (the last line may be half-written)."""
-    steps = set()
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        try:
-            steps.add(json.loads(line)["step"])
-        except ValueError:
-            pass
-    return steps
 
 
 def test_sigkill_then_restart_matches_the_uninterrupted_run(full_run, tmp_path):

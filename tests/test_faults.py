@@ -11,12 +11,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import REPO, kill_tree, run_dist, run_train, start_train
+from conftest import REPO, kill_tree, logged_steps, run_dist, run_train, start_train, wait_for_step
 
 from torchtitan_rl.checkpoint import invalid_reason
 from torchtitan_rl.rl_trainer import check_finite
@@ -38,24 +37,10 @@ RUN = (
 )
 
 
-def logged_steps(folder: Path) -> set[int]:
-    steps = set()
-    path = folder / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            steps.add(json.loads(line)["step"])
-        except ValueError:
-            pass  # a line being written
-    return steps
-
-
 def test_a_killed_rank_ends_the_run_quickly_and_the_next_launch_resumes(tmp_path):
     process = start_train(*RUN, "--job.dump_folder", str(tmp_path), nproc=2)
     try:
-        deadline = time.monotonic() + 300
-        while 3 not in logged_steps(tmp_path) and time.monotonic() < deadline:
-            assert process.poll() is None, "the run ended before step 3"
-            time.sleep(0.005)
+        wait_for_step(process, tmp_path, 3)
         ranks = psutil.Process(process.pid).children(recursive=True)
         rank_1 = next(
             p for p in ranks if "LOCAL_RANK" in p.environ() and p.environ()["LOCAL_RANK"] == "1"
@@ -172,9 +157,7 @@ def test_a_failing_checkpoint_write_stops_the_run_with_one_line(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        deadline = time.monotonic() + 300
-        while 1 not in logged_steps(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for_step(process, tmp_path, 1)
         limit = 256 * 1024
         psutil.Process(process.pid).rlimit(psutil.RLIMIT_FSIZE, (limit, limit))
         _, stderr = process.communicate(timeout=300)
