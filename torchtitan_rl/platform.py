@@ -129,11 +129,19 @@ def die_with_launcher() -> None:
     SIGKILL (a job scheduler, a test) leaves its ranks training on as orphans, writing into the
     same dump folder as the next launch. On Linux the kernel kills this rank when its parent
     dies instead (PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent dies (PR_SET_PDEATHSIG);
+    exit at once if the parent is already gone."""
+    if not sys.platform.startswith("linux"):
         return
+    parent = os.getppid()
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before the request took effect
+    if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
 
 

@@ -40,12 +40,10 @@ TORCHRUN_ENV = (
 
 def _serve(generator, model, seed, invariant, requests, replies) -> None:
     """The child: build the engine, share its parameters, then answer requests."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the rank
     from torchtitan_rl import batch_invariant, platform
     from torchtitan_rl.generator.engine import Generator
+
+    platform.die_with_parent()  # no engine outlives its rank
 
     try:
         platform.init_distributed()  # a world of one
