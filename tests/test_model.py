@@ -151,9 +151,9 @@ def pg_loss(logprobs_BT, micro, scale):
 
 def test_lr_warms_up_then_decays():
     t = trainer(training=TrainingSection(lr=1e-3, warmup_steps=2, steps=4, lr_decay="linear"))
-    lrs = [t.train_step(batch(), pg_loss)["lr"] for _ in range(4)]
+    lrs = [t.train_step(batch(), pg_loss).metrics["lr"] for _ in range(4)]
     # torchtitan's schedule: linear warm-up to the peak, then a linear decay towards 0.
     assert lrs[:2] == pytest.approx([5e-4, 1e-3])
     assert lrs[1] >= lrs[2] > lrs[3] > 0
     constant = trainer(training=TrainingSection(lr=1e-3, steps=3))
-    assert [constant.train_step(batch(), pg_loss)["lr"] for _ in range(3)] == [1e-3] * 3
+    assert [constant.train_step(batch(), pg_loss).metrics["lr"] for _ in range(3)] == [1e-3] * 3

@@ -26,7 +26,7 @@ def test_patch_points_torchtitan_at_cpu():
 
 
 def test_sdpa_attention_runs_forward_and_backward_on_cpu():
-    spec = model_spec("qwen3", "tiny", attn_backend=platform.attention_backend())
+    spec = model_spec("qwen3", "tiny")
     platform.use_platform_attention(spec.model)
     assert all(
         isinstance(layer.attention.inner_attention, ScaledDotProductAttention.Config)

@@ -16,9 +16,9 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 from policy_trainer_run import fixed_batch  # noqa: E402
 
 
-def run(tmp_path_factory, nproc: int, micro_batches: int) -> dict:
-    out = tmp_path_factory.mktemp(f"w{nproc}_m{micro_batches}")
-    run_dist("policy_trainer_run.py", str(out), str(micro_batches), nproc=nproc)
+def run(tmp_path_factory, nproc: int, micro_batches: int, checkpointing: str = "none") -> dict:
+    out = tmp_path_factory.mktemp(f"w{nproc}_m{micro_batches}_{checkpointing}")
+    run_dist("policy_trainer_run.py", str(out), str(micro_batches), checkpointing, nproc=nproc)
     return torch.load(out / "result.pt")
 
 
@@ -28,6 +28,8 @@ def runs(tmp_path_factory):
         (1, 1): run(tmp_path_factory, 1, 1),
         (2, 1): run(tmp_path_factory, 2, 1),
         (2, 4): run(tmp_path_factory, 2, 4),
+        (2, 2, "full"): run(tmp_path_factory, 2, 2, "full"),
+        (1, 1, "selective"): run(tmp_path_factory, 1, 1, "selective"),
     }
 
 
@@ -60,8 +62,8 @@ def test_logprobs_match_transformers_at_the_trainer_temperature(runs):
     )
 
 
-@pytest.mark.parametrize("other", [(2, 1), (2, 4)])
-def test_step_is_the_same_for_any_world_size_and_micro_batches(runs, other):
+@pytest.mark.parametrize("other", [(2, 1), (2, 4), (2, 2, "full"), (1, 1, "selective")])
+def test_step_is_the_same_for_any_world_size_micro_batches_and_checkpointing(runs, other):
     reference, candidate = runs[(1, 1)], runs[other]
     assert candidate["metrics"]["tokens"] == reference["metrics"]["tokens"] == 32
     assert candidate["metrics"]["masked_tokens"] == 32  # metrics sum over ranks
@@ -83,3 +85,21 @@ def test_the_step_moved_the_weights(runs):
     before = load_file(TINY / "model.safetensors")["model.layers.0.mlp.gate_proj.weight"]
     after = runs[(2, 4)]["params"]["layers.0.feed_forward.w1.weight"]
     assert (after - before).abs().max() > 5e-3  # about lr = 1e-2 for AdamW's first step
+
+
+@pytest.mark.parametrize("key", [(1, 1), (2, 1), (2, 4), (2, 2, "full")])
+def test_the_step_reports_pre_update_logprobs_from_its_own_forwards(runs, key):
+    """One forward per micro-batch and no more: the logprobs logprob_diff compares come from
+    the step's own forwards, and equal a separate scoring pass of the same weights."""
+    run = runs[key]
+    micro_batches = key[1]
+    assert run["forwards"] == micro_batches
+    rank, ranks = run["share"]
+    share_BT = run["logprobs_BT"].tensor_split(ranks)[rank]
+    torch.testing.assert_close(run["step_logprobs_BT"], share_BT, rtol=1e-6, atol=1e-6)
+
+
+def test_activation_checkpointing_wraps_every_block_only_when_asked(runs):
+    assert runs[(2, 2, "full")]["checkpointed_blocks"] == 2  # the tiny model's 2 layers
+    assert runs[(1, 1, "selective")]["checkpointed_blocks"] == 2
+    assert runs[(2, 1)]["checkpointed_blocks"] == 0

@@ -390,11 +390,15 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
-    full = {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-        for k, v in model_state.items()
-    }
-    if dist.is_initialized() and dist.get_rank(group) != 0:
+    writer = not dist.is_initialized() or dist.get_rank(group) == 0
+    full = {}
+    for name, tensor in model_state.items():
+        # One tensor gathered at a time (a collective); only the writing rank keeps them, as
+        # host tensors, so no rank holds the whole model on its device and the others hold none.
+        gathered = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if writer:
+            full[name] = gathered.detach().cpu()
+    if not writer:
         dist.barrier(group=group)
         return
     source = Path(hf_source or tokenizer_dir)

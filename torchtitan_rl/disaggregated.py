@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl import batch_invariant
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_loss
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config.job_config import JobConfig
@@ -111,8 +111,13 @@ def _buckets(params: dict[str, torch.Tensor], bucket_mb: float) -> list[list[str
 def _digest(tensors) -> str:
     sha = hashlib.sha256()
     for tensor in tensors:
-        sha.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        sha.update(_host_bytes(tensor))
     return sha.hexdigest()
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's raw bytes, copied to the host where it lives on a device."""
+    return tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: int, verify: bool):
@@ -124,7 +129,11 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
     if leader:
         dist.broadcast(torch.tensor([version]), topology.trainers[0], topology.transfer_group)
     for names in _buckets(params, bucket_mb):
-        full = [(p.full_tensor() if isinstance(p, DTensor) else p) for p in map(params.get, names)]
+        # Gathered in the generator's dtype: a bf16 generator moves half the fp32 bytes.
+        full = [
+            (p.to(dtype).full_tensor() if isinstance(p, DTensor) else p)
+            for p in map(params.get, names)
+        ]
         if leader:
             flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in full])
             dist.broadcast(flat, topology.trainers[0], topology.transfer_group)
@@ -132,7 +141,7 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
             gathered = sum(t.numel() * t.element_size() for t in full)
             peak = max(peak, gathered + flat.numel() * flat.element_size())
             if sha is not None:
-                sha.update(flat.view(torch.uint8).numpy().tobytes())
+                sha.update(_host_bytes(flat))
     seconds = time.perf_counter() - start
     stats = SyncStats(
         bytes=sent,
@@ -152,7 +161,9 @@ def receive_weights(generator: RemoteGenerator, topology: Topology, bucket_mb: f
     with torch.no_grad():
         for names in _buckets(params, bucket_mb):
             targets = [params[n] for n in names]
-            flat = torch.empty(sum(t.numel() for t in targets), dtype=targets[0].dtype)
+            flat = torch.empty(
+                sum(t.numel() for t in targets), dtype=targets[0].dtype, device=targets[0].device
+            )
             dist.broadcast(flat, topology.trainers[0], topology.transfer_group)
             for target, piece in zip(
                 targets, flat.split([t.numel() for t in targets]), strict=True
@@ -193,10 +204,10 @@ class GeneratorWorker(RLTrainer):
             batch_invariant.enable()
         # Prompts and seeds are split over the generator ranks only.
         self.shard, self.shards = topology.generators.index(self.rank), len(topology.generators)
+        self.build_task()  # before the engine: a bad dataset row fails in seconds
         self.generator = RemoteGenerator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.shard
         )
-        self.build_task()
 
     def take_weights(self) -> None:
         receive_weights(self.generator, self.topology, self.config.generator.weight_sync_bucket_mb)
@@ -261,11 +272,11 @@ class DisaggregatedTrainer(RLTrainer):
             async_group=topology.checkpoint_group,
         )
         resume_path = self.checkpointer.find()
+        self.build_task()
         self.trainer = self.policy(topology.trainer_group)
         self.reference = None
         if config.algorithm.kl_beta > 0:
             self.reference = self.policy(topology.trainer_group)
-        self.build_task()
         self.loss = build_loss(config.algorithm, max_tokens=config.generator.sampling.max_tokens)
         self.state = TrainState()
         self.checkpointer.attach(self.trainer, self.state)
@@ -347,8 +358,8 @@ class DisaggregatedTrainer(RLTrainer):
             if r.weights_sha256 is not None and self.sent_digests.get(r.version) is not None
         ]
         figures = torch.tensor([float(sum(ages)), float(len(ages)), float(max(ages))])
-        dist.all_reduce(figures[:2], group=self.group)
-        dist.all_reduce(figures[2:], op=dist.ReduceOp.MAX, group=self.group)
+        platform.all_reduce_host(figures[:2], group=self.group)
+        platform.all_reduce_host(figures[2:], op=dist.ReduceOp.MAX, group=self.group)
         generate_s = max(r.generate_s for r in rollouts)
         metrics = {
             **self.rollout_metrics(

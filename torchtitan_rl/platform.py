@@ -3,6 +3,11 @@
     .venv/bin/python -m pytest tests/test_platform.py
 
 Everything else asks this module which device, process-group backend and attention to use.
+The rule the CPU and CUDA runs share: the tensors of a step (tokens, logits, logprobs,
+weights) live on `device()`; host-side figures (counters, metrics, rollouts) are CPU tensors
+and travel through `all_reduce_host` / `all_gather_objects`, which the process group routes to
+gloo on both platforms (`dist_backend()` is "cpu:gloo,cuda:nccl" on CUDA). Attention is causal
+SDPA on both: no mask object, right-padded sequences, so the CPU tests run CUDA's code.
 """
 
 import ctypes
@@ -30,8 +35,23 @@ def device() -> torch.device:
 
 
 def dist_backend() -> str:
-    """Process-group backend: nccl on CUDA, gloo on CPU."""
-    return "nccl" if device_type() == "cuda" else "gloo"
+    """Process-group backend: gloo on CPU; on CUDA nccl for device tensors and gloo for host
+    tensors, so a CPU metric never goes through NCCL (which rejects it)."""
+    return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
+
+
+def all_reduce_host(values: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """All-reduce a host tensor of figures (counts, sums, maxima) over `group`, via gloo."""
+    if values.device.type != "cpu":
+        raise ValueError(f"all_reduce_host takes host tensors, got one on {values.device}")
+    return dist.all_reduce(values, op=op, group=group, async_op=async_op)
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's `obj` over `group`, in group-rank order (pickled through gloo)."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def patch_torchtitan() -> None:
@@ -60,19 +80,14 @@ def optimizer_implementation() -> str:
     return "fused" if device_type() == "cuda" else "foreach"
 
 
-def attention_backend() -> str:
-    """torchtitan `attn_backend` for model specs: flex on CUDA; CPU swaps in SDPA (below)."""
-    return "flex"
-
-
 def use_platform_attention(model_config) -> None:
-    """On CPU, replace every layer's inner attention with causal SDPA, in place.
+    """Replace every layer's inner attention with causal SDPA, in place, on CPU and CUDA.
 
-    FlexAttention has no CPU backward and varlen attention needs CUDA. SDPA takes no masks:
-    callers pass right-padded causal sequences and call `model(tokens, positions, None)`.
+    torchtitan's default FlexAttention needs a BlockMask built per batch and has no CPU
+    backward; varlen attention needs CUDA. SDPA takes no mask object: callers pass
+    right-padded causal sequences and call `model(tokens, positions, None)`, on both
+    platforms, so the CPU tests run the trainer's CUDA attention code.
     """
-    if device_type() != "cpu":
-        return
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     for layer in model_config.layers:
@@ -113,7 +128,7 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     timeout = timedelta(seconds=timeout_s)
     die_with_launcher()
     if "RANK" in os.environ:
-        if backend == "nccl":
+        if device_type() == "cuda":
             torch.cuda.set_device(device())
         dist.init_process_group(backend, timeout=timeout)
     else:

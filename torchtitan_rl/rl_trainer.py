@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from torchtitan_rl import batch_invariant
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
 from torchtitan_rl.checkpoint import (
@@ -31,22 +31,16 @@ from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.tasks import Prompt, build_task
 from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn
-from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer, check_finite
 from torchtitan_rl.weight_sync import SyncStats, WeightSync, WeightSyncError
 
+
+class InvarianceError(RuntimeError):
+    """Batch-invariant mode is on, yet trainer and generator logprobs differ."""
+
+
 # Errors that stop a run with one line naming the step and the cause.
-StopRun = (NonFiniteError, RewardError, WeightSyncError, CheckpointError)
-
-
-def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
-    """Stop on a NaN/inf logprob of a sampled token, naming the step and the first one."""
-    bad_BT = ~torch.isfinite(logprobs_BT) & mask_BT
-    if bool(bad_BT.any()):
-        b, t = (int(i) for i in bad_BT.nonzero()[0])
-        raise NonFiniteError(
-            f"step {step}: the {side} logprob of sequence {b}, token {t} is "
-            f"{float(logprobs_BT[b, t])}"
-        )
+StopRun = (NonFiniteError, RewardError, WeightSyncError, CheckpointError, InvarianceError)
 
 
 class Hooks:
@@ -84,6 +78,8 @@ class RLTrainer:
             config.checkpoint, config.job.dump_folder, run_facts(config)
         )
         resume_path = self.checkpointer.find()
+        # Before any model or engine: a bad dataset row fails in seconds, naming file:line.
+        self.build_task()
 
         self.trainer = self.policy()
         # The frozen reference for the KL penalty: the starting policy, sharded like it, never
@@ -98,7 +94,6 @@ class RLTrainer:
             bucket_mb=config.generator.weight_sync_bucket_mb,
             verify=config.generator.verify_weight_sync,
         )
-        self.build_task()
         self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
         self.state = TrainState()
         self.checkpointer.attach(self.trainer, self.state)
@@ -134,6 +129,7 @@ class RLTrainer:
             self.task, reward_fn, config.task.reward_on_error, config.task.reward_timeout_s
         )
         self.advantage = build_advantage(config.algorithm.advantage)
+        self.encode(self.task.every_prompt())  # the longest prompt fits, or one line says not
 
     def build_metrics(self, enabled: bool) -> None:
         config = self.config
@@ -238,7 +234,21 @@ class RLTrainer:
         zero_variance_PN: torch.Tensor,
     ) -> tuple[dict[str, float], dict[str, float]]:
         """Scored samples -> RolloutBatch -> one optimizer step; returns the logprob_diff
-        metrics and the trainer's step metrics."""
+        metrics and the trainer's step metrics. The ranks of a TP group train on the union of
+        their samples (each generated its own share)."""
+        if self.trainer.tp_group is not None:
+            shares = platform.all_gather_objects(
+                (prompts, completions, rewards_PN, advantages_PN, zero_variance_PN),
+                group=self.trainer.tp_group,
+            )
+            prompts = [p for share in shares for p in share[0]]
+            completions = Completions(
+                prompts=[p for share in shares for p in share[1].prompts],
+                samples=[g for share in shares for g in share[1].samples],
+            )
+            rewards_PN, advantages_PN, zero_variance_PN = (
+                torch.cat([share[i] for share in shares]) for i in (2, 3, 4)
+            )
         batch = rollout_batch(
             completions.prompts,
             [[s.token_ids for s in group] for group in completions.samples],
@@ -249,11 +259,15 @@ class RLTrainer:
         if self.config.algorithm.filter_zero_variance_groups:
             keep_B = (~zero_variance_PN).reshape(-1, 1).float()
             batch.loss_mask_BT = batch.loss_mask_BT * keep_B
+        check_finite(step, "generator", batch.generator_logprobs_BT, batch.loss_mask_BT.bool())
         if self.reference is not None:
             batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
-        logprob_diff, trainer_logprobs_BT = self.logprob_diff(step, batch)
-        self.log_rollouts(step, prompts, completions, rewards_PN, batch, trainer_logprobs_BT)
-        return logprob_diff, self.trainer.train_step(batch, self.loss)
+        # The trainer's pre-update logprobs come from the step's own forward: no extra pass.
+        result = self.trainer.train_step(batch, self.loss)
+        batch = batch.to(result.logprobs_BT.device)
+        logprob_diff = self.logprob_diff(step, batch, result.logprobs_BT)
+        self.log_rollouts(step, prompts, completions, rewards_PN, batch, result.logprobs_BT)
+        return logprob_diff, result.metrics
 
     def train_summary(self, train_metrics: dict[str, float]) -> dict[str, float]:
         """The logged metrics of one optimizer step."""
@@ -279,15 +293,16 @@ class RLTrainer:
         ids = [self.tokenizer.encode(p.text).ids for p in prompts]
         limit = self.config.training.max_prompt_len
         for prompt, tokens in zip(prompts, ids, strict=True):
+            where = f"{prompt.source}: " if prompt.source else ""
             if not tokens:
                 raise ConfigError(
-                    f"prompt {prompt.text[:40]!r} encodes to no tokens with "
+                    f"{where}prompt {prompt.text[:40]!r} encodes to no tokens with "
                     f"{self.config.model.tokenizer_dir}/tokenizer.json: fix the prompt or "
                     "use the tokenizer the model was trained with"
                 )
             if len(tokens) > limit:
                 raise ConfigError(
-                    f"prompt {prompt.text[:40]!r} has {len(tokens)} tokens, more than "
+                    f"{where}prompt {prompt.text[:40]!r} has {len(tokens)} tokens, more than "
                     f"training.max_prompt_len = {limit}: raise it or shorten the prompt"
                 )
         return ids
@@ -309,35 +324,62 @@ class RLTrainer:
             raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")
         return rewards_PN
 
-    def logprob_diff(self, step: int, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor]:
-        """|generator - trainer| logprob of the sampled tokens before the update (all ranks),
-        and the trainer's logprobs [B, T]."""
-        trainer_BT, _ = self.trainer.logprobs(batch.tokens_BT)
+    def logprob_diff(
+        self, step: int, batch: RolloutBatch, trainer_BT: torch.Tensor
+    ) -> dict[str, float]:
+        """|generator - trainer| logprob of the sampled tokens before the update (all ranks).
+
+        Under batch-invariant mode any difference means the mode no longer holds: the run stops
+        (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
+        """
         mask_BT = batch.loss_mask_BT.bool()
-        check_finite(step, "trainer", trainer_BT, mask_BT)
-        check_finite(step, "generator", batch.generator_logprobs_BT, mask_BT)
         log_ratio_BT = trainer_BT - batch.generator_logprobs_BT
         diff_BT = log_ratio_BT.abs() * mask_BT
-        total = torch.tensor([float(diff_BT.sum()), float(mask_BT.sum())])
         # The importance ratio pi_trainer / pi_generator of the sampled tokens: exactly 1 where
         # the two sides agree bit for bit (batch-invariant mode). Max of (max, -min).
         ratio_BT = torch.exp(log_ratio_BT)
+        total = torch.stack([diff_BT.sum(), mask_BT.sum()]).double().cpu()
         extremes = torch.stack(
             [
                 diff_BT.max(),
                 ratio_BT.masked_fill(~mask_BT, 1.0).max(),
                 -ratio_BT.masked_fill(~mask_BT, 1.0).min(),
             ]
-        )
-        dist.all_reduce(total, group=self.group)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        ).cpu()
+        platform.all_reduce_host(total, group=self.group)
+        platform.all_reduce_host(extremes, op=dist.ReduceOp.MAX, group=self.group)
         metrics = {
             "logprob_diff/max": float(extremes[0]),
             "logprob_diff/mean": float(total[0] / total[1].clamp(min=1)),
             "behavior_ratio/max": float(extremes[1]),
             "behavior_ratio/min": -float(extremes[2]),
         }
-        return metrics, trainer_BT
+        if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
+            self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
+        return metrics
+
+    def invariance_broken(self, step, batch, trainer_BT, diff_BT, largest: float) -> None:
+        """Batch-invariant mode promised equal logprobs and a step saw a difference: every rank
+        raises (or warns) together; ranks that hold a differing token name the first one."""
+        differing = diff_BT.nonzero()
+        if len(differing):
+            b, t = (int(i) for i in differing[0])
+            trainer, generator = trainer_BT[b, t], batch.generator_logprobs_BT[b, t]
+            where = (
+                f"first on rank {self.rank}, sequence {b}, token {t}: trainer "
+                f"{float(trainer)!r}, generator {float(generator)!r}"
+            )
+        else:
+            where = "on another rank"
+        message = (
+            f"step {step}: batch_invariant = true but trainer and generator logprobs differ "
+            f"(logprob_diff/max = {largest:.3g}, {where}); see README 'Batch-invariant mode' "
+            "for the conditions, or set batch_invariant_on_mismatch = 'warn'"
+        )
+        if self.config.batch_invariant_on_mismatch == "fail":
+            raise InvarianceError(message)
+        if len(differing):
+            print(f"warning: {message}", flush=True)
 
     def log_rollouts(
         self,
@@ -379,8 +421,8 @@ class RLTrainer:
         completions: Completions,
         errors: int | None = None,
     ) -> dict[str, float]:
-        """`errors`: the reward-error count, when this rank's scorer does not hold it."""
-        """Reward and length statistics over every rank's samples."""
+        """Reward and length statistics over every rank's samples. `errors`: the reward-error
+        count, when this rank's scorer does not hold it."""
         lengths = [len(s.token_ids) for group in completions.samples for s in group]
         sums = torch.tensor(
             [
@@ -394,7 +436,7 @@ class RLTrainer:
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(sums, group=self.group)
+        platform.all_reduce_host(sums, group=self.group)
         reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors = sums.tolist()
         mean = reward_sum / samples
         return {

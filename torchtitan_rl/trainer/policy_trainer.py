@@ -47,6 +47,28 @@ class LossScale:
 LossFn = Callable[[torch.Tensor, RolloutBatch, LossScale], tuple[torch.Tensor, dict[str, float]]]
 
 
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    metrics: dict[str, float]
+    """Global figures: loss, grad_norm, lr, entropy, tokens and the loss function's sums."""
+    logprobs_BT: torch.Tensor
+    """This rank's trainer logprobs [B, T] before the update, from the step's own forward
+    (no extra pass): what the generator's logprobs are compared with."""
+
+
+def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
+    """Stop on a NaN/inf logprob of a sampled token, naming the step and the first one."""
+    bad_BT = ~torch.isfinite(logprobs_BT) & mask_BT
+    if bool(bad_BT.any()):
+        b, t = (int(i) for i in bad_BT.nonzero()[0])
+        raise NonFiniteError(
+            f"step {step}: the {side} logprob of sequence {b}, token {t} is "
+            f"{float(logprobs_BT[b, t])}"
+        )
+
+
 def _lr_scheduler_config(training: TrainingSection) -> LRSchedulersContainer.Config:
     if training.lr_decay == "constant":
         # decay_ratio 0: warm up, then stay at the peak LR.
@@ -54,6 +76,18 @@ def _lr_scheduler_config(training: TrainingSection) -> LRSchedulersContainer.Con
     return LRSchedulersContainer.Config(
         warmup_steps=training.warmup_steps, decay_type=training.lr_decay
     )
+
+
+def _activation_checkpointing(mode: str):
+    """torchtitan's activation-checkpointing policy for `training.activation_checkpoint`."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode]
+
+
+# torch's checkpoint wrapper (activation checkpointing) inserts this into parameter names;
+# state dicts drop it, and so do the names weight sync pairs by.
+_AC_PREFIX = "_checkpoint_wrapped_module."
 
 
 class PolicyTrainer:
@@ -110,7 +144,7 @@ class PolicyTrainer:
                 spmd_backend=spmd_backend,
             ),
             compile_config=CompileConfig(enable=False),
-            ac_config=None,
+            ac_config=_activation_checkpointing(training.activation_checkpoint),
             dump_folder=dump_folder,
         )
         # Losses are normalized by global token counts (LossScale), so FSDP must sum
@@ -127,7 +161,13 @@ class PolicyTrainer:
         self.model: nn.Module = module
         # The sharded parameters the optimizer updates. FSDP swaps unsharded tensors into the
         # modules between a forward and its reshard, so they are captured here, once.
-        self._params = dict(module.named_parameters())
+        self._params = {
+            name.replace(_AC_PREFIX, ""): param for name, param in module.named_parameters()
+        }
+        self.tp_group = (
+            self.parallel_dims.get_mesh("tp").get_group() if parallelism.tp > 1 else None
+        )
+        """The ranks that hold this rank's batch too (tensor parallel), or None."""
 
         self.optimizers = OptimizersContainer.Config(
             param_groups=[
@@ -169,14 +209,21 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def logprobs(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature.
+        """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature,
+        on `platform.device()`, computed in `training.micro_batches` pieces (the memory of one
+        micro-batch's logits, as in train_step).
 
         Column t scores token t given tokens < t; column 0 is 0.
         """
-        logprobs_BT, entropy_BT = self._forward_logprobs(tokens_BT.to(self.device))
+        tokens_BT = tokens_BT.to(self.device)
+        pieces = min(self.training.micro_batches, tokens_BT.shape[0])
+        logprobs, entropies = zip(
+            *(self._forward_logprobs(micro_BT) for micro_BT in tokens_BT.tensor_split(pieces)),
+            strict=True,
+        )
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
-        return logprobs_BT, entropy_BT
+        return torch.cat(logprobs), torch.cat(entropies)
 
     def _reshard(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -184,14 +231,14 @@ class PolicyTrainer:
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 
-    def train_step(self, batch: RolloutBatch, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, loss_fn: LossFn) -> StepResult:
         """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces.
 
         The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
         the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
-        Raises NonFiniteError, before touching the weights, on a NaN/inf loss or gradient.
-        Metrics are global: loss, entropy (mean over loss-masked tokens) and loss_fn's metrics
-        summed over micro-batches and data-parallel ranks.
+        Raises NonFiniteError, before touching the weights, on a NaN/inf sampled-token
+        logprob, loss or gradient. Metrics are global: loss, entropy (mean over loss-masked
+        tokens) and loss_fn's metrics summed over micro-batches and data-parallel ranks.
         """
         self.step += 1
         batch = batch.to(self.device)
@@ -199,12 +246,15 @@ class PolicyTrainer:
         counts = torch.tensor(
             [batch.loss_mask_BT.sum().item(), batch.batch_size], dtype=torch.float64
         )
-        counting = dist.all_reduce(counts, group=self.group, async_op=True)
+        counting = platform.all_reduce_host(counts, group=self.group, async_op=True)
         scale = None
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
+        pre_update: list[torch.Tensor] = []
         for micro in batch.split(min(self.training.micro_batches, batch.batch_size)):
             logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT)
+            check_finite(self.step, "trainer", logprobs_BT.detach(), micro.loss_mask_BT.bool())
+            pre_update.append(logprobs_BT.detach())
             if scale is None:
                 counting.wait()
                 # Every rank of a TP group holds the same batch: count it once per group.
@@ -238,7 +288,7 @@ class PolicyTrainer:
         totals = torch.tensor(
             [local_loss, entropy_sum, *(metric_sums[n] for n in names)], dtype=torch.float64
         )
-        reducing = dist.all_reduce(totals, group=self.group, async_op=True)
+        reducing = platform.all_reduce_host(totals, group=self.group, async_op=True)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -248,7 +298,7 @@ class PolicyTrainer:
         if not math.isfinite(loss_total):
             # Only a NaN with no gradient path gets here; the finite update was applied.
             raise NonFiniteError(f"step {self.step}: the loss is {loss_total}")
-        return {
+        metrics = {
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,
@@ -256,6 +306,7 @@ class PolicyTrainer:
             "tokens": float(scale.tokens),
             **dict(zip(names, metric_totals, strict=True)),
         }
+        return StepResult(metrics=metrics, logprobs_BT=torch.cat(pre_update))
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():

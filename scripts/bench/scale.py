@@ -1,0 +1,316 @@
+"""Benchmark how the colocated loop scales with model size: one JSON line per size.
+
+    .venv/bin/python scripts/bench/scale.py --sizes tiny,debugmodel,0.6B [--steps 3] [flags]
+
+For each Qwen3 flavor in `--sizes` (`tiny`, `debugmodel`, `0.6B`: real shapes, the real
+151,936-token vocabulary) it runs RLTrainer on 2 ranks under `torchrun` (colocated, FSDP over
+both) with prompts of 256 tokens and completions of up to 128, 2 prompts x 2 samples per step,
+and prints: the parameter count; the peak RSS of each rank (and of the processes it spawned)
+and the peak total RSS of the whole process tree, sampled here every 0.2 s; the median over
+steps 2.. (step 1 warms up) of the step time and its split (generate / train / sync / other,
+other = the step's wall time less the three); tokens per second (prompt + generated tokens of
+every sequence per second of step time, and generated tokens per second of generate time);
+the weight sync's GB/s and `sync_vs_memcpy`, the sync time over one plain `copy_` of the same
+bytes (the generator's weights) timed on every rank at once in the same run. A last line
+compares sizes: `growth` is the step-time ratio over the parameter ratio (0.6B / debugmodel;
+<= 1: step time grows no faster than linearly in parameters).
+
+The weights are torchtitan's random init of each flavor (seed 0), written once as an HF
+checkpoint under assets/ (the generator starts from one); the tokenizer is the 64-token
+character tokenizer of assets/tiny_qwen3. Extra flags are the train entry point's and override
+the defaults below, for every size (e.g. `--generator.cpu_packed_gemm false`). The run stops
+itself, and says so, if the machine's available memory falls under `--min_free_gib`.
+"""
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from children import REPO, ensure_checkpoint, report, run_child
+
+from torchtitan_rl import platform
+from torchtitan_rl.config import ConfigError, parse_args
+from torchtitan_rl.rl_trainer import Hooks, RLTrainer
+from torchtitan_rl.weight_sync import SyncStats
+
+NPROC = 2
+PROMPT_TOKENS, COMPLETION_TOKENS = 256, 128
+TOKENIZER = "assets/tiny_qwen3"
+# Each size's random-init checkpoint (children.ensure_checkpoint writes the first two).
+CHECKPOINTS = {
+    "tiny": "assets/tiny_qwen3",
+    "debugmodel": "assets/debug_qwen3",
+    "0.6B": "assets/random_qwen3_0.6B",
+}
+
+
+def defaults(size: str, steps: int, dump_folder: str) -> list[str]:
+    """The run's flags for one size; the user's flags come after them and win."""
+    return [
+        *("--model.name", "qwen3", "--model.flavor", size),
+        *("--model.hf_checkpoint", CHECKPOINTS[size], "--model.tokenizer_path", TOKENIZER),
+        *("--training.steps", str(steps), "--training.prompts_per_step", str(NPROC)),
+        *("--training.max_prompt_len", str(PROMPT_TOKENS)),
+        *("--generator.sampling.n", "2", "--generator.sampling.max_tokens", str(COMPLETION_TOKENS)),
+        *("--generator.max_model_len", str(PROMPT_TOKENS + COMPLETION_TOKENS)),
+        # 'echo <digits>:' is len(digits) + 6 characters, one token each.
+        *("--task.name", "echo_digits", "--task.num_digits", str(PROMPT_TOKENS - 6)),
+        # A CPU block holds 128 tokens: 2 samples x 3 blocks, plus room; keeps the 0.6B KV small.
+        *("--generator.num_kv_blocks", "8"),
+        *("--metrics.rollout_log_interval", "0", "--job.dump_folder", dump_folder),
+    ]
+
+
+class StepTimer(Hooks):
+    """Each step's wall time (before_step to after_step), metrics and weight-sync stats."""
+
+    def __init__(self):
+        self.rows: list[dict[str, float]] = []
+        self.syncs: list[SyncStats] = []
+        self.start = 0.0
+
+    def before_step(self, step: int) -> None:
+        self.start = time.perf_counter()
+
+    def after_sync(self, step: int, stats: SyncStats) -> None:
+        self.syncs.append(stats)
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.rows.append({**metrics, "wall_s": time.perf_counter() - self.start})
+
+
+def peak_rss_gib() -> float:
+    """Peak RSS of this process, GiB (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memcpy_seconds(params: list[torch.Tensor], repeats: int = 3) -> float:
+    """Best time to `copy_` every tensor once (the same bytes a sync writes), on every rank at
+    once as the sync runs; the destination is one reused buffer of the largest tensor."""
+    scratch = torch.empty(max(p.numel() for p in params), dtype=params[0].dtype)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for p in params:
+            scratch[: p.numel()].view_as(p).copy_(p.detach())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(flags: list[str]) -> int:
+    """The child, one rank of the torchrun world: train, then report the figures (rank 0)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = parse_args(flags, world, prog="scripts/bench/scale.py")
+    platform.patch_torchtitan()
+    rank, world = platform.init_distributed()
+    timer = StepTimer()
+    trainer = RLTrainer(config, hooks=timer)
+    for step in range(1, config.training.steps + 1):
+        trainer.train_step(step)
+    rss = platform.all_gather_objects(peak_rss_gib())  # before the memcpy's scratch buffer
+    generator_params = list(trainer.generator.named_parameters().values())
+    copy_s = max(platform.all_gather_objects(memcpy_seconds(generator_params)))
+    params = sum(p.numel() for p in trainer.trainer.named_parameters().values())
+    prompt_tokens = len(trainer.encode(trainer.my_prompts(1))[0])
+    platform.shutdown_distributed()
+    if rank != 0:
+        return 0
+    timed = list(range(1, len(timer.rows))) or [0]
+
+    def median(values) -> float:
+        return statistics.median(values[i] for i in timed)
+
+    rows = timer.rows
+    step_s = median([r["wall_s"] for r in rows])
+    generate_s = median([r["time/generate_s"] for r in rows])
+    train_s = median([r["time/train_s"] for r in rows])
+    sync_s = median([s.seconds for s in timer.syncs])
+    sync_bytes = timer.syncs[-1].bytes
+    sampling = config.generator.sampling
+    sequences = config.training.prompts_per_step * sampling.n
+    tokens = median([sequences * prompt_tokens + r["generated_tokens"] for r in rows])
+    report(
+        {
+            "params": params,
+            "model_dtype": config.model.dtype,
+            "generator_dtype": config.generator.dtype,
+            "cpu_packed_gemm": config.generator.cpu_packed_gemm,
+            "peak_rss_gib_per_rank": [round(gib, 3) for gib in rss],
+            "step_s": round(step_s, 4),
+            "generate_s": round(generate_s, 4),
+            "train_s": round(train_s, 4),
+            "sync_s": round(sync_s, 4),
+            "other_s": round(step_s - generate_s - train_s - sync_s, 4),
+            "tokens_per_s": round(tokens / step_s, 2),
+            "generated_tokens_per_s": round(
+                median([r["generated_tokens"] / r["time/generate_s"] for r in rows]), 2
+            ),
+            "sync_bytes": sync_bytes,
+            "sync_gb_per_s": round(sync_bytes / sync_s / 1e9, 3),
+            "memcpy_s": round(copy_s, 4),
+            "memcpy_gb_per_s": round(sync_bytes / copy_s / 1e9, 3),
+            "sync_vs_memcpy": round(sync_s / copy_s, 3),
+            "sync_peak_extra_gib": round(timer.syncs[-1].peak_extra_bytes / 2**30, 3),
+            "prompt_tokens": prompt_tokens,
+            "response_length_mean": round(
+                statistics.mean(r["response_length/mean"] for r in rows), 2
+            ),
+            "max_tokens": sampling.max_tokens,
+            "sequences_per_step": sequences,
+            "nproc": world,
+            "steps": config.training.steps,
+        }
+    )
+    return 0
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Total RSS of every descendant of process `root` (shared pages counted in each)."""
+    parents, rss = {}, {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry.name)] = int(fields[1])
+            rss[int(entry.name)] = int(fields[21]) * page
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended meanwhile
+    total, frontier = 0, [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == pid]
+        total += sum(rss[k] for k in kids)
+        frontier.extend(kids)
+    return total
+
+
+def available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+class MemoryWatch:
+    """Samples the total RSS of this process's descendants; kills its direct children (the
+    torchrun launcher, whose ranks die with it) if available memory falls under `min_gib`."""
+
+    def __init__(self, min_gib: float, interval_s: float = 0.2):
+        self.min_gib, self.interval_s = min_gib, interval_s
+        self.peak, self.fired = 0, False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        me = os.getpid()
+        while not self.done.wait(self.interval_s):
+            self.peak = max(self.peak, tree_rss_bytes(me))
+            if available_gib() < self.min_gib and not self.fired:
+                self.fired = True
+                for entry in os.scandir("/proc"):
+                    if entry.name.isdigit() and self.parent(entry.path) == me:
+                        os.kill(int(entry.name), 9)
+
+    @staticmethod
+    def parent(path: str) -> int:
+        try:
+            return int(Path(path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return -1
+
+    def __enter__(self) -> "MemoryWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def ensure_random_checkpoint(size: str) -> None:
+    path = REPO / CHECKPOINTS[size]
+    if size != "0.6B":
+        ensure_checkpoint(str(path))
+    elif not (path / "torchtitan.json").is_file():
+        script = str(REPO / "scripts" / "make_tiny_checkpoint.py")
+        command = [sys.executable, script, "--out", str(path), "--flavor", size]
+        subprocess.run(command, check=True)
+
+
+def run(size: str, steps: int, flags: list[str], min_free_gib: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"scale_{size}_") as dump:
+        flags = [*defaults(size, steps, dump), *flags]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        script = str(REPO / "scripts" / "bench" / "scale.py")
+        command = [*torchrun, "--nproc_per_node", str(NPROC), script, "--child", *flags]
+        with MemoryWatch(min_free_gib) as watch:
+            try:
+                result = run_child(command)
+            except SystemExit:
+                if watch.fired:
+                    sys.exit(f"{size}: stopped, available memory fell under {min_free_gib} GiB")
+                raise
+    return {"bench": "scale", "size": size, **result, "tree_peak_rss_gib": watch.peak / 2**30}
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    if args[:1] == ["--child"]:
+        return measure(args[1:])
+    sizes, steps, min_free_gib = ["tiny", "debugmodel", "0.6B"], 3, 1.5
+    while args[:1] in (["--sizes"], ["--steps"], ["--min_free_gib"]):
+        name, value, args = args[0], args[1], args[2:]
+        if name == "--sizes":
+            sizes = value.split(",")
+        elif name == "--steps":
+            steps = int(value)
+        else:
+            min_free_gib = float(value)
+    unknown = [s for s in sizes if s not in CHECKPOINTS]
+    if unknown:
+        print(f"error: --sizes {unknown[0]!r}: use some of {', '.join(CHECKPOINTS)}")
+        return 2
+    for size in sizes:
+        ensure_random_checkpoint(size)
+    try:
+        for size in sizes:  # fail on a bad flag before anything runs
+            parse_args([*defaults(size, steps, "outputs/scale"), *args], NPROC)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = {}
+    for size in sizes:
+        result = run(size, steps, args, min_free_gib)
+        result["tree_peak_rss_gib"] = round(result["tree_peak_rss_gib"], 3)
+        results[size] = result
+        print(json.dumps(result), flush=True)
+    if "debugmodel" in results and "0.6B" in results:
+        small, large = results["debugmodel"], results["0.6B"]
+        step_ratio = large["step_s"] / small["step_s"]
+        params_ratio = large["params"] / small["params"]
+        summary = {
+            "bench": "scale_summary",
+            "step_ratio": round(step_ratio, 3),
+            "params_ratio": round(params_ratio, 3),
+            "growth": round(step_ratio / params_ratio, 3),
+            "fits_24_gib": large["tree_peak_rss_gib"] <= 24,
+            "sync_vs_memcpy": large["sync_vs_memcpy"],
+        }
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    platform.exit_process(main())
