@@ -113,6 +113,11 @@ BAD_INPUTS = {
         ["--batch_invariant", "true"],
         ["generator.sampling.top_p = 0.9", "set top_p = 1.0"],
     ),
+    "batch invariance with tensor parallelism": (
+        "batch_invariant = true\n[parallelism]\ntp = 2\n",
+        ["--world_size_for_test", "2"],
+        ["batch_invariant = true with parallelism.tp = 2", "use parallelism.tp = 1"],
+    ),
     "tp not dividing the heads": (
         "[parallelism]\ntp = 3\ndp_shard = 1\n",
         ["--world_size_for_test", "3"],
@@ -270,3 +275,21 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer has 64 tokens but the checkpoint's vocab"):
         check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
     check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits
+
+
+def test_a_prompt_over_max_prompt_len_is_found_when_the_dataset_is_read(tmp_path):
+    """Before any model or engine is built, naming file:line (not mid-run, at the step that
+    draws the row)."""
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 40 + [{"prompt": "1+" * 30 + "1=", "answer": "31"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = run_train(
+        *("--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path / "run")),
+        *("--task.name", "jsonl", "--task.dataset_path", str(data)),
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {data}:41: prompt '1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+' has 62 tokens, "
+        "more than training.max_prompt_len = 32: raise it or shorten the prompt"
+    )
+    assert "generator" not in result.stderr.lower()  # refused before the engine was built

@@ -137,3 +137,15 @@ def test_demo_learns_with_every_step_bitwise_on_policy(tmp_path):
     first, last = rows[:5], rows[-10:]
     assert sum(r["reward/mean"] for r in first) / 5 < 0.2
     assert sum(r["reward/mean"] for r in last) / 10 > 0.9
+
+
+def test_the_start_check_finds_kernels_that_depend_on_the_row_count(monkeypatch):
+    """The check each side runs at start (this machine's threads and ISA): the real kernels
+    pass at the tiny and 0.6B widths; without row padding (plain GEMMs, M-dependent here) it
+    names the failing kernel."""
+    assert ops.invariance_failures(128, 4, 32, torch.float32) == []
+    assert ops.invariance_failures(1024, 16, 128, torch.bfloat16) == []
+    monkeypatch.setattr(ops, "ROW_TILE", 1)
+    assert "linear rows 0..0 alone vs 40 rows" in ops.invariance_failures(
+        1024, 16, 128, torch.float32
+    )

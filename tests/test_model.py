@@ -96,15 +96,6 @@ def test_unknown_tensor_is_named(tmp_path):
         trainer(hf_checkpoint=str(tmp_path / "ckpt"))
 
 
-def test_trainer_tp_is_refused_on_cpu():
-    with pytest.raises(ConfigError, match="parallelism.tp = 2: trainer tensor parallelism"):
-        PolicyTrainer(
-            model=ModelSection(hf_checkpoint=str(TINY)),
-            training=TrainingSection(),
-            parallelism=ParallelismSection(tp=2, dp_shard=1),
-        )
-
-
 def test_checkpoint_without_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     with pytest.raises(ConfigError, match="has no \\*.safetensors files"):

@@ -3,6 +3,7 @@
 .venv/bin/python -m pytest tests/test_platform.py
 """
 
+import pytest
 import torch
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -49,3 +50,41 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
         again = model(changed_BT, positions_BT, None)
     torch.testing.assert_close(again[:, :8], logits_BTV[:, :8].detach(), rtol=0, atol=0)
     assert not torch.equal(again[:, 8:], logits_BTV[:, 8:].detach())
+
+
+def test_cuda_choices_route_host_figures_through_gloo(monkeypatch):
+    """What the CUDA run gets (checked on an H100 too, see README): one process group whose
+    CPU tensors go through gloo and device tensors through NCCL, and the same SDPA attention
+    as on CPU."""
+    monkeypatch.setattr(platform, "device_type", lambda: "cuda")
+    assert platform.dist_backend() == "cpu:gloo,cuda:nccl"
+    spec = model_spec("qwen3", "tiny")
+    platform.use_platform_attention(spec.model)
+    assert all(
+        isinstance(layer.attention.inner_attention, ScaledDotProductAttention.Config)
+        for layer in spec.model.layers
+    )
+
+
+def test_host_reductions_refuse_device_tensors():
+    with pytest.raises(ValueError, match="takes host tensors, got one on meta"):
+        platform.all_reduce_host(torch.zeros(2, device="meta"))
+
+
+def test_engine_child_leaves_the_torchrun_world_but_keeps_its_device(monkeypatch):
+    import os
+
+    from torchtitan_rl.generator.remote import outside_torchrun
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with outside_torchrun():
+        assert os.environ["LOCAL_RANK"] == "3"  # the rank's GPU, not every child on cuda:0
+        assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "4")
+    monkeypatch.delenv("LOCAL_RANK")
+    with outside_torchrun():
+        assert os.environ["LOCAL_RANK"] == "0"
+    assert "LOCAL_RANK" not in os.environ

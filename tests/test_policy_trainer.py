@@ -16,9 +16,13 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 from policy_trainer_run import fixed_batch  # noqa: E402
 
 
-def run(tmp_path_factory, nproc: int, micro_batches: int, checkpointing: str = "none") -> dict:
-    out = tmp_path_factory.mktemp(f"w{nproc}_m{micro_batches}_{checkpointing}")
-    run_dist("policy_trainer_run.py", str(out), str(micro_batches), checkpointing, nproc=nproc)
+def run(
+    tmp_path_factory, nproc: int, micro_batches: int, checkpointing: str = "none", tp: int = 1
+) -> dict:
+    out = tmp_path_factory.mktemp(f"w{nproc}_m{micro_batches}_{checkpointing}_tp{tp}")
+    run_dist(
+        "policy_trainer_run.py", str(out), str(micro_batches), checkpointing, str(tp), nproc=nproc
+    )
     return torch.load(out / "result.pt")
 
 
@@ -30,6 +34,8 @@ def runs(tmp_path_factory):
         (2, 4): run(tmp_path_factory, 2, 4),
         (2, 2, "full"): run(tmp_path_factory, 2, 2, "full"),
         (1, 1, "selective"): run(tmp_path_factory, 1, 1, "selective"),
+        # Tensor parallel over both ranks (FSDP degree 1): the ranks share one batch.
+        (2, 2, "full", "tp2"): run(tmp_path_factory, 2, 2, "full", tp=2),
     }
 
 
@@ -62,8 +68,10 @@ def test_logprobs_match_transformers_at_the_trainer_temperature(runs):
     )
 
 
-@pytest.mark.parametrize("other", [(2, 1), (2, 4), (2, 2, "full"), (1, 1, "selective")])
-def test_step_is_the_same_for_any_world_size_micro_batches_and_checkpointing(runs, other):
+@pytest.mark.parametrize(
+    "other", [(2, 1), (2, 4), (2, 2, "full"), (1, 1, "selective"), (2, 2, "full", "tp2")]
+)
+def test_step_is_the_same_for_any_parallelism_micro_batches_and_checkpointing(runs, other):
     reference, candidate = runs[(1, 1)], runs[other]
     assert candidate["metrics"]["tokens"] == reference["metrics"]["tokens"] == 32
     assert candidate["metrics"]["masked_tokens"] == 32  # metrics sum over ranks
@@ -87,7 +95,7 @@ def test_the_step_moved_the_weights(runs):
     assert (after - before).abs().max() > 5e-3  # about lr = 1e-2 for AdamW's first step
 
 
-@pytest.mark.parametrize("key", [(1, 1), (2, 1), (2, 4), (2, 2, "full")])
+@pytest.mark.parametrize("key", [(1, 1), (2, 1), (2, 4), (2, 2, "full"), (2, 2, "full", "tp2")])
 def test_the_step_reports_pre_update_logprobs_from_its_own_forwards(runs, key):
     """One forward per micro-batch and no more: the logprobs logprob_diff compares come from
     the step's own forwards, and equal a separate scoring pass of the same weights."""
@@ -103,3 +111,11 @@ def test_activation_checkpointing_wraps_every_block_only_when_asked(runs):
     assert runs[(2, 2, "full")]["checkpointed_blocks"] == 2  # the tiny model's 2 layers
     assert runs[(1, 1, "selective")]["checkpointed_blocks"] == 2
     assert runs[(2, 1)]["checkpointed_blocks"] == 0
+
+
+def test_tensor_parallel_shards_the_weights_over_the_tp_ranks(runs):
+    local = runs[(2, 2, "full", "tp2")]["local_shapes"]
+    # Column-parallel w1 splits its output rows, row-parallel w2 its input columns.
+    assert local["layers.0.feed_forward.w1.weight"] == (128, 128)
+    assert local["layers.0.feed_forward.w2.weight"] == (128, 128)
+    assert runs[(2, 2, "full", "tp2")]["share"] == (0, 1)  # both ranks train the whole batch

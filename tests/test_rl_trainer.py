@@ -72,6 +72,28 @@ def test_generator_and_trainer_agree_before_each_update(demo):
     assert all(r["logprob_diff/max"] <= 1e-5 for r in rows)
 
 
+def test_tensor_parallel_loop_takes_the_same_steps_as_fsdp(demo, tmp_path):
+    """TP=2 on the 2 ranks: each rank samples its own share of the prompts (as under FSDP=2),
+    the TP group trains on their union, and weight sync gathers the TP shards. Same prompts,
+    seeds and starting weights as the FSDP=2 demo, so the same samples and the same update."""
+    result = run_train(
+        *("--job.config_file", "run_configs/debug_cpu.toml", "--training.steps", "2"),
+        *("--parallelism.tp", "2", "--job.dump_folder", str(tmp_path)),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    tp_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    fsdp_rows = demo[1]
+    first, fsdp_first = tp_rows[0], fsdp_rows[0]
+    for key in ("reward/mean", "response_length/mean", "generated_tokens"):
+        assert first[key] == fsdp_first[key], key
+    for key in ("loss", "grad_norm", "entropy"):
+        assert first[key] == pytest.approx(fsdp_first[key], rel=1e-4), key
+    # The synced weights are the TP policy's: the generator agrees with it after the step.
+    assert tp_rows[1]["logprob_diff/max"] <= 1e-5
+    assert tp_rows[1]["policy_version"] == 2.0
+
+
 def test_run_writes_its_files_and_a_line_per_step(demo):
     dump, _, stdout = demo
     assert (dump / "config.toml").is_file()
@@ -94,6 +116,11 @@ def test_hooks_fire_in_order_and_kl_grows_from_zero(placement, nproc, tmp_path):
     # KL to the frozen reference: 0 while the policy is the reference, > 0 once step 1 (whose
     # 256 samples include some rewarded ones) has moved the policy.
     assert calls[3][3] == 0.0 and calls[7][3] > 0
+    if placement == "colocated":
+        # One forward of the policy per step (the pre-update logprobs come from the training
+        # forward, no extra scoring pass) and one of the reference.
+        forwards = json.loads((tmp_path / "forwards.json").read_text())
+        assert forwards == [{"policy": 1, "reference": 1}] * 2
 
 
 def test_rollout_batch_masks_sampled_tokens_and_aligns_logprobs():
@@ -118,3 +145,44 @@ def test_echo_task_prompts_are_deterministic_and_rewards_dense():
     assert task.reward(prompt, prompt.answer) == 1.0
     assert task.reward(prompt, prompt.answer[:2]) == pytest.approx(2 / 3)
     assert task.reward(prompt, "") == 0.0
+
+
+def test_batch_invariant_mode_stops_or_warns_on_a_logprob_difference(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from torchtitan_rl import batch_invariant, platform
+    from torchtitan_rl.batch import RolloutBatch
+    from torchtitan_rl.rl_trainer import InvarianceError, RLTrainer
+
+    platform.init_distributed()  # a world of one
+    monkeypatch.setattr(batch_invariant, "_enabled", True)
+    generator_BT = torch.tensor([[0.0, -0.5, -1.25, 0.0], [0.0, -2.0, -0.75, -0.1]])
+    batch = RolloutBatch(
+        tokens_BT=torch.zeros(2, 4, dtype=torch.long),
+        loss_mask_BT=torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]]),
+        advantages_B=torch.zeros(2),
+        generator_logprobs_BT=generator_BT,
+    )
+    trainer_BT = generator_BT.clone()
+    trainer_BT[1, 2] = torch.nextafter(trainer_BT[1, 2], torch.tensor(0.0))  # one ulp
+
+    def run(on_mismatch: str):
+        rl = SimpleNamespace(
+            group=None, rank=0, config=SimpleNamespace(batch_invariant_on_mismatch=on_mismatch)
+        )
+        rl.invariance_broken = lambda *args: RLTrainer.invariance_broken(rl, *args)
+        return lambda trainer: RLTrainer.logprob_diff(rl, 7, batch, trainer)
+
+    assert run("fail")(generator_BT.clone())["logprob_diff/max"] == 0.0  # equal: no complaint
+    with pytest.raises(InvarianceError) as error:
+        run("fail")(trainer_BT)
+    assert str(error.value).startswith(
+        "step 7: batch_invariant = true but trainer and generator logprobs differ "
+        "(logprob_diff/max = 5.96e-08, first on rank 0, sequence 1, token 2: "
+        "trainer -0.7499999403953552, generator -0.75)"
+    )
+    metrics = run("warn")(trainer_BT)
+    assert metrics["logprob_diff/max"] == pytest.approx(5.96e-8, rel=1e-3)
+    assert "warning: step 7: batch_invariant = true" in capsys.readouterr().out
+    monkeypatch.setattr(batch_invariant, "_enabled", False)
+    assert run("fail")(trainer_BT)["logprob_diff/max"] > 0  # mode off: the metric only

@@ -69,9 +69,11 @@ def patch_torchtitan() -> None:
 
 
 def spmd_backend() -> str:
-    """torchtitan `parallelism.spmd_backend` to use on this platform."""
-    # The default "spmd_types" fails under FSDP on torch 2.13 CPU (measured in DESIGN.md).
-    return "partial_dtensor" if device_type() == "cpu" else "spmd_types"
+    """torchtitan `parallelism.spmd_backend`: partial_dtensor on CPU and CUDA alike."""
+    # torchtitan's default "spmd_types" leaves parameters as plain tensors, which torch 2.13's
+    # fully_shard refuses once the FSDP mesh has 2+ ranks ("all parameters must be DTensors
+    # on the full SPMD mesh"): a torch/torchtitan mismatch, not a CPU one.
+    return "partial_dtensor"
 
 
 def optimizer_implementation() -> str:
@@ -93,19 +95,6 @@ def use_platform_attention(model_config) -> None:
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
-
-
-def check_trainer_tp(tp: int) -> None:
-    """Refuse trainer tensor parallelism where it is known not to work."""
-    from torchtitan_rl.config.job_config import ConfigError
-
-    # Measured with torchtitan 0.3.0 on CPU: TP under spmd_backend="partial_dtensor" gives
-    # rank-dependent logits, and the default "spmd_types" backend fails under FSDP.
-    if tp > 1 and device_type() == "cpu":
-        raise ConfigError(
-            f"parallelism.tp = {tp}: trainer tensor parallelism does not work on CPU with "
-            "torchtitan 0.3.0; use parallelism.tp = 1 (FSDP over dp_shard) on CPU"
-        )
 
 
 def enable_fsdp_sum_reduction(model: nn.Module) -> None:

@@ -187,6 +187,7 @@ class RLTrainer:
         prompts = self.my_prompts(step)
         prompt_ids = self.encode(prompts)
         completions = self.generator.generate(prompt_ids, seed=self.sampling_seed(step))
+        self.generator.release_memory()  # generator.enable_sleep_mode: the trainer gets it
         generated = time.perf_counter()
 
         rewards_PN = self.score(step, prompts, completions)
@@ -202,6 +203,7 @@ class RLTrainer:
         trained = time.perf_counter()
         self.hooks.after_train(step, train_metrics)
 
+        self.generator.reclaim_memory()
         sync_stats = self.weight_sync.sync(self.trainer, self.generator)
         synced = time.perf_counter()
         self.hooks.after_sync(step, sync_stats)

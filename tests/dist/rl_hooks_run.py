@@ -1,4 +1,5 @@
-"""Two RL steps with a recording Hooks and a KL penalty; rank 0 saves the calls.
+"""Two RL steps with a recording Hooks and a KL penalty; rank 0 saves the calls, and
+(colocated) how many forwards the policy and the reference ran in each step.
 
     python tests/dist/rl_hooks_run.py OUT_DIR [FLAGS...]
 
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 class Recorder(Hooks):
     def __init__(self):
         self.calls = []
+        self.forwards, self.counts = [], {"policy": 0, "reference": 0}
 
     def before_step(self, step):
         self.calls.append(["before_step", step])
@@ -31,6 +33,14 @@ class Recorder(Hooks):
 
     def after_step(self, step, metrics):
         self.calls.append(["after_step", step, metrics["policy_version"], metrics["kl"]])
+        self.forwards.append(dict(self.counts))
+        self.counts.update(policy=0, reference=0)
+
+    def count_forwards(self, rl: RLTrainer) -> None:
+        for name, side in (("policy", rl.trainer), ("reference", rl.reference)):
+            side.model.register_forward_hook(
+                lambda *_, name=name: self.counts.update({name: self.counts[name] + 1})
+            )
 
 
 def main() -> None:
@@ -61,7 +71,11 @@ def main() -> None:
     if config.generator.placement == "disaggregated":
         disaggregated.run(config, hooks=recorder)
     else:
-        RLTrainer(config, hooks=recorder).train()
+        rl = RLTrainer(config, hooks=recorder)
+        recorder.count_forwards(rl)
+        rl.train()
+        if rank == 0:
+            (out / "forwards.json").write_text(json.dumps(recorder.forwards))
     if rank == 0:
         (out / "hooks.json").write_text(json.dumps(recorder.calls))
     platform.shutdown_distributed()

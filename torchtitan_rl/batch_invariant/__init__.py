@@ -86,3 +86,27 @@ def use_invariant_attention(model_config) -> None:
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
             layer.attention.inner_attention = CausalAttention.Config()
+
+
+def check_kernels(model_config, dtype: str) -> None:
+    """On CPU, check on this machine's threads and ISA that the kernels are invariant at the
+    model's width and dtype (`ops.invariance_failures`); one ConfigError line if not.
+
+    Measured here (AVX2 and AVX-512 machines, 1 and 2 threads, fp32 and bf16): they are, and
+    1 and 2 threads give the same bits. A BLAS that splits the reduction by row count, or a
+    thread count that changes the split, would break that; this check finds it at start.
+    """
+    if not uses_own_kernels():
+        return
+    from torchtitan_rl.config.job_config import ConfigError
+
+    attention = model_config.layers[0].attention
+    heads = attention.n_heads
+    head_dim = attention.head_dim or model_config.dim // heads
+    failures = ops.invariance_failures(model_config.dim, heads, head_dim, getattr(torch, dtype))
+    if failures:
+        raise ConfigError(
+            f"batch_invariant = true: on this CPU ({torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads) the batch-invariant kernels are not "
+            f"({failures[0]}): set batch_invariant = false, or try OMP_NUM_THREADS=1"
+        )

@@ -258,7 +258,9 @@ class GeneratorSection:
     verify_weight_sync: bool = False
     """After each sync, compare a checksum of every synced tensor on both sides (slow)."""
     enable_sleep_mode: bool = False
-    """Let the engine release GPU memory between generations (GPU only: vLLM has none on CPU)."""
+    """While the trainer trains, offload the engine's weights to host memory and free its KV
+    cache (vLLM level-1 sleep), bringing them back before the weight sync: the trainer's
+    activations and optimizer get that GPU memory. GPU only: vLLM has no sleep mode on CPU."""
     parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
 
@@ -528,6 +530,12 @@ class JobConfig:
             f"batch_invariant = true: generator.sampling.top_p = {self.generator.sampling.top_p} "
             "renormalizes the generator's logprobs over the nucleus, which the trainer does not "
             "see: set top_p = 1.0",
+        )
+        _require(
+            self.parallelism.tp == 1,
+            f"batch_invariant = true with parallelism.tp = {self.parallelism.tp}: row-parallel "
+            "layers add partial products across ranks, which the generator's one-device GEMMs "
+            "do not reproduce bit for bit; use parallelism.tp = 1 (FSDP) in this mode",
         )
 
     def validate(self, world_size: int = 1) -> None:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
+from torchtitan_rl.models import model_spec
 
 # vLLM reads these at import: the engine must run inside this process, not a child, and its
 # per-step INFO lines (one per prefix-cache reset) would drown the run's own output.
@@ -142,6 +143,10 @@ class Generator:
             if "KV cache" not in str(e) and "cache blocks" not in str(e):
                 raise
             raise ConfigError(_kv_cache_error(generator, str(e))) from None
+        # After the engine: vLLM sets this process's threads, which the check runs with.
+        if not native:
+            spec = model_spec(model.name, model.flavor)
+            batch_invariant.check_kernels(spec.model, generator.dtype)
         self._next_request = 0
         self.policy_version = 0
         """Version of the weights the engine samples with (bumped by weight sync)."""
@@ -219,20 +224,17 @@ class Generator:
         """Rebuild the packed GEMM copies of the weights (CPU); part of the refresh above."""
         self._wrapper().repack()
 
-    def sleep(self, level: int = 1) -> None:
-        """Release the engine's GPU memory (weights, KV cache) until `wake_up()`."""
-        self._require_sleep_mode()
-        self.engine.sleep(level)
+    def release_memory(self) -> None:
+        """With generator.enable_sleep_mode (GPU): while the trainer trains, offload the
+        engine's weights to host memory and free its KV cache (vLLM level-1 sleep), until
+        `reclaim_memory()`. Without it, nothing."""
+        if self.config.enable_sleep_mode:
+            self.engine.sleep(level=1)
 
-    def wake_up(self) -> None:
-        self._require_sleep_mode()
-        self.engine.wake_up()
-
-    def _require_sleep_mode(self) -> None:
-        if not self.config.enable_sleep_mode:
-            raise RuntimeError(
-                "generator sleep mode is off: set generator.enable_sleep_mode = true (GPU only)"
-            )
+    def reclaim_memory(self) -> None:
+        """Bring the weights back (same addresses, so weight sync's targets stay valid)."""
+        if self.config.enable_sleep_mode:
+            self.engine.wake_up()
 
     def _wrapper(self) -> nn.Module:
         # In-process executors run the worker here, so collective_rpc returns live objects.

@@ -10,10 +10,12 @@ containers. Shapes: B sequences, T tokens, V vocabulary.
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
@@ -112,7 +114,6 @@ class PolicyTrainer:
         self.policy_version = 0  # bumped by weight sync
         self.group = group
         world_size = dist.get_world_size(group)
-        platform.check_trainer_tp(parallelism.tp)
         self.tp_degree = parallelism.tp
         dp_shard = parallelism.resolved_dp_shard(world_size)
         spmd_backend = platform.spmd_backend()
@@ -126,10 +127,22 @@ class PolicyTrainer:
             world_size=world_size,
             spmd_backend=spmd_backend,
         )
+        parallelism_config = ParallelismConfig(
+            data_parallel_replicate_degree=parallelism.dp_replicate,
+            data_parallel_shard_degree=dp_shard,
+            tensor_parallel_degree=parallelism.tp,
+            spmd_backend=spmd_backend,
+        )
         self.spec = build_spec(model)
+        # torchtitan's Trainer calls this hook before building: it fills every module's
+        # sharding config (the TP plan). Without it parallelize_fn shards nothing for TP, yet
+        # the embedding still does its vocab-parallel lookup on the TP group, so logits differ
+        # by rank (measured: by 2.0 on the tiny model).
+        self.spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism_config))
         with torch.device("meta"):
             module = self.spec.model.build()
         if batch_invariant.uses_own_kernels():
+            batch_invariant.check_kernels(self.spec.model, model.dtype)
             batch_invariant.make_linears_invariant(module)
         module = self.spec.parallelize_fn(
             module,
@@ -137,12 +150,7 @@ class PolicyTrainer:
             training=TrainingConfig(
                 mixed_precision_param=model.dtype, mixed_precision_reduce="float32"
             ),
-            parallelism=ParallelismConfig(
-                data_parallel_replicate_degree=parallelism.dp_replicate,
-                data_parallel_shard_degree=dp_shard,
-                tensor_parallel_degree=parallelism.tp,
-                spmd_backend=spmd_backend,
-            ),
+            parallelism=parallelism_config,
             compile_config=CompileConfig(enable=False),
             ac_config=_activation_checkpointing(training.activation_checkpoint),
             dump_folder=dump_folder,
@@ -205,6 +213,10 @@ class PolicyTrainer:
     def _forward_logprobs(self, tokens_BT: torch.Tensor):
         positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
         logits_BTV = self.model(tokens_BT, positions_BT, None)
+        if isinstance(logits_BTV, DTensor):
+            # Under TP the lm_head output is sharded over the vocabulary: gather it (its
+            # backward slices this rank's share of the gradient back out).
+            logits_BTV = logits_BTV.full_tensor()
         return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=True)
 
     @torch.no_grad()
