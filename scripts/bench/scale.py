@@ -5,15 +5,16 @@
 For each Qwen3 flavor in `--sizes` (`tiny`, `debugmodel`, `0.6B`: real shapes, the real
 151,936-token vocabulary) it runs RLTrainer on 2 ranks under `torchrun` (colocated, FSDP over
 both) with prompts of 256 tokens and completions of up to 128, 2 prompts x 2 samples per step,
-and prints: the parameter count; the peak RSS of each rank (and of the processes it spawned)
-and the peak total RSS of the whole process tree, sampled here every 0.2 s; the median over
-steps 2.. (step 1 warms up) of the step time and its split (generate / train / sync / other,
-other = the step's wall time less the three); tokens per second (prompt + generated tokens of
-every sequence per second of step time, and generated tokens per second of generate time);
-the weight sync's GB/s and `sync_vs_memcpy`, the sync time over one plain `copy_` of the same
-bytes (the generator's weights) timed on every rank at once in the same run. A last line
-compares sizes: `growth` is the step-time ratio over the parameter ratio (0.6B / debugmodel;
-<= 1: step time grows no faster than linearly in parameters).
+in 2 micro-batches with full activation checkpointing, and prints: the parameter count; the peak RSS of each rank (ru_maxrss) and
+the peak total RSS of the whole process tree (torchrun, ranks and anything they spawn), sampled
+here every 0.2 s; the median over steps 2.. (step 1 warms up) of the step time and its split
+(generate / train / sync / other, other = the step's wall time less the three); tokens per
+second (prompt + generated tokens of every sequence per second of step time, and generated
+tokens per second of generate time); the weight sync's GB/s and `sync_vs_memcpy`, the sync
+time over one plain `copy_` of the same bytes (the generator's weights) timed on every rank at
+once in the same run. A last line compares sizes: `growth` is the step-time ratio over the
+parameter ratio (0.6B / debugmodel; <= 1: step time grows no faster than linearly in
+parameters).
 
 The weights are torchtitan's random init of each flavor (seed 0), written once as an HF
 checkpoint under assets/ (the generator starts from one); the tokenizer is the 64-token
@@ -52,8 +53,9 @@ CHECKPOINTS = {
     "0.6B": "assets/random_qwen3_0.6B",
 }
 
-# Measured at 0.6B, fp32: the packed GEMM copies would add 2.4 GB per rank (the run no longer
-# fits the machine next to the trainer's 4.8 GB of sharded weights, gradients and AdamW state).
+# The packed GEMM copies hold a second fp32 copy of the generator's weights: 2.4 GB per rank at
+# 0.6B, where an unpacked rank already passed 9.3 GiB in its first step (next to the trainer's
+# 4.8 GB of sharded weights, gradients and AdamW state).
 SIZE_FLAGS = {"0.6B": ["--generator.cpu_packed_gemm", "false"]}
 
 
@@ -64,6 +66,8 @@ def defaults(size: str, steps: int, dump_folder: str) -> list[str]:
         *("--model.hf_checkpoint", CHECKPOINTS[size], "--model.tokenizer_path", TOKENIZER),
         *("--training.steps", str(steps), "--training.prompts_per_step", str(NPROC)),
         *("--training.max_prompt_len", str(PROMPT_TOKENS), "--training.micro_batches", "2"),
+        # Recompute each block in backward: the memory a real-size run needs, at every size.
+        *("--training.activation_checkpoint", "full"),
         *("--generator.sampling.n", "2", "--generator.sampling.max_tokens", str(COMPLETION_TOKENS)),
         *("--generator.max_model_len", str(PROMPT_TOKENS + COMPLETION_TOKENS)),
         # 'echo <digits>:' is len(digits) + 6 characters, one token each.

@@ -21,11 +21,22 @@ from torchtitan_rl.batch_invariant import make_linears_invariant, ops
 from torchtitan_rl.models import model_spec
 
 
-def _onednn_available() -> bool:
+def _onednn_available(dtype: torch.dtype) -> bool:
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu() and ops._supports_onednn
+    if not (current_platform.is_cpu() and ops._supports_onednn):
+        return False
+    if dtype == torch.bfloat16 and "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        # Measured on an AVX2 CPU: oneDNN has no bf16 matmul there ("could not create a
+        # primitive descriptor"); plain GEMMs run instead.
+        print(
+            "warning: generator.cpu_packed_gemm: no oneDNN bf16 GEMM on this CPU "
+            "(AVX2); the generator runs plain GEMMs",
+            flush=True,
+        )
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -173,7 +184,9 @@ class TorchTitanForCausalLM(nn.Module):
         if invariant:
             # The trainer's kernels on the generator side; no packed copies.
             make_linears_invariant(model)
-        elif getattr(hf_config, "torchtitan_packed_gemm", True) and _onednn_available():
+        elif getattr(hf_config, "torchtitan_packed_gemm", True) and _onednn_available(
+            vllm_config.model_config.dtype
+        ):
             for name, module in list(model.named_modules()):
                 if isinstance(module, nn.Linear):
                     parent, _, child = name.rpartition(".")
@@ -209,14 +222,42 @@ class TorchTitanForCausalLM(nn.Module):
         return self.model.lm_head(hidden_states_TD)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors through the spec's adapter; returns our parameter names."""
+        """Load HF-named tensors through the spec's adapter; returns our parameter names.
+
+        Streamed: vLLM's iterator reads one tensor at a time, and each decoder layer is loaded
+        as soon as all of its tensors have arrived, so at most one layer's worth of checkpoint
+        tensors is held besides the model (not a second copy of the whole model).
+        """
         adapter = self.spec.state_dict_adapter(self.spec.model, None)
-        state = adapter.from_hf(dict(weights))
-        # torchtitan's load hooks fuse wq/wk/wv into wqkv; tied weights load once.
-        with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # vLLM's Attention keeps its own KV-scale buffers, which no checkpoint holds.
-        missing = [key for key in missing if ".inner_attention.attn." not in key]
+        with torch.device("meta"):
+            expected = set(adapter.to_hf(self.spec.model.build().state_dict()))
+        layer_names: dict[str, set[str]] = {}
+        for name in expected:
+            layer_names.setdefault(_layer_of(name), set()).add(name)
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        arrived, unexpected = set(), []
+
+        # from_hf insists on the (tied) embedding in every call: a layer's call gets this
+        # placeholder instead, and what comes of it is dropped.
+        placeholder = torch.empty(0)
+
+        def load(group: dict[str, torch.Tensor]) -> None:
+            state = adapter.from_hf({"lm_head.weight": placeholder, **group})
+            state = {k: v for k, v in state.items() if v is not placeholder}
+            # torchtitan's load hooks fuse wq/wk/wv into wqkv: a layer loads in one call.
+            with torch.no_grad():
+                result = self.model.load_state_dict(state, strict=False)
+            unexpected.extend(result.unexpected_keys)
+
+        for name, tensor in weights:
+            arrived.add(name)
+            key = _layer_of(name)
+            pending.setdefault(key, {})[name] = tensor
+            if key != "rest" and layer_names.get(key, {name}) <= set(pending[key]):
+                load(pending.pop(key))
+        for group in pending.values():  # the embedding, final norm and lm_head; unknown names
+            load(group)
+        missing = sorted(expected - arrived)
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not fit {self.spec.name}/{self.spec.flavor}: "
@@ -224,3 +265,10 @@ class TorchTitanForCausalLM(nn.Module):
             )
         self.repack()
         return {name for name, _ in self.named_parameters()}
+
+
+def _layer_of(hf_name: str) -> str:
+    """The group an HF tensor loads with: its decoder layer ("model.layers.3"), or "rest"
+    (embedding, final norm, lm_head), loaded last."""
+    parts = hf_name.split(".")
+    return ".".join(parts[:3]) if parts[1:2] == ["layers"] else "rest"
