@@ -6,8 +6,8 @@ For each Qwen3 flavor in `--sizes` (`tiny`, `debugmodel`, `0.6B`: real shapes, t
 151,936-token vocabulary) it runs RLTrainer on 2 ranks under `torchrun` (colocated, FSDP over
 both) with prompts of 256 tokens and completions of up to 128, 2 prompts x 2 samples per step,
 in 2 micro-batches with full activation checkpointing, and prints: the parameter count; the
-peak RSS of each rank (ru_maxrss) and the peak total RSS of the whole process tree (torchrun, ranks and anything they spawn), sampled
-here every 0.2 s; the median over steps 2.. (step 1 warms up) of the step time and its split
+peak RSS of each rank (ru_maxrss) and the peak total RSS of the whole process tree (torchrun,
+ranks and anything they spawn), sampled here every 0.2 s; the median over steps 2.. (step 1 warms up) of the step time and its split
 (generate / train / sync / other, other = the step's wall time less the three); tokens per
 second (prompt + generated tokens of every sequence per second of step time, and generated
 tokens per second of generate time); the weight sync's GB/s and `sync_vs_memcpy`, the sync
