@@ -5,16 +5,16 @@
 For each Qwen3 flavor in `--sizes` (`tiny`, `debugmodel`, `0.6B`: real shapes, the real
 151,936-token vocabulary) it runs RLTrainer on 2 ranks under `torchrun` (colocated, FSDP over
 both) with prompts of 256 tokens and completions of up to 128, 2 prompts x 2 samples per step,
-in 2 micro-batches with full activation checkpointing, and prints: the parameter count; the
-peak RSS of each rank (ru_maxrss) and the peak total RSS of the whole process tree (torchrun,
-ranks and anything they spawn), sampled here every 0.2 s; the median over steps 2.. (step 1 warms up) of the step time and its split
-(generate / train / sync / other, other = the step's wall time less the three); tokens per
-second (prompt + generated tokens of every sequence per second of step time, and generated
-tokens per second of generate time); the weight sync's GB/s and `sync_vs_memcpy`, the sync
-time over one plain `copy_` of the same bytes (the generator's weights) timed on every rank at
-once in the same run. A last line compares sizes: `growth` is the step-time ratio over the
-parameter ratio (0.6B / debugmodel; <= 1: step time grows no faster than linearly in
-parameters).
+in 2 micro-batches with full activation checkpointing, and prints: the parameter count; the peak
+RSS of each rank (ru_maxrss) and the peak total RSS of the whole process tree (torchrun, ranks
+and anything they spawn), sampled here every 0.2 s; the median over steps 2.. (step 1 warms up)
+of the step time and its split (generate / train / sync / other, other = the step's wall time
+less the three); tokens per second (prompt + generated tokens of every sequence per second of
+step time, and generated tokens per second of generate time); the weight sync's GB/s and
+`sync_vs_memcpy`, the sync time over one plain `copy_` of the same bytes (the generator's
+weights) timed on every rank at once in the same run. A last line compares sizes: `growth` is
+the step-time ratio over the parameter ratio (0.6B / debugmodel; <= 1: step time grows no faster
+than linearly in parameters).
 
 The weights are torchtitan's random init of each flavor (seed 0), written once as an HF
 checkpoint under assets/ (the generator starts from one); the tokenizer is the 64-token
