@@ -117,3 +117,15 @@ def test_verification_catches_a_bad_copy(monkeypatch):
     monkeypatch.setattr(weight_sync, "_write", corrupting_write)
     with pytest.raises(WeightSyncError, match="b: generator copy differs from the trainer's"):
         WeightSync(source, target, verify=True).sync(FakeTrainer(), FakeGenerator())
+
+
+def test_a_bf16_generator_gathers_bf16_bytes(tmp_path):
+    """fp32 master weights, bf16 generator: the all-gather moves bf16 (half the fp32 bytes),
+    and each target is its source cast to bf16, bit for bit."""
+    run_dist("weight_sync_dtype_run.py", str(tmp_path), nproc=2)
+    result = torch.load(tmp_path / "result.pt")
+    params = 64 * 96 + 96 + 96 * 64 + 64
+    assert result["equal"]
+    assert result["written"] == 2 * params
+    # One bucket: a send buffer of half the rows and a receive buffer of all, 2 bytes each.
+    assert result["peak"] == 2 * (params // 2 + params)
