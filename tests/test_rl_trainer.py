@@ -94,6 +94,22 @@ def test_tensor_parallel_loop_takes_the_same_steps_as_fsdp(demo, tmp_path):
     assert tp_rows[1]["policy_version"] == 2.0
 
 
+def test_sleep_mode_changes_no_figure_of_the_run(demo, tmp_path):
+    """Freeing the generator's weights during training and re-allocating them for the sync
+    leaves the run exactly as it was: same rewards, losses and generator/trainer agreement."""
+    result = run_train(
+        *("--job.config_file", "run_configs/debug_cpu.toml", "--training.steps", "2"),
+        *("--generator.enable_sleep_mode", "true", "--job.dump_folder", str(tmp_path)),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row, awake in zip(rows, demo[1][:2], strict=True):
+        for key in ("reward/mean", "response_length/mean", "loss", "grad_norm"):
+            assert row[key] == awake[key], key
+        assert row["logprob_diff/max"] <= 1e-5
+
+
 def test_run_writes_its_files_and_a_line_per_step(demo):
     dump, _, stdout = demo
     assert (dump / "config.toml").is_file()
@@ -105,7 +121,11 @@ def test_run_writes_its_files_and_a_line_per_step(demo):
     "placement, nproc", [("colocated", 0), ("disaggregated", 2)], ids=["colocated", "disaggregated"]
 )
 def test_hooks_fire_in_order_and_kl_grows_from_zero(placement, nproc, tmp_path):
-    run_dist("rl_hooks_run.py", str(tmp_path), "--generator.placement", placement, nproc=nproc)
+    # Colocated with sleep mode: the generator's weights are freed while the trainer trains.
+    sleep = ["--generator.enable_sleep_mode", "true"] if placement == "colocated" else []
+    run_dist(
+        "rl_hooks_run.py", str(tmp_path), "--generator.placement", placement, *sleep, nproc=nproc
+    )
     calls = json.loads((tmp_path / "hooks.json").read_text())
     assert [c[:2] for c in calls] == [
         [name, step]
@@ -121,6 +141,7 @@ def test_hooks_fire_in_order_and_kl_grows_from_zero(placement, nproc, tmp_path):
         # forward, no extra scoring pass) and one of the reference.
         forwards = json.loads((tmp_path / "forwards.json").read_text())
         assert forwards == [{"policy": 1, "reference": 1}] * 2
+        assert json.loads((tmp_path / "generator_numel.json").read_text()) == [0, 0]
 
 
 def test_rollout_batch_masks_sampled_tokens_and_aligns_logprobs():

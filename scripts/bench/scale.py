@@ -5,16 +5,17 @@
 For each Qwen3 flavor in `--sizes` (`tiny`, `debugmodel`, `0.6B`: real shapes, the real
 151,936-token vocabulary) it runs RLTrainer on 2 ranks under `torchrun` (colocated, FSDP over
 both) with prompts of 256 tokens and completions of up to 128, 2 prompts x 2 samples per step,
-in 2 micro-batches with full activation checkpointing, and prints: the parameter count; the peak
-RSS of each rank (ru_maxrss) and the peak total RSS of the whole process tree (torchrun, ranks
-and anything they spawn), sampled here every 0.2 s; the median over steps 2.. (step 1 warms up)
-of the step time and its split (generate / train / sync / other, other = the step's wall time
-less the three); tokens per second (prompt + generated tokens of every sequence per second of
-step time, and generated tokens per second of generate time); the weight sync's GB/s and
-`sync_vs_memcpy`, the sync time over one plain `copy_` of the same bytes (the generator's
-weights) timed on every rank at once in the same run. A last line compares sizes: `growth` is
-the step-time ratio over the parameter ratio (0.6B / debugmodel; <= 1: step time grows no faster
-than linearly in parameters).
+in 2 micro-batches with full activation checkpointing and the generator's weights freed during
+training (`generator.enable_sleep_mode`), and prints: the parameter count; the peak RSS of each
+rank (ru_maxrss) and the peak total RSS of the whole process tree (torchrun, ranks and anything
+they spawn), sampled here every 0.2 s; the median over steps 2.. (step 1 warms up) of the step
+time and its split (generate / train / sync / other, other = the step's wall time less the
+three); tokens per second (prompt + generated tokens of every sequence per second of step time,
+and generated tokens per second of generate time); the weight sync's GB/s and `sync_vs_memcpy`,
+the sync time over one plain `copy_` of the same bytes (the generator's weights) timed on every
+rank at once in the same run. A last line compares sizes: `growth` is the step-time ratio over
+the parameter ratio (0.6B / debugmodel; <= 1: step time grows no faster than linearly in
+parameters).
 
 The weights are torchtitan's random init of each flavor (seed 0), written once as an HF
 checkpoint under assets/ (the generator starts from one); the tokenizer is the 64-token
@@ -68,6 +69,8 @@ def defaults(size: str, steps: int, dump_folder: str) -> list[str]:
         *("--training.max_prompt_len", str(PROMPT_TOKENS), "--training.micro_batches", "2"),
         # Recompute each block in backward: the memory a real-size run needs, at every size.
         *("--training.activation_checkpoint", "full"),
+        # The generator's weights are freed while the trainer trains (refilled by the sync).
+        *("--generator.enable_sleep_mode", "true"),
         *("--generator.sampling.n", "2", "--generator.sampling.max_tokens", str(COMPLETION_TOKENS)),
         *("--generator.max_model_len", str(PROMPT_TOKENS + COMPLETION_TOKENS)),
         # 'echo <digits>:' is len(digits) + 6 characters, one token each.
@@ -269,12 +272,14 @@ def run(size: str, steps: int, flags: list[str], min_free_gib: float) -> dict:
             try:
                 result = run_child(command)
             except SystemExit:
-                if watch.fired:
-                    sys.exit(f"{size}: stopped, available memory fell under {min_free_gib} GiB")
-                raise
+                if not watch.fired:
+                    raise
+                # What it reached before the machine ran out: the row says it did not finish.
+                result = {"completed": False, "stopped": f"available memory < {min_free_gib} GiB"}
     return {
         "bench": "scale",
         "size": size,
+        "completed": True,
         **result,
         "tree_peak_rss_gib": round(watch.peak / 2**30, 3),
         "min_available_gib": round(watch.min_available, 3),
@@ -313,7 +318,7 @@ def main() -> int:
         result = run(size, steps, args, min_free_gib)
         results[size] = result
         print(json.dumps(result), flush=True)
-    if "debugmodel" in results and "0.6B" in results:
+    if "step_s" in results.get("debugmodel", {}) and "step_s" in results.get("0.6B", {}):
         small, large = results["debugmodel"], results["0.6B"]
         step_ratio = large["step_s"] / small["step_s"]
         params_ratio = large["params"] / small["params"]

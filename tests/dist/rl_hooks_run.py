@@ -21,12 +21,17 @@ class Recorder(Hooks):
     def __init__(self):
         self.calls = []
         self.forwards, self.counts = [], {"policy": 0, "reference": 0}
+        self.generator, self.generator_numel = None, []
 
     def before_step(self, step):
         self.calls.append(["before_step", step])
 
     def after_train(self, step, metrics):
         self.calls.append(["after_train", step, sorted(metrics)])
+        if self.generator is not None:  # what the generator's weights hold while training
+            self.generator_numel.append(
+                sum(p.numel() for p in self.generator.named_parameters().values())
+            )
 
     def after_sync(self, step, stats):
         self.calls.append(["after_sync", step, stats.version])
@@ -37,6 +42,7 @@ class Recorder(Hooks):
         self.counts.update(policy=0, reference=0)
 
     def count_forwards(self, rl: RLTrainer) -> None:
+        self.generator = rl.generator
         for name, side in (("policy", rl.trainer), ("reference", rl.reference)):
             side.model.register_forward_hook(
                 lambda *_, name=name: self.counts.update({name: self.counts[name] + 1})
@@ -76,6 +82,7 @@ def main() -> None:
         rl.train()
         if rank == 0:
             (out / "forwards.json").write_text(json.dumps(recorder.forwards))
+            (out / "generator_numel.json").write_text(json.dumps(recorder.generator_numel))
     if rank == 0:
         (out / "hooks.json").write_text(json.dumps(recorder.calls))
     platform.shutdown_distributed()

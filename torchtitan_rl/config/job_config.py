@@ -258,20 +258,14 @@ class GeneratorSection:
     verify_weight_sync: bool = False
     """After each sync, compare a checksum of every synced tensor on both sides (slow)."""
     enable_sleep_mode: bool = False
-    """While the trainer trains, offload the engine's weights to host memory and free its KV
-    cache (vLLM level-1 sleep), bringing them back before the weight sync: the trainer's
-    activations and optimizer get that GPU memory. GPU only: vLLM has no sleep mode on CPU."""
+    """Free the generator's weight memory while the trainer trains, from the end of generation
+    to the weight sync (which rewrites every weight): on GPU vLLM's level-1 sleep (weights
+    offloaded to host memory, KV cache freed); on CPU, where vLLM has no sleep mode, the weight
+    tensors and their packed GEMM copies are freed and re-allocated for the sync."""
     parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
 
     def validate(self, world_size: int) -> None:
-        if self.enable_sleep_mode:
-            from torchtitan_rl import platform
-
-            _require(
-                platform.device_type() == "cuda",
-                "generator.enable_sleep_mode = true: vLLM has no sleep mode on CPU; set it false",
-            )
         _require(
             self.max_model_len >= 2,
             f"generator.max_model_len = {self.max_model_len}: must be >= 2",

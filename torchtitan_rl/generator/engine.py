@@ -134,7 +134,7 @@ class Generator:
             # sample it discards). Unsplit prefills keep seeds and prefix caching working; the
             # token budget is then at least max_model_len, so every prompt fits in one step.
             enable_chunked_prefill=platform.device_type() != "cpu",
-            enable_sleep_mode=generator.enable_sleep_mode,
+            enable_sleep_mode=generator.enable_sleep_mode and platform.vllm_can_sleep(),
             num_gpu_blocks_override=generator.num_kv_blocks,
         )
         try:
@@ -225,16 +225,31 @@ class Generator:
         self._wrapper().repack()
 
     def release_memory(self) -> None:
-        """With generator.enable_sleep_mode (GPU): while the trainer trains, offload the
-        engine's weights to host memory and free its KV cache (vLLM level-1 sleep), until
-        `reclaim_memory()`. Without it, nothing."""
-        if self.config.enable_sleep_mode:
+        """With generator.enable_sleep_mode, free the weights' memory while the trainer trains,
+        until `reclaim_memory()`; the weight sync that follows rewrites every weight. On GPU:
+        vLLM's level-1 sleep (weights offloaded to host memory, KV cache freed). On CPU, where
+        vLLM has no sleep mode: the weight tensors and their packed copies are freed."""
+        if not self.config.enable_sleep_mode:
+            return
+        if platform.vllm_can_sleep():
             self.engine.sleep(level=1)
+            return
+        self._released = {}
+        for name, param in self.named_parameters().items():
+            self._released[name] = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._wrapper().drop_packed()
 
     def reclaim_memory(self) -> None:
-        """Bring the weights back (same addresses, so weight sync's targets stay valid)."""
-        if self.config.enable_sleep_mode:
+        """Bring the weights' memory back for the weight sync, in place: the same parameter
+        objects (and, on GPU, the same addresses), so weight sync's targets stay valid."""
+        if not self.config.enable_sleep_mode:
+            return
+        if platform.vllm_can_sleep():
             self.engine.wake_up()
+            return
+        for name, param in self.named_parameters().items():
+            param.data = torch.empty(self._released[name], dtype=param.dtype, device=param.device)
 
     def _wrapper(self) -> nn.Module:
         # In-process executors run the worker here, so collective_rpc returns live objects.

@@ -199,6 +199,12 @@ class TorchTitanForCausalLM(nn.Module):
             if isinstance(module, PackedLinear):
                 module.repack()
 
+    def drop_packed(self) -> None:
+        """Free the packed copies of the weights (until the next `repack`)."""
+        for module in self.model.modules():
+            if isinstance(module, PackedLinear):
+                module._handler = None
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(input_ids)
 
