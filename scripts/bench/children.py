@@ -1,4 +1,5 @@
-"""What the benchmarks that measure in child processes share: assets and result passing."""
+"""What the benchmarks that measure in child processes share: assets, joining the torchrun
+world, result passing."""
 
 import json
 import os
@@ -37,3 +38,15 @@ def run_child(command: list[str]) -> dict:
     if child.returncode != 0 or not lines:
         sys.exit(f"{' '.join(command[-2:])} failed:\n{child.stderr[-3000:]}")
     return json.loads(lines[-1][len(RESULT) :])
+
+
+def join_world(flags: list[str], prog: str):
+    """A child rank's start: its run config from `flags`, in the torchrun world it joins;
+    returns (config, rank, world size)."""
+    from torchtitan_rl import platform
+    from torchtitan_rl.config import parse_args
+
+    config = parse_args(flags, int(os.environ.get("WORLD_SIZE", "1")), prog=prog)
+    platform.patch_torchtitan()
+    rank, world = platform.init_distributed()
+    return config, rank, world

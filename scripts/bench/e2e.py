@@ -10,11 +10,10 @@ runs the same config with the mode off too and adds `cost_ratio`: step time on /
 """
 
 import json
-import os
 import statistics
 import sys
 
-from children import REPO, report, run_child
+from children import REPO, join_world, report, run_child
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ConfigError, parse_args
@@ -31,10 +30,7 @@ class Collect(Hooks):
 
 def measure(flags: list[str]) -> int:
     """The child, one rank of the torchrun world: train, then report the figures (rank 0)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    config = parse_args(flags, world, prog="scripts/bench/e2e.py")
-    platform.patch_torchtitan()
-    rank, world = platform.init_distributed()
+    config, rank, world = join_world(flags, prog="scripts/bench/e2e.py")
     collect = Collect()
     if config.generator.placement == "disaggregated":
         from torchtitan_rl import disaggregated

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from children import REPO, ensure_checkpoint, report, run_child
+from children import REPO, ensure_checkpoint, join_world, report, run_child
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ConfigError, parse_args
@@ -121,10 +121,7 @@ def memcpy_seconds(params: list[torch.Tensor], repeats: int = 3) -> float:
 
 def measure(flags: list[str]) -> int:
     """The child, one rank of the torchrun world: train, then report the figures (rank 0)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    config = parse_args(flags, world, prog="scripts/bench/scale.py")
-    platform.patch_torchtitan()
-    rank, world = platform.init_distributed()
+    config, rank, world = join_world(flags, prog="scripts/bench/scale.py")
     timer = StepTimer()
     trainer = RLTrainer(config, hooks=timer)
     for step in range(1, config.training.steps + 1):
