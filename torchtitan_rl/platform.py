@@ -59,6 +59,20 @@ def vllm_can_sleep() -> bool:
     return device_type() == "cuda"
 
 
+def return_freed_memory() -> None:
+    """Give memory freed by the process back to the OS (glibc's malloc_trim; Linux only).
+
+    glibc keeps freed mid-sized blocks (weights of a few MB) in its heap, where later large
+    allocations (logits, gathers: fresh mmaps) cannot reuse them. Measured with Qwen3-0.6B's
+    bf16 generator weights freed: RSS fell 0.3 GB without the trim, 1.8 GB with it.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
+            pass
+
+
 def patch_torchtitan() -> None:
     """Point torchtitan at the real device type; call before building meshes or models."""
     if device_type() != "cpu":

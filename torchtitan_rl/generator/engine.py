@@ -239,6 +239,7 @@ class Generator:
             self._released[name] = param.shape
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._wrapper().drop_packed()
+        platform.return_freed_memory()
 
     def reclaim_memory(self) -> None:
         """Bring the weights' memory back for the weight sync, in place: the same parameter
