@@ -26,6 +26,7 @@ from torchtitan.protocols.module import Module
 from torchtitan_rl.batch_invariant import ops
 
 _enabled = False
+_checked: set[tuple] = set()  # (dim, heads, head_dim, dtype, threads) found invariant here
 
 
 def enable() -> None:
@@ -103,6 +104,11 @@ def check_kernels(model_config, dtype: str) -> None:
     attention = model_config.layers[0].attention
     heads = attention.n_heads
     head_dim = attention.head_dim or model_config.dim // heads
+    # A colocated process builds the policy, the reference and the generator: check each
+    # shape, dtype and thread count once.
+    key = (model_config.dim, heads, head_dim, dtype, torch.get_num_threads())
+    if key in _checked:
+        return
     failures = ops.invariance_failures(model_config.dim, heads, head_dim, getattr(torch, dtype))
     if failures:
         raise ConfigError(
@@ -110,3 +116,4 @@ def check_kernels(model_config, dtype: str) -> None:
             f"{torch.get_num_threads()} threads) the batch-invariant kernels are not "
             f"({failures[0]}): set batch_invariant = false, or try OMP_NUM_THREADS=1"
         )
+    _checked.add(key)
