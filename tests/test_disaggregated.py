@@ -18,6 +18,7 @@ from torchtitan_rl import disaggregated
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.disaggregated import DisaggregatedTrainer, Rollout, StalenessError
 from torchtitan_rl.generator.engine import Completions
+from torchtitan_rl.rollouts import Rollouts
 
 DISAGGREGATED = (
     "--job.config_file",
@@ -77,11 +78,7 @@ def test_a_rollout_older_than_k_is_refused(monkeypatch):
         step=7,
         version=3,
         weights_sha256=None,
-        prompts=[],
-        completions=Completions(prompts=[], samples=[]),
-        rewards_PN=torch.zeros(0, 2),
-        advantages_PN=torch.zeros(0, 2),
-        zero_variance_PN=torch.zeros(0, 2, dtype=torch.bool),
+        rollouts=Rollouts([], Completions(prompts=[], samples=[]), torch.zeros(0, 2)),
         reward_errors=0,
         generate_s=0.0,
     )

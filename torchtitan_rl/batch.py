@@ -24,6 +24,9 @@ class RolloutBatch:
     """Logprob the generator reported for each sampled token (0 where loss_mask is 0)."""
     reference_logprobs_BT: torch.Tensor | None = None
     """Logprob of each token under the frozen reference model (only with a KL penalty)."""
+    old_logprobs_BT: torch.Tensor | None = None
+    """Logprob of each token under the policy before the batch's first update (only with
+    several updates per batch; else the loss takes its own forward's, detached)."""
 
     @property
     def batch_size(self) -> int:
@@ -39,6 +42,16 @@ class RolloutBatch:
             if getattr(self, f.name) is not None
         }
         return [RolloutBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
+
+    def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
+        """The batch of the rows `index_R`, in that order."""
+        return RolloutBatch(
+            **{
+                f.name: getattr(self, f.name)[index_R.to(getattr(self, f.name).device)]
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            }
+        )
 
     def to(self, device: torch.device) -> "RolloutBatch":
         return RolloutBatch(

@@ -35,10 +35,9 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_loss
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config.job_config import JobConfig
-from torchtitan_rl.generator.engine import Completions
 from torchtitan_rl.generator.remote import RemoteGenerator
 from torchtitan_rl.rl_trainer import Hooks, RLTrainer
-from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.rollouts import Rollouts
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.weight_sync import SyncStats
 
@@ -85,11 +84,7 @@ class Rollout:
     version: int
     weights_sha256: str | None
     """Digest of the generator's weights it sampled with (generator.verify_weight_sync)."""
-    prompts: list[Prompt]
-    completions: Completions
-    rewards_PN: torch.Tensor
-    advantages_PN: torch.Tensor
-    zero_variance_PN: torch.Tensor
+    rollouts: Rollouts
     reward_errors: int
     generate_s: float
 
@@ -223,23 +218,14 @@ class GeneratorWorker(RLTrainer):
             while self.generator.policy_version < max(start, step - 1 - k):
                 self.take_weights()
             began = time.perf_counter()
-            prompts = self.my_prompts(step)
-            completions = self.generator.generate(
-                self.encode(prompts), seed=self.sampling_seed(step)
-            )
-            rewards_PN = self.score(step, prompts, completions)
-            advantages = self.advantage(rewards_PN)
+            rollouts = self.rollouts(step)
             params = self.generator.named_parameters()
             rollout = Rollout(
                 step=step,
                 version=self.generator.policy_version,
                 # In the order the trainer broadcasts: sorted names (see _buckets).
                 weights_sha256=_digest(params[n] for n in sorted(params)) if verify else None,
-                prompts=prompts,
-                completions=completions,
-                rewards_PN=rewards_PN,
-                advantages_PN=advantages.values_PN,
-                zero_variance_PN=advantages.zero_variance_PN,
+                rollouts=rollouts,
                 reward_errors=self.scorer.errors,
                 generate_s=time.perf_counter() - began,
             )
@@ -330,23 +316,10 @@ class DisaggregatedTrainer(RLTrainer):
         start = time.perf_counter()
         rollouts = self.receive(step)
         received = time.perf_counter()
-        prompts = [p for r in rollouts for p in r.prompts]
-        completions = Completions(
-            prompts=[p for r in rollouts for p in r.completions.prompts],
-            samples=[s for r in rollouts for s in r.completions.samples],
-        )
-        rewards_PN = torch.cat([r.rewards_PN for r in rollouts])
-        zero_variance_PN = torch.cat([r.zero_variance_PN for r in rollouts])
-        logprob_diff, train_metrics = self.learn(
-            step,
-            prompts,
-            completions,
-            rewards_PN,
-            torch.cat([r.advantages_PN for r in rollouts]),
-            zero_variance_PN,
-        )
+        joined = Rollouts.cat([r.rollouts for r in rollouts])
+        learned = self.learn(step, joined)
         trained = time.perf_counter()
-        self.hooks.after_train(step, train_metrics)
+        self.hooks.after_train(step, learned)
         stats = self.send_weights(step)
         synced = time.perf_counter()
         self.hooks.after_sync(step, stats)
@@ -362,11 +335,8 @@ class DisaggregatedTrainer(RLTrainer):
         platform.all_reduce_host(figures[2:], op=dist.ReduceOp.MAX, group=self.group)
         generate_s = max(r.generate_s for r in rollouts)
         metrics = {
-            **self.rollout_metrics(
-                rewards_PN, zero_variance_PN, completions, sum(r.reward_errors for r in rollouts)
-            ),
-            **logprob_diff,
-            **self.train_summary(train_metrics),
+            **self.rollout_metrics(joined, sum(r.reward_errors for r in rollouts)),
+            **learned,
             "policy_version": float(step),
             "policy_age/mean": float(figures[0] / figures[1]),
             "policy_age/max": float(figures[2]),

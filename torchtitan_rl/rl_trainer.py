@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
+from torchtitan_rl.algorithms.losses import kl_penalty
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
 from torchtitan_rl.checkpoint import (
     Checkpointer,
@@ -29,9 +30,16 @@ from torchtitan_rl.checkpoint import (
 from torchtitan_rl.config.job_config import ConfigError, JobConfig
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.rollouts import Rollouts, fill_informative
 from torchtitan_rl.tasks import Prompt, build_task
 from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn
-from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer, check_finite
+from torchtitan_rl.trainer.policy_trainer import (
+    NonFiniteError,
+    PolicyTrainer,
+    StepResult,
+    check_finite,
+    optimizer_steps_per_step,
+)
 from torchtitan_rl.weight_sync import SyncStats, WeightSync, WeightSyncError
 
 
@@ -184,24 +192,13 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         self.hooks.before_step(step)
         start = time.perf_counter()
-        prompts = self.my_prompts(step)
-        prompt_ids = self.encode(prompts)
-        completions = self.generator.generate(prompt_ids, seed=self.sampling_seed(step))
+        rollouts = self.rollouts(step)
         self.generator.release_memory()  # generator.enable_sleep_mode: the trainer gets it
         generated = time.perf_counter()
 
-        rewards_PN = self.score(step, prompts, completions)
-        advantages = self.advantage(rewards_PN)
-        logprob_diff, train_metrics = self.learn(
-            step,
-            prompts,
-            completions,
-            rewards_PN,
-            advantages.values_PN,
-            advantages.zero_variance_PN,
-        )
+        learned = self.learn(step, rollouts)
         trained = time.perf_counter()
-        self.hooks.after_train(step, train_metrics)
+        self.hooks.after_train(step, learned)
 
         self.generator.reclaim_memory()
         sync_stats = self.weight_sync.sync(self.trainer, self.generator)
@@ -209,9 +206,8 @@ class RLTrainer:
         self.hooks.after_sync(step, sync_stats)
 
         metrics = {
-            **self.rollout_metrics(rewards_PN, advantages.zero_variance_PN, completions),
-            **logprob_diff,
-            **self.train_summary(train_metrics),
+            **self.rollout_metrics(rollouts),
+            **learned,
             "policy_version": float(self.generator.policy_version),
             "batch_invariant": float(batch_invariant.is_enabled()),
             "time/generate_s": generated - start,
@@ -226,69 +222,121 @@ class RLTrainer:
         self.hooks.after_step(step, metrics)
         return metrics
 
-    def learn(
-        self,
-        step: int,
-        prompts: list[Prompt],
-        completions: Completions,
-        rewards_PN: torch.Tensor,
-        advantages_PN: torch.Tensor,
-        zero_variance_PN: torch.Tensor,
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """Scored samples -> RolloutBatch -> one optimizer step; returns the logprob_diff
-        metrics and the trainer's step metrics. The ranks of a TP group train on the union of
-        their samples (each generated its own share)."""
+    def rollouts(self, step: int) -> Rollouts:
+        """This rank's prompts of the step, sampled and scored. With dynamic sampling, further
+        rounds of prompts until the rank has as many groups with learning signal."""
+        algorithm = self.config.algorithm
+        rounds: list[Rollouts] = []
+        for round in range(algorithm.max_generation_rounds):
+            prompts = self.my_prompts(step, round)
+            completions = self.generator.generate(
+                self.encode(prompts), seed=self.sampling_seed(step, round)
+            )
+            rounds.append(Rollouts(prompts, completions, self.score(step, prompts, completions)))
+            if not algorithm.dynamic_sampling:
+                return rounds[0]
+            informative = sum(int((~r.zero_variance_P()).sum()) for r in rounds)
+            if informative >= len(prompts):
+                break
+        return fill_informative(rounds, wanted=len(rounds[0]))
+
+    def learn(self, step: int, rollouts: Rollouts) -> dict[str, float]:
+        """Scored samples -> advantages -> RolloutBatch -> training.mini_batches *
+        training.epochs optimizer steps; returns the logprob, off-policy and training metrics.
+        The ranks of a TP group train on the union of their samples (each generated its own
+        share)."""
+        algorithm = self.config.algorithm
         if self.trainer.tp_group is not None:
-            shares = platform.all_gather_objects(
-                (prompts, completions, rewards_PN, advantages_PN, zero_variance_PN),
-                group=self.trainer.tp_group,
-            )
-            prompts = [p for share in shares for p in share[0]]
-            completions = Completions(
-                prompts=[p for share in shares for p in share[1].prompts],
-                samples=[g for share in shares for g in share[1].samples],
-            )
-            rewards_PN, advantages_PN, zero_variance_PN = (
-                torch.cat([share[i] for share in shares]) for i in (2, 3, 4)
-            )
+            shares = platform.all_gather_objects(rollouts, group=self.trainer.tp_group)
+            rollouts = Rollouts.cat(shares)
+        completions = rollouts.completions
+        rewards_PN = rollouts.rewards_PN
         batch = rollout_batch(
             completions.prompts,
             [[s.token_ids for s in group] for group in completions.samples],
             [[s.logprobs for s in group] for group in completions.samples],
-            advantages_PN,
+            torch.zeros_like(rewards_PN),
             self.pad_id,
         )
-        if self.config.algorithm.filter_zero_variance_groups:
-            keep_B = (~zero_variance_PN).reshape(-1, 1).float()
-            batch.loss_mask_BT = batch.loss_mask_BT * keep_B
         check_finite(step, "generator", batch.generator_logprobs_BT, batch.loss_mask_BT.bool())
+        metrics = {}
         if self.reference is not None:
             batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
-        # The trainer's pre-update logprobs come from the step's own forward: no extra pass.
-        result = self.trainer.train_step(batch, self.loss)
-        batch = batch.to(result.logprobs_BT.device)
-        logprob_diff = self.logprob_diff(step, batch, result.logprobs_BT)
-        self.log_rollouts(step, prompts, completions, rewards_PN, batch, result.logprobs_BT)
-        return logprob_diff, result.metrics
+            if algorithm.kl_in_reward:
+                penalty_B, metrics["kl"] = self.kl_in_reward(batch)
+                rewards_PN = rewards_PN - algorithm.kl_beta * penalty_B.view_as(rewards_PN)
+        batch.advantages_B = self.advantage(rewards_PN).values_PN.reshape(-1).float()
+        if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:
+            keep_P = ~rollouts.zero_variance_P()
+            n = rewards_PN.shape[1]
+            batch.loss_mask_BT = batch.loss_mask_BT * keep_P.repeat_interleave(n)[:, None]
+        old_BT, results = self.update(step, batch)
+        batch = batch.to(old_BT.device)
+        metrics |= self.logprob_diff(step, batch, old_BT) | self.train_summary(results)
+        self.log_rollouts(step, rollouts, batch, old_BT)
+        return metrics
 
-    def train_summary(self, train_metrics: dict[str, float]) -> dict[str, float]:
-        """The logged metrics of one optimizer step."""
-        tokens = max(train_metrics["tokens"], 1)
+    def update(self, step: int, batch: RolloutBatch) -> tuple[torch.Tensor, list[StepResult]]:
+        """training.epochs passes of training.mini_batches optimizer steps over `batch`, each
+        pass shuffled; returns the policy's logprobs [B, T] before the first step (the "old"
+        policy of the PPO ratio) and every step's result."""
+        training = self.config.training
+        if optimizer_steps_per_step(training) == 1:
+            # The old logprobs are the step's own forward: no extra pass.
+            result = self.trainer.train_step(batch, self.loss, step=step)
+            return result.logprobs_BT, [result]
+        batch.old_logprobs_BT, _ = self.trainer.logprobs(batch.tokens_BT)
+        # The same order on every rank of a TP group, which holds the same batch.
+        shuffle = torch.Generator().manual_seed(self.config.job.seed * 1_000_003 + step)
+        results = []
+        for _ in range(training.epochs):
+            order_B = torch.randperm(batch.batch_size, generator=shuffle)
+            for rows in order_B.tensor_split(training.mini_batches):
+                results.append(self.trainer.train_step(batch.rows(rows), self.loss, step=step))
+        return batch.old_logprobs_BT, results
+
+    def kl_in_reward(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
+        """Each sequence's summed KL estimate [B] on the generator's logprobs (what the reward
+        loses, times kl_beta), and its mean per token over every rank."""
+        reference_BT = batch.reference_logprobs_BT
+        mask_BT = batch.loss_mask_BT.to(reference_BT.device)
+        kl_BT = kl_penalty(
+            batch.generator_logprobs_BT.to(reference_BT.device),
+            reference_BT,
+            self.config.algorithm.kl_estimator,
+        )
+        per_sequence_B = (kl_BT * mask_BT).sum(dim=1)
+        totals = torch.stack([per_sequence_B.sum(), mask_BT.sum()]).double().cpu()
+        platform.all_reduce_host(totals, group=self.group)
+        return per_sequence_B.cpu(), float(totals[0] / totals[1].clamp(min=1))
+
+    def train_summary(self, results: list[StepResult]) -> dict[str, float]:
+        """The logged metrics of a step's optimizer steps (means over them; fractions of the
+        tokens they trained on)."""
+        tokens = max(sum(r.metrics["tokens"] for r in results), 1)
+
+        def total(name: str) -> float:
+            return sum(r.metrics.get(name, 0.0) for r in results)
+
         summary = {
-            "loss": train_metrics["loss"],
-            "entropy": train_metrics["entropy"],
-            "grad_norm": train_metrics["grad_norm"],
-            "lr": train_metrics["lr"],
-            "clip_fraction": train_metrics["clipped_tokens"] / tokens,
+            "loss": total("loss") / len(results),
+            "entropy": sum(r.metrics["entropy"] * r.metrics["tokens"] for r in results) / tokens,
+            "grad_norm": total("grad_norm") / len(results),
+            "lr": results[-1].metrics["lr"],
+            "clip_fraction": total("clipped_tokens") / tokens,
+            "optimizer_steps": float(len(results)),
         }
-        if self.reference is not None:
-            summary["kl"] = train_metrics["kl_sum"] / tokens
+        if self.config.algorithm.clip_ratio_c > 0:
+            summary["dual_clip_fraction"] = total("dual_clipped_tokens") / tokens
+        if "kl_sum" in results[0].metrics:
+            summary["kl"] = total("kl_sum") / tokens
         return summary
 
-    def my_prompts(self, step: int) -> list[Prompt]:
-        """This rank's contiguous shard of the step's global prompts."""
+    def my_prompts(self, step: int, round: int = 0) -> list[Prompt]:
+        """This rank's contiguous shard of the step's global prompts (of a dynamic-sampling
+        `round` > 0: further ones)."""
         per_shard = self.config.training.prompts_per_step // self.shards
-        prompts = self.task.prompts(step, per_shard * self.shards)
+        prompts = self.task.prompts(step, per_shard * self.shards, round)
         return prompts[self.shard * per_shard : (self.shard + 1) * per_shard]
 
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
@@ -309,11 +357,13 @@ class RLTrainer:
                 )
         return ids
 
-    def sampling_seed(self, step: int) -> int:
+    def sampling_seed(self, step: int, round: int = 0) -> int:
         # Per-request seeds: samples depend on (seed, step, shard, prompt), not on batching.
-        # Each (step, shard) owns 2**20 consecutive seeds, one per sample (Generator.generate).
+        # Each (step, shard) owns 2**20 consecutive seeds, one per sample (Generator.generate);
+        # a dynamic-sampling round takes the ones after the previous round's.
         run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.shard
-        return run * 2**20 % 2**62
+        per_round = self.config.training.prompts_per_step // self.shards
+        return (run * 2**20 + round * per_round * self.config.generator.sampling.n) % 2**62
 
     def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
         """Rewards [P, N] of every sample; a NaN/inf reward stops the run."""
@@ -329,33 +379,57 @@ class RLTrainer:
     def logprob_diff(
         self, step: int, batch: RolloutBatch, trainer_BT: torch.Tensor
     ) -> dict[str, float]:
-        """|generator - trainer| logprob of the sampled tokens before the update (all ranks).
+        """How far the generator's (behaviour) logprobs of the sampled tokens are from the
+        trainer's before the update (old), over all ranks: |difference|, and the off-policy
+        ratio old / behaviour at algorithm.offpolicy_level with what the correction did to it.
+        `offpolicy/kl` is the k3 estimate of KL(behaviour || old) per token.
 
         Under batch-invariant mode any difference means the mode no longer holds: the run stops
         (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
         """
         mask_BT = batch.loss_mask_BT.bool()
-        log_ratio_BT = trainer_BT - batch.generator_logprobs_BT
-        diff_BT = log_ratio_BT.abs() * mask_BT
-        # The importance ratio pi_trainer / pi_generator of the sampled tokens: exactly 1 where
-        # the two sides agree bit for bit (batch-invariant mode). Max of (max, -min).
-        ratio_BT = torch.exp(log_ratio_BT)
-        total = torch.stack([diff_BT.sum(), mask_BT.sum()]).double().cpu()
+        log_ratio_BT = (trainer_BT - batch.generator_logprobs_BT) * mask_BT
+        diff_BT = log_ratio_BT.abs()
+        correction = self.loss.correction
+        ratio_BU = correction.ratios(trainer_BT, batch.generator_logprobs_BT, mask_BT)
+        # A unit is a sampled token, or a sequence with one at sequence level.
+        units_BU = mask_BT if ratio_BU.shape[1] > 1 else mask_BT.any(dim=1, keepdim=True)
+        changed_BU = (correction.weights(ratio_BU) != ratio_BU) & units_BU
+        k3_BT = (torch.exp(log_ratio_BT) - 1 - log_ratio_BT) * mask_BT
+        sums = torch.stack(
+            [
+                diff_BT.sum(),
+                mask_BT.sum(),
+                (ratio_BU * units_BU).sum(),
+                units_BU.sum(),
+                changed_BU.sum(),
+                k3_BT.sum(),
+            ]
+        )
+        # Max of (max, -min): one MAX reduction.
         extremes = torch.stack(
             [
                 diff_BT.max(),
-                ratio_BT.masked_fill(~mask_BT, 1.0).max(),
-                -ratio_BT.masked_fill(~mask_BT, 1.0).min(),
+                ratio_BU.masked_fill(~units_BU, 1.0).max(),
+                -ratio_BU.masked_fill(~units_BU, 1.0).min(),
             ]
-        ).cpu()
-        platform.all_reduce_host(total, group=self.group)
+        )
+        sums, extremes = sums.double().cpu(), extremes.cpu()
+        platform.all_reduce_host(sums, group=self.group)
         platform.all_reduce_host(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        diff_sum, tokens, ratio_sum, units, changed, k3_sum = sums.tolist()
         metrics = {
             "logprob_diff/max": float(extremes[0]),
-            "logprob_diff/mean": float(total[0] / total[1].clamp(min=1)),
-            "behavior_ratio/max": float(extremes[1]),
-            "behavior_ratio/min": -float(extremes[2]),
+            "logprob_diff/mean": diff_sum / max(tokens, 1),
+            "offpolicy/ratio_mean": ratio_sum / max(units, 1),
+            "offpolicy/ratio_max": float(extremes[1]),
+            "offpolicy/ratio_min": -float(extremes[2]),
+            "offpolicy/kl": k3_sum / max(tokens, 1),
         }
+        if correction.mode == "tis":
+            metrics["offpolicy/truncated_fraction"] = changed / max(units, 1)
+        if correction.mode == "mis":
+            metrics["offpolicy/masked_fraction"] = changed / max(units, 1)
         if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
             self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
         return metrics
@@ -386,9 +460,7 @@ class RLTrainer:
     def log_rollouts(
         self,
         step: int,
-        prompts: list[Prompt],
-        completions: Completions,
-        rewards_PN: torch.Tensor,
+        rollouts: Rollouts,
         batch: RolloutBatch,
         trainer_logprobs_BT: torch.Tensor,
         count: int = 4,
@@ -397,10 +469,10 @@ class RLTrainer:
         interval = self.config.metrics.rollout_log_interval
         if interval == 0 or step % interval:
             return
-        n = len(completions.samples[0])
+        n = rollouts.rewards_PN.shape[1]
         samples = []
-        for p, prompt in enumerate(prompts[:count]):
-            sample = completions.samples[p][0]
+        for p, prompt in enumerate(rollouts.prompts[:count]):
+            sample = rollouts.completions.samples[p][0]
             row = p * n  # batch rows are prompt-major
             sampled = batch.loss_mask_BT[row].bool()
             diffs = trainer_logprobs_BT[row][sampled] - batch.generator_logprobs_BT[row][sampled]
@@ -408,7 +480,7 @@ class RLTrainer:
                 {
                     "prompt": prompt.text,
                     "completion": self.tokenizer.decode(sample.token_ids),
-                    "reward": float(rewards_PN[p, 0]),
+                    "reward": float(rollouts.rewards_PN[p, 0]),
                     "token_ids": sample.token_ids,
                     "generator_logprobs": sample.logprobs,
                     "logprob_diff": diffs.tolist(),
@@ -416,15 +488,10 @@ class RLTrainer:
             )
         self.metrics.log_rollouts(step, samples)
 
-    def rollout_metrics(
-        self,
-        rewards_PN: torch.Tensor,
-        zero_variance_PN: torch.Tensor,
-        completions: Completions,
-        errors: int | None = None,
-    ) -> dict[str, float]:
+    def rollout_metrics(self, rollouts: Rollouts, errors: int | None = None) -> dict[str, float]:
         """Reward and length statistics over every rank's samples. `errors`: the reward-error
         count, when this rank's scorer does not hold it."""
+        rewards_PN, completions = rollouts.rewards_PN, rollouts.completions
         lengths = [len(s.token_ids) for group in completions.samples for s in group]
         sums = torch.tensor(
             [
@@ -432,16 +499,29 @@ class RLTrainer:
                 float((rewards_PN**2).sum()),
                 float(rewards_PN.numel()),
                 float(sum(lengths)),
-                float(zero_variance_PN[:, 0].sum()),
+                float(rollouts.zero_variance_P().sum()),
                 float(rewards_PN.shape[0]),
                 float(self.scorer.errors if errors is None else errors),
+                float(rollouts.rounds),
+                float(rollouts.parts),
+                float(rollouts.generated_groups or len(rollouts)),
+                float(rollouts.short_groups),
             ],
             dtype=torch.float64,
         )
         platform.all_reduce_host(sums, group=self.group)
-        reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors = sums.tolist()
+        reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rounds = sums.tolist()
         mean = reward_sum / samples
-        return {
+        if self.config.algorithm.dynamic_sampling:
+            rounds_sum, parts, generated, short = rounds
+            metrics = {
+                "dynamic_sampling/rounds": rounds_sum / parts,
+                "dynamic_sampling/generated_groups": generated,
+                "dynamic_sampling/short_groups": short,
+            }
+        else:
+            metrics = {}
+        return metrics | {
             "reward/mean": mean,
             "reward/std": max(reward_sq / samples - mean**2, 0.0) ** 0.5,
             "response_length/mean": tokens / samples,

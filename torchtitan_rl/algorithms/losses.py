@@ -1,19 +1,28 @@
-"""Policy losses: one small class per variant, called by PolicyTrainer.train_step per micro-batch.
+"""Policy losses: one small class, called by PolicyTrainer.train_step per micro-batch.
 
-    .venv/bin/python -m pytest tests/test_algorithms.py
+    .venv/bin/python -m pytest tests/test_algorithms.py tests/test_trl_parity.py
 
-Each loss returns this micro-batch's share of the step loss, normalized by the step's global
-counts (LossScale), so micro-batching and data parallelism give the full-batch gradient.
-The "old" policy is the trainer's own logprobs at the step's forward (detached): one update
-per batch, so the PPO ratio starts at 1. Truncated importance sampling (TIS) corrects for the
-generator sampling with slightly different numerics: weight min(p_trainer / p_generator, cap).
-Shapes: B sequences, T tokens.
+Three logprobs of each sampled token meet here:
+  current    the policy being updated, with gradient;
+  old        the policy before the rollout batch's first update (`batch.old_logprobs_BT`; with
+             one update per batch, the step's own forward, detached: the same numbers);
+  behaviour  the generator's, that sampled the token (`batch.generator_logprobs_BT`): older
+             weights when off-policy, other numerics when not batch-invariant.
+The PPO ratio current / old is clipped (per token, or per sequence for GSPO); the off-policy
+correction old / behaviour truncates (TIS) or masks (MIS) each token's loss; the KL to the
+frozen reference joins per token. Each micro-batch's share is normalized by the global counts
+of its optimizer step (LossScale), so micro-batching and data parallelism give the full-batch
+gradient. Shapes: B sequences, T tokens.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.trainer.policy_trainer import LossScale
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 
 def aggregate(
@@ -23,21 +32,25 @@ def aggregate(
     mode: str,
     max_tokens: int,
 ) -> torch.Tensor:
-    """This micro-batch's share of the step loss under aggregation `mode`.
+    """This micro-batch's share of the step loss under aggregation `mode` (veRL's names).
 
-    token_mean: sum over every sampled token / the step's tokens (DAPO);
-    sequence_mean: each sequence's token mean, summed / the step's sequences (GRPO paper);
-    constant: sum / (the step's sequences * max_tokens) (Dr. GRPO: no length bias).
+    token_mean: sum over every sampled token / the step's tokens (DAPO; TRL "dapo");
+    seq_mean_token_mean: each sequence's token mean, averaged over the step's sequences (the
+    GRPO paper; TRL "grpo"); seq_mean_token_sum: each sequence's token sum, averaged over the
+    sequences (TRL "luspo"); constant: sum / (the step's sequences * max_tokens) (Dr. GRPO: no
+    length bias; TRL "dr_grpo").
     """
     masked_BT = per_token_BT * mask_BT
     if mode == "token_mean":
         return masked_BT.sum() / max(scale.tokens, 1)
-    if mode == "sequence_mean":
+    if mode == "seq_mean_token_mean":
         lengths_B = mask_BT.sum(dim=1).clamp(min=1)
-        return (masked_BT.sum(dim=1) / lengths_B).sum() / scale.sequences
+        return (masked_BT.sum(dim=1) / lengths_B).sum() / max(scale.sequences, 1)
+    if mode == "seq_mean_token_sum":
+        return masked_BT.sum() / max(scale.sequences, 1)
     if mode == "constant":
-        return masked_BT.sum() / (scale.sequences * max_tokens)
-    raise ValueError(f"unknown aggregation {mode!r}")
+        return masked_BT.sum() / (max(scale.sequences, 1) * max_tokens)
+    raise ValueError(f"unknown aggregation {mode!r}: use one of {', '.join(AGGREGATIONS)}")
 
 
 def kl_penalty(
@@ -53,42 +66,93 @@ def kl_penalty(
     return torch.exp(r_BT) - 1 - r_BT
 
 
-def tis_weight(old_BT: torch.Tensor, generator_BT: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(exp(old - generator), cap): truncated importance weight (no gradient)."""
-    return torch.exp(old_BT - generator_BT).clamp(max=cap)
+@dataclass(frozen=True, slots=True)
+class OffPolicyCorrection:
+    """Importance weights old / behaviour of the sampled tokens (no gradient).
+
+    tis: the ratio truncated to [ratio_min, ratio_max] (truncated IS; Yao et al. 2025);
+    mis: the ratio where it lies in [ratio_min, ratio_max], else 0: the token (or sequence)
+    leaves the loss (masked IS; IcePop). `level` sequence uses one ratio per sequence, the
+    product over its tokens. mode none: weight 1. TRL's vllm_importance_sampling_mode
+    token_truncate, token_mask, sequence_truncate and sequence_mask are these.
+    """
+
+    mode: str = "none"
+    level: str = "token"
+    ratio_min: float = 0.0
+    ratio_max: float = 2.0
+
+    def ratios(
+        self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
+    ) -> torch.Tensor:
+        """The raw ratio old / behaviour [B, T], or [B, 1] at sequence level."""
+        log_ratio_BT = ((old_BT - behaviour_BT) * mask_BT).detach()
+        if self.level == "sequence":
+            return torch.exp(log_ratio_BT.sum(dim=1, keepdim=True))
+        return torch.exp(log_ratio_BT)
+
+    def weights(self, ratio_BT: torch.Tensor) -> torch.Tensor:
+        """What multiplies each token's policy loss, from `ratios`."""
+        if self.mode == "tis":
+            return ratio_BT.clamp(self.ratio_min, self.ratio_max)
+        if self.mode == "mis":
+            inside = (ratio_BT >= self.ratio_min) & (ratio_BT <= self.ratio_max)
+            return ratio_BT * inside
+        return torch.ones_like(ratio_BT)
 
 
-class PPOClipLoss:
-    """Token-level PPO clipped surrogate: GRPO (symmetric clip) and DAPO (clip-higher)."""
+class PolicyLoss:
+    """PPO's clipped surrogate, with the ratio per token (grpo, dapo) or per sequence (gspo).
+
+    Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A); with
+    `clip_ratio_c` > 1 (dual clip, Ye et al. 2020) a negative-advantage token's loss is also
+    capped at -clip_ratio_c * A. GSPO (Zheng et al. 2025) uses one ratio per sequence,
+    exp(mean over its sampled tokens of current - old), for every token of it. The off-policy
+    weight multiplies the clipped term; the KL term adds k(current, reference) * kl_beta.
+    """
 
     def __init__(
         self,
         *,
+        level: str = "token",
         clip_low: float,
         clip_high: float,
+        clip_ratio_c: float = 0.0,
         aggregation: str,
         max_tokens: int,
-        tis_cap: float = 0.0,
+        correction: OffPolicyCorrection | None = None,
         kl_beta: float = 0.0,
         kl_estimator: str = "k3",
     ):
-        self.clip_low, self.clip_high = clip_low, clip_high
-        self.aggregation, self.max_tokens, self.tis_cap = aggregation, max_tokens, tis_cap
+        self.level = level
+        self.clip_low, self.clip_high, self.clip_ratio_c = clip_low, clip_high, clip_ratio_c
+        self.aggregation, self.max_tokens = aggregation, max_tokens
+        self.correction = correction or OffPolicyCorrection()
         self.kl_beta, self.kl_estimator = kl_beta, kl_estimator
 
     def __call__(self, logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
         mask_BT = batch.loss_mask_BT
-        old_BT = logprobs_BT.detach()
-        ratio_BT = torch.exp(logprobs_BT - old_BT)
+        old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT
+        log_ratio_BT = logprobs_BT - old_BT.detach()
+        if self.level == "sequence":
+            lengths_B1 = mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+            log_ratio_BT = (log_ratio_BT * mask_BT).sum(dim=1, keepdim=True) / lengths_B1
+        ratio_BT = torch.exp(log_ratio_BT)  # [B, T], or [B, 1] at sequence level
         advantages_B1 = batch.advantages_B[:, None]
-        unclipped_BT = ratio_BT * advantages_B1
-        clipped_BT = ratio_BT.clamp(1 - self.clip_low, 1 + self.clip_high) * advantages_B1
-        per_token_BT = -torch.minimum(unclipped_BT, clipped_BT)
-        if self.tis_cap > 0:
-            per_token_BT = per_token_BT * tis_weight(
-                old_BT, batch.generator_logprobs_BT, self.tis_cap
-            )
-        metrics = {"clipped_tokens": float(((clipped_BT != unclipped_BT).float() * mask_BT).sum())}
+        unclipped_BT = -ratio_BT * advantages_B1
+        clipped_BT = -ratio_BT.clamp(1 - self.clip_low, 1 + self.clip_high) * advantages_B1
+        per_token_BT = torch.maximum(unclipped_BT, clipped_BT)
+        clipped_mask_BT = (clipped_BT > unclipped_BT).expand_as(mask_BT) * mask_BT
+        metrics = {"clipped_tokens": float(clipped_mask_BT.sum())}
+        if self.clip_ratio_c > 0:
+            cap_B1 = -self.clip_ratio_c * advantages_B1
+            dual_BT = (advantages_B1 < 0) & (per_token_BT > cap_B1)
+            per_token_BT = torch.where(dual_BT, cap_B1, per_token_BT)
+            metrics["dual_clipped_tokens"] = float((dual_BT.expand_as(mask_BT) * mask_BT).sum())
+        if self.correction.mode != "none":
+            ratios = self.correction.ratios(old_BT, batch.generator_logprobs_BT, mask_BT)
+            per_token_BT = per_token_BT * self.correction.weights(ratios)
+        per_token_BT = per_token_BT.expand_as(mask_BT)
         if self.kl_beta > 0:
             kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator)
             per_token_BT = per_token_BT + self.kl_beta * kl_BT
@@ -97,56 +161,28 @@ class PPOClipLoss:
         return loss, metrics
 
 
-class GSPOLoss:
-    """Sequence-level ratio (GSPO, Zheng et al. 2025): s = exp(mean over the sequence's sampled
-    tokens of (logprob - old)), clipped per sequence, averaged over the step's sequences."""
-
-    def __init__(
-        self,
-        *,
-        clip_low: float,
-        clip_high: float,
-        tis_cap: float = 0.0,
-        kl_beta: float = 0.0,
-        kl_estimator: str = "k3",
-        **_,
-    ):
-        self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
-        self.kl_beta, self.kl_estimator = kl_beta, kl_estimator
-
-    def __call__(self, logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
-        mask_BT = batch.loss_mask_BT
-        old_BT = logprobs_BT.detach()
-        lengths_B = mask_BT.sum(dim=1).clamp(min=1)
-        ratio_B = torch.exp(((logprobs_BT - old_BT) * mask_BT).sum(dim=1) / lengths_B)
-        advantages_B = batch.advantages_B
-        unclipped_B = ratio_B * advantages_B
-        clipped_B = ratio_B.clamp(1 - self.clip_low, 1 + self.clip_high) * advantages_B
-        per_sequence_B = -torch.minimum(unclipped_B, clipped_B)
-        if self.tis_cap > 0:
-            log_ratio_B = ((old_BT - batch.generator_logprobs_BT) * mask_BT).sum(1) / lengths_B
-            per_sequence_B = per_sequence_B * torch.exp(log_ratio_B).clamp(max=self.tis_cap)
-        loss = per_sequence_B.sum() / scale.sequences
-        metrics = {"clipped_tokens": float((mask_BT.sum(dim=1) * (clipped_B != unclipped_B)).sum())}
-        if self.kl_beta > 0:
-            # The KL term stays per token: token-mean over the step, added to the sequence loss.
-            kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator)
-            loss = loss + self.kl_beta * (kl_BT * mask_BT).sum() / max(scale.tokens, 1)
-            metrics["kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
-        return loss, metrics
-
-
-LOSSES = {"grpo": PPOClipLoss, "dapo": PPOClipLoss, "gspo": GSPOLoss}
-
-
-def build_loss(algorithm, max_tokens: int):
-    """The loss for the `algorithm` config section."""
-    return LOSSES[algorithm.loss](
+def build_loss(algorithm, max_tokens: int) -> PolicyLoss:
+    """The loss for the (validated) `algorithm` config section."""
+    return PolicyLoss(
+        level="sequence" if algorithm.loss == "gspo" else "token",
         clip_low=algorithm.clip_eps_low,
         clip_high=algorithm.clip_eps_high,
+        clip_ratio_c=algorithm.clip_ratio_c,
         aggregation=algorithm.aggregation,
         max_tokens=max_tokens,
-        tis_cap=algorithm.tis_cap,
-        kl_beta=algorithm.kl_beta,
+        correction=build_correction(algorithm),
+        kl_beta=0.0 if algorithm.kl_in_reward else algorithm.kl_beta,
         kl_estimator=algorithm.kl_estimator,
+    )
+
+
+def build_correction(algorithm) -> OffPolicyCorrection:
+    """The off-policy correction of the (validated) `algorithm` config section."""
+    if algorithm.offpolicy_correction == "none":
+        return OffPolicyCorrection()
+    return OffPolicyCorrection(
+        mode=algorithm.offpolicy_correction,
+        level=algorithm.offpolicy_level,
+        ratio_min=algorithm.offpolicy_ratio_min,
+        ratio_max=algorithm.offpolicy_ratio_max,
     )

@@ -103,13 +103,21 @@ class TrainingSection:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
-    """Linear LR warm-up steps."""
+    """Linear LR warm-up, in RL steps (training.steps counts them too)."""
     lr_decay: Literal["constant", "linear", "cosine"] = "constant"
     """LR after warm-up: constant at training.lr, or decaying to 0 at training.steps."""
     prompts_per_step: int = 16
     """Prompts per step over all data-parallel ranks; each is sampled generator.sampling.n times."""
+    mini_batches: int = 1
+    """Optimizer steps per pass over a step's rollouts, each on a disjoint, shuffled
+    1/mini_batches of them (PPO mini-batches; veRL ppo_mini_batch_size = the batch / this;
+    TRL steps_per_generation). Above 1 the PPO ratio departs from 1 and clipping acts."""
+    epochs: int = 1
+    """Passes over a step's rollouts (PPO epochs; TRL num_iterations). The weights are synced
+    to the generator once per step, after the last pass."""
     micro_batches: int = 1
-    """Gradient-accumulation micro-batches per rank per step (same gradient as one batch)."""
+    """Gradient-accumulation micro-batches per rank per optimizer step (same gradient as one
+    batch)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_prompt_len: int = 64
@@ -121,7 +129,14 @@ class TrainingSection:
     rest."""
 
     def validate(self) -> None:
-        for name in ("steps", "prompts_per_step", "micro_batches", "max_prompt_len"):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "mini_batches",
+            "epochs",
+            "micro_batches",
+            "max_prompt_len",
+        ):
             value = getattr(self, name)
             _require(value >= 1, f"training.{name} = {value}: must be >= 1")
         _require(self.lr > 0, f"training.lr = {self.lr}: the learning rate must be > 0, e.g. 1e-5")
@@ -290,39 +305,141 @@ class GeneratorSection:
         self.sampling.validate()
 
 
+# What algorithm.loss = grpo, dapo or gspo sets where the field is left unset: the clip range
+# (low, high), the loss aggregation, and dynamic sampling; each as its paper and TRL use them.
+LOSS_PRESETS = {
+    "grpo": {
+        "clip_eps_low": 0.2,
+        "clip_eps_high": 0.2,
+        "aggregation": "seq_mean_token_mean",
+        "dynamic_sampling": False,
+    },
+    "dapo": {
+        "clip_eps_low": 0.2,
+        "clip_eps_high": 0.28,
+        "aggregation": "token_mean",
+        "dynamic_sampling": True,
+    },
+    "gspo": {
+        "clip_eps_low": 3e-4,
+        "clip_eps_high": 4e-4,
+        "aggregation": "seq_mean_token_mean",
+        "dynamic_sampling": False,
+    },
+}
+
+
 @dataclass(kw_only=True, slots=True)
 class AlgorithmSection:
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     """Advantage estimator: group mean/std (grpo), group mean only (dr_grpo), leave-one-out."""
     loss: Literal["grpo", "dapo", "gspo"] = "grpo"
-    """Policy loss: PPO-clipped ratio (grpo), clip-higher token-level (dapo), sequence ratio."""
-    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """How per-token losses add up: over all sampled tokens (DAPO), per sequence then over
-    sequences (GRPO paper), or over sequences * max_tokens (Dr. GRPO)."""
+    """Policy loss, and the defaults of the fields it leaves unset. grpo: PPO-clipped token
+    ratio, clip 0.2/0.2, seq_mean_token_mean (DeepSeekMath). dapo: the same ratio with
+    clip-higher 0.2/0.28, token_mean and dynamic sampling (DAPO). gspo: one ratio per sequence,
+    clip 3e-4/4e-4, seq_mean_token_mean (GSPO)."""
+    aggregation: (
+        Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] | None
+    ) = None
+    """How per-token losses add up (veRL's loss_agg_mode): over every sampled token of the
+    step (token_mean), per sequence as a token mean or a token sum then over sequences
+    (seq_mean_token_mean, seq_mean_token_sum), or over sequences * max_tokens (constant, Dr.
+    GRPO). Unset: algorithm.loss's."""
     filter_zero_variance_groups: bool = False
     """Drop groups whose samples all got the same reward (zero advantage) from the loss."""
-    clip_eps_low: float = 0.2
-    """Lower clip range of the importance ratio: 1 - clip_eps_low."""
-    clip_eps_high: float = 0.2
-    """Upper clip range of the importance ratio: 1 + clip_eps_high."""
+    dynamic_sampling: bool | None = None
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more
+    prompts until each rank has its share of training.prompts_per_step informative groups, for
+    at most algorithm.max_generation_rounds rounds (a rank still short trains on fewer groups:
+    the rest are masked out of the loss, and counted). Unset: true for loss = dapo."""
+    max_generation_rounds: int | None = None
+    """Most generation rounds per step with dynamic sampling (1: no extra rounds). Unset: 4
+    with dynamic sampling, else 1."""
+    clip_eps_low: float | None = None
+    """Lower clip range of the importance ratio: 1 - clip_eps_low. Unset: algorithm.loss's."""
+    clip_eps_high: float | None = None
+    """Upper clip range of the importance ratio: 1 + clip_eps_high. Unset: algorithm.loss's."""
+    clip_ratio_c: float = 0.0
+    """Dual clip (Ye et al. 2020, veRL's clip_ratio_c): a token with a negative advantage loses
+    at most clip_ratio_c * |A|, however large its ratio; 0 disables it, else > 1 (e.g. 3)."""
     kl_beta: float = 0.0
     """Coefficient of the KL penalty to the frozen reference model; 0 builds no reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2, k3)."""
-    tis_cap: float = 0.0
-    """Truncated importance-sampling cap on trainer/generator ratios; 0 disables it."""
+    """KL estimator (Schulman's k1, k2, k3); README 'KL' says which gradient each gives."""
+    kl_in_reward: bool = False
+    """Apply the KL penalty in the reward instead of the loss (veRL's use_kl_in_reward): each
+    sample's reward loses kl_beta * the sum over its tokens of the estimator on the generator's
+    logprobs, before advantages. false: kl_beta * the estimator joins the loss per token."""
+    offpolicy_correction: Literal["auto", "none", "tis", "mis"] = "auto"
+    """Correct the loss for the generator's policy (behaviour) differing from the trainer's
+    before the update (old): tis weights each token's loss by old / behaviour truncated to
+    [offpolicy_ratio_min, offpolicy_ratio_max]; mis keeps the weight where it lies in that band
+    and drops the token (or sequence) where it does not (IcePop). auto: tis when
+    algorithm.max_offpolicy_steps >= 1, else none."""
+    offpolicy_level: Literal["token", "sequence"] | None = None
+    """Ratio of each token, or of each sequence (the product over its tokens). Unset: token."""
+    offpolicy_ratio_min: float | None = None
+    """Lower bound of the off-policy ratio band (tis truncates to it, mis masks below it).
+    Unset: 0 (IcePop uses 0.5)."""
+    offpolicy_ratio_max: float | None = None
+    """Upper bound of the off-policy ratio band (tis truncates to it, mis masks above it).
+    Unset: 2 (IcePop uses 5)."""
     max_offpolicy_steps: int = 0
     """Disaggregated placement: generators may sample with weights up to this many optimizer
     steps old (policy age <= k), generating steps s+1..s+k while the trainer trains step s;
-    0 is the synchronous loop. tis_cap > 0 corrects the loss for the stale policy."""
+    0 is the synchronous loop. algorithm.offpolicy_correction corrects the loss for it."""
 
     def validate(self) -> None:
-        for name in ("clip_eps_low", "clip_eps_high", "kl_beta", "tis_cap"):
+        """Check the values, then fill the fields left unset from algorithm.loss's preset."""
+        for name, value in LOSS_PRESETS[self.loss].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        for name in ("clip_eps_low", "clip_eps_high", "kl_beta"):
             value = getattr(self, name)
             _require(value >= 0, f"algorithm.{name} = {value}: must be >= 0")
         _require(
             self.clip_eps_low < 1,
             f"algorithm.clip_eps_low = {self.clip_eps_low}: must be < 1 (ratios clip at 1 - it)",
+        )
+        _require(
+            self.clip_ratio_c == 0 or self.clip_ratio_c > 1 + self.clip_eps_high,
+            f"algorithm.clip_ratio_c = {self.clip_ratio_c}: the dual clip must be above the "
+            f"upper clip 1 + clip_eps_high = {1 + self.clip_eps_high}, e.g. 3; or 0 to disable",
+        )
+        if self.max_generation_rounds is None:
+            self.max_generation_rounds = 4 if self.dynamic_sampling else 1
+        _require(
+            self.max_generation_rounds >= 1,
+            f"algorithm.max_generation_rounds = {self.max_generation_rounds}: must be >= 1",
+        )
+        _require(
+            self.max_generation_rounds == 1 or self.dynamic_sampling,
+            f"algorithm.max_generation_rounds = {self.max_generation_rounds} has no effect "
+            "without dynamic sampling: set algorithm.dynamic_sampling = true, or unset it",
+        )
+        _require(
+            not self.kl_in_reward or self.kl_beta > 0,
+            "algorithm.kl_in_reward = true with kl_beta = 0 has no effect: set "
+            "algorithm.kl_beta > 0 (e.g. 0.001), or kl_in_reward = false",
+        )
+        if self.offpolicy_correction == "auto":
+            self.offpolicy_correction = "tis" if self.max_offpolicy_steps >= 1 else "none"
+        band = {"offpolicy_level": "token", "offpolicy_ratio_min": 0.0, "offpolicy_ratio_max": 2.0}
+        for name, default in band.items():
+            _require(
+                getattr(self, name) is None or self.offpolicy_correction != "none",
+                f"algorithm.{name} = {getattr(self, name)!r} has no effect with "
+                "offpolicy_correction = 'none': set algorithm.offpolicy_correction to 'tis' "
+                "or 'mis', or unset it",
+            )
+            if getattr(self, name) is None and self.offpolicy_correction != "none":
+                setattr(self, name, default)
+        _require(
+            self.offpolicy_correction == "none"
+            or self.offpolicy_ratio_min <= 1 <= self.offpolicy_ratio_max,
+            f"algorithm.offpolicy_ratio_min = {self.offpolicy_ratio_min} and "
+            f"offpolicy_ratio_max = {self.offpolicy_ratio_max}: the band must contain 1 "
+            "(an on-policy token's ratio), e.g. 0.5 and 2",
         )
 
 
@@ -566,4 +683,13 @@ class JobConfig:
             self.training.prompts_per_step % replicas == 0,
             f"training.prompts_per_step = {self.training.prompts_per_step} does not split over "
             f"{replicas} generator replicas: use a multiple of {replicas}",
+        )
+        # Each data-parallel trainer rank (a TP group shares one) trains on this many samples.
+        data_ranks = (world_size - generators) // self.parallelism.tp
+        rows = self.training.prompts_per_step * n // data_ranks
+        _require(
+            self.training.mini_batches <= rows,
+            f"training.mini_batches = {self.training.mini_batches} but each of the {data_ranks} "
+            f"data-parallel trainer ranks trains on {rows} samples per step (prompts_per_step * "
+            "generator.sampling.n / ranks): lower mini_batches or raise prompts_per_step",
         )

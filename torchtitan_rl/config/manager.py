@@ -119,7 +119,7 @@ def _bool_flags(cls: type, prefix: str = "--") -> set[str]:
     for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
             flags |= _bool_flags(tp, f"{prefix}{name}.")
-        elif tp is bool:
+        elif tp is bool or set(typing.get_args(tp)) == {bool, type(None)}:
             flags.add(f"{prefix}{name}")
     return flags
 

@@ -19,8 +19,9 @@ class Prompt:
 
 
 class Task(Protocol):
-    def prompts(self, step: int, count: int) -> list[Prompt]:
-        """The `count` prompts of `step` (the same on every rank; each takes its shard)."""
+    def prompts(self, step: int, count: int, round: int = 0) -> list[Prompt]:
+        """The `count` prompts of `step` (the same on every rank; each takes its shard).
+        `round` > 0: further, different prompts for the step (dynamic sampling's rounds)."""
         ...
 
     def reward(self, prompt: Prompt, completion: str) -> float:

@@ -45,14 +45,17 @@ class JsonlTask:
         self.rows = read_jsonl(path)
         self.seed = seed
 
-    def prompts(self, step: int, count: int) -> list[Prompt]:
+    def prompts(self, step: int, count: int, round: int = 0) -> list[Prompt]:
         start = (step - 1) * count
-        return [self._row(i) for i in range(start, start + count)]
+        return [self._row(i, round) for i in range(start, start + count)]
 
-    def _row(self, index: int) -> Prompt:
+    def _row(self, index: int, round: int = 0) -> Prompt:
+        """Row `index` of the dataset read in epochs, each shuffled; round r > 0 reads its own
+        shuffles (dynamic sampling's further prompts)."""
         epoch, position = divmod(index, len(self.rows))
         order = list(range(len(self.rows)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        stream = self.seed * 1_000_003 + epoch
+        random.Random(stream if round == 0 else f"{stream}/{round}").shuffle(order)
         return self.rows[order[position]]
 
     def every_prompt(self) -> list[Prompt]:

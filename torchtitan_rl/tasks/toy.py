@@ -20,13 +20,14 @@ class EchoDigitsTask:
     def answer(self, digits: str) -> str:
         return digits
 
-    def prompts(self, step: int, count: int) -> list[Prompt]:
+    def prompts(self, step: int, count: int, round: int = 0) -> list[Prompt]:
+        # Round r continues the step's stream: its prompts follow those of rounds < r.
         rng = random.Random(self.seed * 1_000_003 + step)
         prompts = []
-        for _ in range(count):
+        for _ in range((round + 1) * count):
             digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
             prompts.append(Prompt(text=f"{self.verb} {digits}:", answer=self.answer(digits)))
-        return prompts
+        return prompts[round * count :]
 
     def every_prompt(self) -> list[Prompt]:
         return self.prompts(1, 1)  # every prompt has num_digits digits: the same length

@@ -71,13 +71,18 @@ def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch
         )
 
 
+def optimizer_steps_per_step(training: TrainingSection) -> int:
+    """Optimizer steps in one RL step: training.mini_batches per pass, training.epochs passes."""
+    return training.mini_batches * training.epochs
+
+
 def _lr_scheduler_config(training: TrainingSection) -> LRSchedulersContainer.Config:
+    # The schedule steps once per optimizer step; the config counts RL steps.
+    warmup = training.warmup_steps * optimizer_steps_per_step(training)
     if training.lr_decay == "constant":
         # decay_ratio 0: warm up, then stay at the peak LR.
-        return LRSchedulersContainer.Config(warmup_steps=training.warmup_steps, decay_ratio=0.0)
-    return LRSchedulersContainer.Config(
-        warmup_steps=training.warmup_steps, decay_type=training.lr_decay
-    )
+        return LRSchedulersContainer.Config(warmup_steps=warmup, decay_ratio=0.0)
+    return LRSchedulersContainer.Config(warmup_steps=warmup, decay_type=training.lr_decay)
 
 
 def _activation_checkpointing(mode: str):
@@ -193,7 +198,8 @@ class PolicyTrainer:
             implementation=platform.optimizer_implementation(),
         ).build(model_parts=[self.model])
         self.lr_schedulers = _lr_scheduler_config(training).build(
-            optimizers=self.optimizers, training_steps=training.steps
+            optimizers=self.optimizers,
+            training_steps=training.steps * optimizer_steps_per_step(training),
         )
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
@@ -243,20 +249,26 @@ class PolicyTrainer:
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 
-    def train_step(self, batch: RolloutBatch, loss_fn: LossFn) -> StepResult:
+    def train_step(
+        self, batch: RolloutBatch, loss_fn: LossFn, *, step: int | None = None
+    ) -> StepResult:
         """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces.
 
         The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
         the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
         Raises NonFiniteError, before touching the weights, on a NaN/inf sampled-token
         logprob, loss or gradient. Metrics are global: loss, entropy (mean over loss-masked
-        tokens) and loss_fn's metrics summed over micro-batches and data-parallel ranks.
+        tokens) and loss_fn's metrics summed over micro-batches and data-parallel ranks. `step`:
+        the RL step that errors name (default: this optimizer step's count).
         """
         self.step += 1
+        label = self.step if step is None else step
         batch = batch.to(self.device)
         # The global counts travel while the first micro-batch runs its forward.
+        # Sequences count when they have a token in the loss (filtered groups do not).
         counts = torch.tensor(
-            [batch.loss_mask_BT.sum().item(), batch.batch_size], dtype=torch.float64
+            [batch.loss_mask_BT.sum().item(), (batch.loss_mask_BT.sum(1) > 0).sum().item()],
+            dtype=torch.float64,
         )
         counting = platform.all_reduce_host(counts, group=self.group, async_op=True)
         scale = None
@@ -265,7 +277,7 @@ class PolicyTrainer:
         pre_update: list[torch.Tensor] = []
         for micro in batch.split(min(self.training.micro_batches, batch.batch_size)):
             logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT)
-            check_finite(self.step, "trainer", logprobs_BT.detach(), micro.loss_mask_BT.bool())
+            check_finite(label, "trainer", logprobs_BT.detach(), micro.loss_mask_BT.bool())
             pre_update.append(logprobs_BT.detach())
             if scale is None:
                 counting.wait()
@@ -293,7 +305,7 @@ class PolicyTrainer:
                 culprit = f"the gradient of {self._first_nonfinite_grad()} is not finite"
             else:
                 culprit = f"the loss is {local_loss}"
-            raise NonFiniteError(f"step {self.step}: {culprit}")
+            raise NonFiniteError(f"step {label}: {culprit}")
 
         # The metric totals travel while the optimizer steps.
         names = sorted(metric_sums)
@@ -309,7 +321,7 @@ class PolicyTrainer:
         loss_total, entropy_total, *metric_totals = (totals / self.tp_degree).tolist()
         if not math.isfinite(loss_total):
             # Only a NaN with no gradient path gets here; the finite update was applied.
-            raise NonFiniteError(f"step {self.step}: the loss is {loss_total}")
+            raise NonFiniteError(f"step {label}: the loss is {loss_total}")
         metrics = {
             "loss": loss_total,
             "grad_norm": grad_norm,
