@@ -1,0 +1,127 @@
+"""Every algorithm combination through the real colocated loop: one RLTrainer (one vLLM engine
+per rank), its algorithm swapped and its weights reset between combinations, three RL steps each.
+
+    torchrun --nproc_per_node 2 tests/dist/algorithm_matrix_run.py OUT_DIR
+
+Rank 0 writes OUT_DIR/matrix.json: per combination its settings, the metrics of its last step,
+the clip fraction of each step and whether every rank's weights moved; tests/test_algorithm_matrix.py asserts on it.
+"""
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import platform
+from torchtitan_rl.algorithms import build_advantage, build_loss
+from torchtitan_rl.config import parse_args
+from torchtitan_rl.config.job_config import AlgorithmSection
+from torchtitan_rl.rl_trainer import RLTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS_EACH = 3
+
+
+def combinations() -> list[dict]:
+    """advantage x loss x mini_batches (1, 2) x KL (off, k3), then the off-policy corrections,
+    KL in the reward, and two epochs."""
+    rows = [
+        {"advantage": a, "loss": loss, "mini_batches": m, "kl_beta": kl}
+        for a, loss, m, kl in itertools.product(
+            ("grpo", "dr_grpo", "rloo"), ("grpo", "dapo", "gspo"), (1, 2), (0.0, 0.05)
+        )
+    ]
+    for mode, level, low in (("tis", "token", 0.0), ("tis", "sequence", 0.0), ("mis", "token", 0.5), ("mis", "sequence", 0.5)):
+        rows.append(
+            {
+                "mini_batches": 2,
+                "offpolicy_correction": mode,
+                "offpolicy_level": level,
+                "offpolicy_ratio_min": low,
+            }
+        )
+    rows.append({"kl_beta": 0.05, "kl_estimator": "k1", "kl_in_reward": True, "mini_batches": 2})
+    rows.append({"mini_batches": 2, "epochs": 2, "clip_ratio_c": 3.0})
+    return rows
+
+
+def weights(rl: RLTrainer) -> torch.Tensor:
+    params = rl.trainer.named_parameters().values()
+    return torch.cat([p.detach().to_local().flatten() for p in params])
+
+
+def restart(rl: RLTrainer, start: dict[str, torch.Tensor]) -> None:
+    """Every combination starts from the checkpoint, with fresh AdamW state, on both sides."""
+    with torch.no_grad():
+        for name, param in rl.trainer.named_parameters().items():
+            param.to_local().copy_(start[name])
+    for optimizer in rl.trainer.optimizers.optimizers:
+        optimizer.state.clear()
+    rl.weight_sync.sync(rl.trainer, rl.generator)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    platform.patch_torchtitan()
+    rank, world_size = platform.init_distributed()
+    config = parse_args(
+        [
+            "--job.config_file",
+            str(REPO / "run_configs" / "debug_cpu.toml"),
+            "--model.hf_checkpoint",
+            str(REPO / "assets" / "tiny_qwen3"),
+            "--training.steps",
+            "1000",
+            "--training.prompts_per_step",
+            "16",
+            "--training.lr",
+            "5e-3",
+            "--algorithm.kl_beta",
+            "0.05",  # builds the reference; combinations set their own
+            "--metrics.rollout_log_interval",
+            "0",
+            "--job.dump_folder",
+            str(out),
+        ],
+        world_size,
+    )
+    rl = RLTrainer(config, hooks=None)
+    start = {n: p.detach().to_local().clone() for n, p in rl.trainer.named_parameters().items()}
+    results, step = [], 0
+    for combination in combinations():
+        training = {k: combination.pop(k) for k in ("mini_batches", "epochs") if k in combination}
+        config.training.mini_batches = training.get("mini_batches", 1)
+        config.training.epochs = training.get("epochs", 1)
+        algorithm = AlgorithmSection(**combination)
+        algorithm.validate()
+        config.algorithm = algorithm
+        rl.loss = build_loss(algorithm, max_tokens=config.generator.sampling.max_tokens)
+        rl.advantage = build_advantage(algorithm.advantage)
+        restart(rl, start)
+        before = weights(rl)
+        clip_fractions = []
+        for _ in range(STEPS_EACH):
+            step += 1
+            metrics = rl.train_step(step)
+            clip_fractions.append(metrics["clip_fraction"])
+        moved = torch.tensor([float(not torch.equal(before, weights(rl)))])
+        dist.all_reduce(moved, op=dist.ReduceOp.MIN)
+        results.append(
+            {
+                "combination": combination | training,
+                "metrics": metrics,
+                "clip_fractions": clip_fractions,
+                "moved": bool(moved),
+            }
+        )
+    if rank == 0:
+        (out / "matrix.json").write_text(json.dumps(results, indent=1))
+    platform.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
+    platform.exit_process(0)
