@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from torchtitan_rl.algorithms.advantages import DrGRPOAdvantage, GRPOAdvantage, RLOOAdvantage
-from torchtitan_rl.algorithms.losses import OffPolicyCorrection, PolicyLoss, kl_penalty
+from torchtitan_rl.algorithms.losses import PolicyLoss, kl_penalty
+from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.generator.engine import Completions
 from torchtitan_rl.rollouts import Rollouts, fill_informative

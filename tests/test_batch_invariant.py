@@ -108,7 +108,7 @@ def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, tmp_path):
     diffs += [result["mixed_lengths"], result["alone"], result["among_16"]]
     if mode == "true":
         assert diffs == [0.0] * 6, result
-        assert [step["behavior_ratio/max"] for step in result["steps"]] == [1.0] * 3
+        assert [step["offpolicy/ratio_max"] for step in result["steps"]] == [1.0] * 3
         assert result["alone_equals_among_16"]
     else:
         assert max(diffs) > 0.0, result
@@ -130,10 +130,12 @@ def test_demo_learns_with_every_step_bitwise_on_policy(tmp_path):
     assert all(row["batch_invariant"] == 1.0 for row in rows)
     assert [row["logprob_diff/max"] for row in rows] == [0.0] * 100
     assert (
-        {row["behavior_ratio/max"] for row in rows}
-        == {row["behavior_ratio/min"] for row in rows}
+        {row["offpolicy/ratio_max"] for row in rows}
+        == {row["offpolicy/ratio_min"] for row in rows}
         == {1.0}
     )
+    # Synchronous and bitwise: nothing is off-policy, so the KL(behaviour || old) is 0.
+    assert {row["offpolicy/kl"] for row in rows} == {0.0}
     first, last = rows[:5], rows[-10:]
     assert sum(r["reward/mean"] for r in first) / 5 < 0.2
     assert sum(r["reward/mean"] for r in last) / 10 > 0.9

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_rl.algorithms.losses import OffPolicyCorrection, PolicyLoss
+from torchtitan_rl.algorithms.losses import PolicyLoss
+from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.trainer.policy_trainer import LossScale
 

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.algorithms.losses import kl_penalty
+from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
 from torchtitan_rl.checkpoint import (
     Checkpointer,
@@ -379,57 +380,13 @@ class RLTrainer:
     def logprob_diff(
         self, step: int, batch: RolloutBatch, trainer_BT: torch.Tensor
     ) -> dict[str, float]:
-        """How far the generator's (behaviour) logprobs of the sampled tokens are from the
-        trainer's before the update (old), over all ranks: |difference|, and the off-policy
-        ratio old / behaviour at algorithm.offpolicy_level with what the correction did to it.
-        `offpolicy/kl` is the k3 estimate of KL(behaviour || old) per token.
+        """How far the generator's logprobs of the sampled tokens are from the trainer's before
+        the update, over all ranks (`offpolicy.behaviour_metrics`).
 
         Under batch-invariant mode any difference means the mode no longer holds: the run stops
         (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
         """
-        mask_BT = batch.loss_mask_BT.bool()
-        log_ratio_BT = (trainer_BT - batch.generator_logprobs_BT) * mask_BT
-        diff_BT = log_ratio_BT.abs()
-        correction = self.loss.correction
-        ratio_BU = correction.ratios(trainer_BT, batch.generator_logprobs_BT, mask_BT)
-        # A unit is a sampled token, or a sequence with one at sequence level.
-        units_BU = mask_BT if ratio_BU.shape[1] > 1 else mask_BT.any(dim=1, keepdim=True)
-        changed_BU = (correction.weights(ratio_BU) != ratio_BU) & units_BU
-        k3_BT = (torch.exp(log_ratio_BT) - 1 - log_ratio_BT) * mask_BT
-        sums = torch.stack(
-            [
-                diff_BT.sum(),
-                mask_BT.sum(),
-                (ratio_BU * units_BU).sum(),
-                units_BU.sum(),
-                changed_BU.sum(),
-                k3_BT.sum(),
-            ]
-        )
-        # Max of (max, -min): one MAX reduction.
-        extremes = torch.stack(
-            [
-                diff_BT.max(),
-                ratio_BU.masked_fill(~units_BU, 1.0).max(),
-                -ratio_BU.masked_fill(~units_BU, 1.0).min(),
-            ]
-        )
-        sums, extremes = sums.double().cpu(), extremes.cpu()
-        platform.all_reduce_host(sums, group=self.group)
-        platform.all_reduce_host(extremes, op=dist.ReduceOp.MAX, group=self.group)
-        diff_sum, tokens, ratio_sum, units, changed, k3_sum = sums.tolist()
-        metrics = {
-            "logprob_diff/max": float(extremes[0]),
-            "logprob_diff/mean": diff_sum / max(tokens, 1),
-            "offpolicy/ratio_mean": ratio_sum / max(units, 1),
-            "offpolicy/ratio_max": float(extremes[1]),
-            "offpolicy/ratio_min": -float(extremes[2]),
-            "offpolicy/kl": k3_sum / max(tokens, 1),
-        }
-        if correction.mode == "tis":
-            metrics["offpolicy/truncated_fraction"] = changed / max(units, 1)
-        if correction.mode == "mis":
-            metrics["offpolicy/masked_fraction"] = changed / max(units, 1)
+        metrics, diff_BT = behaviour_metrics(batch, trainer_BT, self.loss.correction, self.group)
         if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
             self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
         return metrics

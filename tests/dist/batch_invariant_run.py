@@ -27,7 +27,7 @@ class StepDiffs(Hooks):
         self.steps = []
 
     def after_step(self, step, metrics):
-        self.steps.append({k: metrics[k] for k in ("logprob_diff/max", "behavior_ratio/max")})
+        self.steps.append({k: metrics[k] for k in ("logprob_diff/max", "offpolicy/ratio_max")})
 
 
 def digits(rng: random.Random, count: int) -> str:

@@ -15,10 +15,9 @@ of its optimizer step (LossScale), so micro-batching and data parallelism give t
 gradient. Shapes: B sequences, T tokens.
 """
 
-from dataclasses import dataclass
-
 import torch
 
+from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.trainer.policy_trainer import LossScale
 
@@ -64,41 +63,6 @@ def kl_penalty(
     if estimator == "k2":
         return r_BT**2 / 2
     return torch.exp(r_BT) - 1 - r_BT
-
-
-@dataclass(frozen=True, slots=True)
-class OffPolicyCorrection:
-    """Importance weights old / behaviour of the sampled tokens (no gradient).
-
-    tis: the ratio truncated to [ratio_min, ratio_max] (truncated IS; Yao et al. 2025);
-    mis: the ratio where it lies in [ratio_min, ratio_max], else 0: the token (or sequence)
-    leaves the loss (masked IS; IcePop). `level` sequence uses one ratio per sequence, the
-    product over its tokens. mode none: weight 1. TRL's vllm_importance_sampling_mode
-    token_truncate, token_mask, sequence_truncate and sequence_mask are these.
-    """
-
-    mode: str = "none"
-    level: str = "token"
-    ratio_min: float = 0.0
-    ratio_max: float = 2.0
-
-    def ratios(
-        self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
-    ) -> torch.Tensor:
-        """The raw ratio old / behaviour [B, T], or [B, 1] at sequence level."""
-        log_ratio_BT = ((old_BT - behaviour_BT) * mask_BT).detach()
-        if self.level == "sequence":
-            return torch.exp(log_ratio_BT.sum(dim=1, keepdim=True))
-        return torch.exp(log_ratio_BT)
-
-    def weights(self, ratio_BT: torch.Tensor) -> torch.Tensor:
-        """What multiplies each token's policy loss, from `ratios`."""
-        if self.mode == "tis":
-            return ratio_BT.clamp(self.ratio_min, self.ratio_max)
-        if self.mode == "mis":
-            inside = (ratio_BT >= self.ratio_min) & (ratio_BT <= self.ratio_max)
-            return ratio_BT * inside
-        return torch.ones_like(ratio_BT)
 
 
 class PolicyLoss:
