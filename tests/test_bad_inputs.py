@@ -169,6 +169,37 @@ BAD_INPUTS = {
         ["model.name = 'deepseek_v3' is not supported", "qwen3"],
     ),
     "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
+    "off-policy band without a correction": (
+        "[algorithm]\noffpolicy_ratio_max = 5.0\n",
+        [],
+        ["algorithm.offpolicy_ratio_max = 5.0 has no effect", "offpolicy_correction"],
+    ),
+    "off-policy band without 1": (
+        '[algorithm]\noffpolicy_correction = "mis"\noffpolicy_ratio_min = 1.5\n',
+        [],
+        ["algorithm.offpolicy_ratio_min = 1.5", "must contain 1"],
+    ),
+    "generation rounds without dynamic sampling": (
+        "[algorithm]\nmax_generation_rounds = 3\n",
+        [],
+        ["algorithm.max_generation_rounds = 3 has no effect", "dynamic_sampling = true"],
+    ),
+    "KL in reward without a KL": (
+        "[algorithm]\nkl_in_reward = true\n",
+        [],
+        ["algorithm.kl_in_reward = true with kl_beta = 0", "kl_beta > 0"],
+    ),
+    "dual clip inside the clip range": (
+        "[algorithm]\nclip_ratio_c = 1.1\n",
+        [],
+        ["algorithm.clip_ratio_c = 1.1", "above the upper clip 1 + clip_eps_high = 1.2"],
+    ),
+    "more mini-batches than samples": (
+        "[training]\nprompts_per_step = 2\nmini_batches = 40\n",
+        [],
+        ["training.mini_batches = 40", "trains on 16 samples per step"],
+    ),
+    "the removed tis_cap": ("[algorithm]\ntis_cap = 2.0\n", [], ["'algorithm.tis_cap'"]),
 }
 
 

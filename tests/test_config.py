@@ -147,3 +147,44 @@ def test_help_lists_every_field_with_its_docstring():
     assert "Global batch-invariant mode" in help_text
     assert "Samples per prompt (the GRPO group size)." in help_text
     assert "Keep this many newest checkpoints; 0 keeps all." in help_text
+
+
+def test_loss_presets_fill_only_the_fields_left_unset():
+    dapo = parse_args(["--job.config_file", DEBUG_TOML, "--algorithm.loss", "dapo"]).algorithm
+    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.aggregation) == (0.2, 0.28, "token_mean")
+    assert (dapo.dynamic_sampling, dapo.max_generation_rounds) == (True, 4)
+    gspo = parse_args(
+        [
+            "--job.config_file",
+            DEBUG_TOML,
+            "--algorithm.loss",
+            "gspo",
+            "--algorithm.clip_eps_high",
+            "1e-3",
+        ]
+    ).algorithm
+    assert (gspo.clip_eps_low, gspo.clip_eps_high) == (3e-4, 1e-3)
+    assert (gspo.aggregation, gspo.dynamic_sampling) == ("seq_mean_token_mean", False)
+    grpo = parse_args(["--job.config_file", DEBUG_TOML]).algorithm
+    assert (grpo.clip_eps_high, grpo.aggregation, grpo.offpolicy_correction) == (
+        0.2,
+        "seq_mean_token_mean",
+        "none",
+    )
+
+
+def test_offpolicy_correction_is_on_by_default_when_off_policy():
+    config = parse_args(
+        [
+            "--job.config_file",
+            DEBUG_TOML,
+            "--generator.placement",
+            "disaggregated",
+            "--algorithm.max_offpolicy_steps",
+            "2",
+        ],
+        world_size=2,
+    )
+    algorithm = config.algorithm
+    assert algorithm.offpolicy_correction == "tis"
+    assert (algorithm.offpolicy_level, algorithm.offpolicy_ratio_max) == ("token", 2.0)
