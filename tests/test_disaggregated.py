@@ -34,11 +34,11 @@ def rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_off_policy_k1_learns_with_bounded_age_and_bitwise_weights(tmp_path):
+def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_weights(tmp_path):
     result = run_train(
         *DISAGGREGATED,
         "--algorithm.max_offpolicy_steps",
-        "1",
+        "2",
         "--job.dump_folder",
         str(tmp_path),
         nproc=2,
@@ -48,9 +48,14 @@ def test_off_policy_k1_learns_with_bounded_age_and_bitwise_weights(tmp_path):
     assert [row["step"] for row in metrics] == list(range(1, 101))
     # Every transfer: the generator's weights hash to the trainer's, bit for bit.
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
-    # No rollout trained at an age above k = 1; after the first step every one is exactly 1.
-    assert [row["policy_age/max"] for row in metrics] == [0.0] + [1.0] * 99
-    assert all(r["rollout_version/min"] == max(r["step"] - 2, 0) for r in metrics)
+    # No rollout trained at an age above k = 2; from step 3 on every one is exactly 2.
+    assert [row["policy_age/max"] for row in metrics] == [0.0, 1.0] + [2.0] * 98
+    assert all(r["rollout_version/min"] == max(r["step"] - 3, 0) for r in metrics)
+    # The correction is on by default off-policy (tis) and says what it did: stale samples
+    # have ratios away from 1 and a KL(behaviour || old) above 0.
+    assert all("offpolicy/truncated_fraction" in r for r in metrics)
+    assert max(r["offpolicy/ratio_max"] for r in metrics) > 1.01
+    assert sum(r["offpolicy/kl"] for r in metrics[2:]) > 0
     first, last = metrics[:5], metrics[-10:]
     assert sum(r["reward/mean"] for r in first) / 5 < 0.2
     assert sum(r["reward/mean"] for r in last) / 10 > 0.9
