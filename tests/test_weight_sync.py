@@ -53,10 +53,10 @@ def test_sync_stats(ranks):
         assert stats.seconds > 0 and stats.gb_per_s > 0
         assert stats.version == 1
         # 0.1 MiB buckets, or one larger parameter (256 x 128 fp32 = 128 KiB) alone. Two ranks
-        # hold a send buffer (half a bucket) and a receive buffer (a bucket); one rank gathers
-        # nothing.
+        # on this host gather through shared memory: one slot per rank of half the largest
+        # bucket; one rank gathers nothing.
         largest = 256 * 128 * 4
-        expected = largest + largest // 2 if r["world"] == 2 else 0
+        expected = largest if r["world"] == 2 else 0
         assert stats.peak_extra_bytes == expected
         assert r["num_buckets"] > 5
 
@@ -121,11 +121,16 @@ def test_verification_catches_a_bad_copy(monkeypatch):
 
 def test_a_bf16_generator_gathers_bf16_bytes(tmp_path):
     """fp32 master weights, bf16 generator: the all-gather moves bf16 (half the fp32 bytes),
-    and each target is its source cast to bf16, bit for bit."""
+    and each target is its source cast to bf16, bit for bit, through shared memory (ranks on
+    one host) and through the process group (across hosts)."""
     run_dist("weight_sync_dtype_run.py", str(tmp_path), nproc=2)
     result = torch.load(tmp_path / "result.pt")
     params = 64 * 96 + 96 + 96 * 64 + 64
-    assert result["equal"]
-    assert result["written"] == 2 * params
-    # One bucket: a send buffer of half the rows and a receive buffer of all, 2 bytes each.
-    assert result["peak"] == 2 * (params // 2 + params)
+    assert result["shared_memory"]  # both ranks on this host: chosen by default
+    for transport in ("shared", "process_group"):
+        assert result[transport]["equal"], transport
+        assert result[transport]["written"] == 2 * params
+    # One bucket. Shared memory: one slot per rank of half the rows, 2 bytes each, for the
+    # run. Process group: a send buffer of half the rows and a receive buffer of all.
+    assert result["shared"]["peak"] == 2 * (params // 2) * 2
+    assert result["process_group"]["peak"] == 2 * (params // 2 + params)

@@ -13,7 +13,9 @@ SDPA on both: no mask object, right-padded sequences, so the CPU tests run CUDA'
 import ctypes
 import os
 import signal
+import socket
 import sys
+import uuid
 from datetime import timedelta
 from typing import NoReturn
 
@@ -52,6 +54,63 @@ def all_gather_objects(obj, group=None) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+class HostSharedGather:
+    """All-gather over the ranks of `group` through one shared-memory file, for CPU tensors of
+    ranks on one host: each rank writes its piece into its slot, a barrier, and every rank
+    reads every slot in place. gloo's all-gather goes through TCP on loopback instead (measured
+    at 2 ranks: about 10x a memcpy of the gathered bytes).
+
+    Holds `world * slot_bytes` of shared memory for its life (the file is unlinked at once, so
+    nothing outlives the processes).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, slot_bytes: int):
+        self.group, self.slot_bytes = group, slot_bytes
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        path = all_gather_objects(f"/dev/shm/torchtitan_rl-{uuid.uuid4().hex}", group)[0]
+        if self.rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(self.world * slot_bytes)
+        dist.barrier(group=group)
+        self.buffer = torch.from_file(path, shared=True, size=self.world * slot_bytes)
+        dist.barrier(group=group)
+        if self.rank == 0:
+            os.unlink(path)
+        # Whether every rank has read the last gather (the next write would overwrite it).
+        self.read = True
+
+    def my_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's slot as `numel` elements of `dtype`, to write its piece into (after
+        every rank has read the previous gather)."""
+        if numel * dtype.itemsize > self.slot_bytes:
+            raise ValueError(f"{numel} x {dtype} does not fit a {self.slot_bytes}-byte slot")
+        if not self.read:
+            dist.barrier(group=self.group)
+            self.read = True
+        return self._slots(numel, dtype)[self.rank]
+
+    def gather(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Once every rank has written its slot: all of them, a [world, numel] view of the
+        shared buffer, valid until the next `my_slot`."""
+        dist.barrier(group=self.group)
+        self.read = False
+        return self._slots(numel, dtype)
+
+    def _slots(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        return self.buffer.view(self.world, self.slot_bytes)[:, :nbytes].view(dtype)
+
+
+def host_shared_gather(group: dist.ProcessGroup, slot_bytes: int) -> HostSharedGather | None:
+    """A HostSharedGather over `group` where its ranks can use one (CPU tensors, every rank on
+    this host, /dev/shm present), else None: then the process group's all-gather serves (NCCL
+    on CUDA). A collective: every rank of `group` calls it."""
+    hosts = all_gather_objects(socket.gethostname(), group)
+    if device_type() != "cpu" or len(set(hosts)) > 1 or not os.path.isdir("/dev/shm"):
+        return None
+    return HostSharedGather(group, slot_bytes)
 
 
 def vllm_can_sleep() -> bool:

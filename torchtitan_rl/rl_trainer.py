@@ -211,13 +211,14 @@ class RLTrainer:
             **learned,
             "policy_version": float(self.generator.policy_version),
             "batch_invariant": float(batch_invariant.is_enabled()),
-            "time/generate_s": generated - start,
+            "time/generate_s": generated - start - rollouts.score_s,
+            "time/score_s": rollouts.score_s,
             "time/train_s": trained - generated,
             "time/weight_sync_s": synced - trained,
             "time/step_s": synced - start,
         }
-        metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / (
-            generated - start
+        metrics["throughput/generated_tokens_per_s"] = (
+            metrics["generated_tokens"] / metrics["time/generate_s"]
         )
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)
@@ -233,7 +234,10 @@ class RLTrainer:
             completions = self.generator.generate(
                 self.encode(prompts), seed=self.sampling_seed(step, round)
             )
-            rounds.append(Rollouts(prompts, completions, self.score(step, prompts, completions)))
+            began = time.perf_counter()
+            rewards_PN = self.score(step, prompts, completions)
+            score_s = time.perf_counter() - began
+            rounds.append(Rollouts(prompts, completions, rewards_PN, score_s=score_s))
             if not algorithm.dynamic_sampling:
                 return rounds[0]
             informative = sum(int((~r.zero_variance_P()).sum()) for r in rounds)

@@ -29,6 +29,8 @@ class Rollouts:
     """Groups generated over every round, kept or not (summed by `cat`); 0: len(prompts)."""
     short_groups: int = 0
     """Groups without learning signal kept because the rounds ran out (dynamic sampling)."""
+    score_s: float = 0.0
+    """Seconds spent computing its rewards (summed by `cat`)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -63,6 +65,7 @@ class Rollouts:
             parts=sum(part.parts for part in parts),
             generated_groups=sum(part.generated_groups or len(part) for part in parts),
             short_groups=sum(part.short_groups for part in parts),
+            score_s=sum(part.score_s for part in parts),
         )
 
 
@@ -80,4 +83,5 @@ def fill_informative(rounds: list[Rollouts], wanted: int) -> Rollouts:
     kept.rounds = len(rounds)
     kept.generated_groups = len(generated)
     kept.short_groups = max(0, wanted - int(informative_P.sum()))
+    kept.score_s = generated.score_s
     return kept

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan_rl import platform
+
 
 class WeightSyncError(RuntimeError):
     """The two sides' parameters differ, or a synced tensor does not match its source."""
@@ -56,10 +58,10 @@ def _fsdp_sharded(bucket) -> bool:
     )
 
 
-def _copy_bucket(bucket, verify: bool) -> int:
+def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None") -> int:
     """Copy one bucket of (name, source, target); returns the extra bytes it held at once."""
     if _fsdp_sharded(bucket) and bucket[0][1].device_mesh.size() > 1:
-        return _copy_fsdp_bucket(bucket, verify)
+        return _copy_fsdp_bucket(bucket, verify, shared)
     peak = 0
     for name, source, target in bucket:
         if isinstance(source, DTensor) and source.device_mesh.size() > 1:
@@ -74,28 +76,47 @@ def _copy_bucket(bucket, verify: bool) -> int:
     return peak
 
 
-def _copy_fsdp_bucket(bucket, verify: bool) -> int:
-    """One all-gather for the whole bucket, each rank's rows written straight into place.
-
-    FSDP2 shards dim 0 like torch.chunk: rank r holds rows [r*c, min((r+1)*c, n)) with
-    c = ceil(n / world). Every rank sends a buffer padded to the same size, in the generator's
-    dtype: a bf16 generator moves half the bytes of the fp32 master weights.
-    """
-    mesh = bucket[0][1].device_mesh
-    world = mesh.size()
-    layout, total = [], 0  # per parameter: (offset in a rank's buffer, rows per rank, row size)
+def _gather_layout(bucket) -> tuple[list[tuple[int, int, int]], int]:
+    """Where each parameter's shard sits in a rank's gather buffer: per parameter (offset,
+    rows per rank, row numel), and the buffer's numel."""
+    world = bucket[0][1].device_mesh.size()
+    layout, total = [], 0
     for _, source, _ in bucket:
         rows_per_rank = math.ceil(source.shape[0] / world)
         row_numel = math.prod(source.shape[1:])
         layout.append((total, rows_per_rank, row_numel))
         total += rows_per_rank * row_numel
-    send = torch.zeros(total, dtype=bucket[0][2].dtype, device=bucket[0][1].device)
+    return layout, total
+
+
+def _copy_fsdp_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None") -> int:
+    """One all-gather for the whole bucket, each rank's rows written straight into place.
+
+    FSDP2 shards dim 0 like torch.chunk: rank r holds rows [r*c, min((r+1)*c, n)) with
+    c = ceil(n / world). Every rank sends a buffer padded to the same size, in the generator's
+    dtype: a bf16 generator moves half the bytes of the fp32 master weights. With `shared`
+    (ranks on one host, CPU) each rank writes its shards straight into its slot of shared
+    memory and reads the others' from there: no send buffer, no socket.
+    """
+    mesh = bucket[0][1].device_mesh
+    world = mesh.size()
+    layout, total = _gather_layout(bucket)
+    dtype, device = bucket[0][2].dtype, bucket[0][1].device
+    if shared is not None:
+        send = shared.my_slot(total, dtype)
+    else:
+        send = torch.zeros(total, dtype=dtype, device=device)
     for (offset, _, _), (_, source, _) in zip(layout, bucket, strict=True):
         local = source.to_local().reshape(-1)
         send[offset : offset + local.numel()].copy_(local)  # cast to the generator's dtype
-    received = torch.empty(world * total, dtype=send.dtype, device=send.device)
-    dist.all_gather_single(received, send, group=mesh.get_group())
-    received = received.view(world, total)
+    if shared is not None:
+        received = shared.gather(total, dtype)
+        held = shared.buffer.numel()  # held for the run: every rank's slot, once per host
+    else:
+        received = torch.empty(world * total, dtype=dtype, device=device)
+        dist.all_gather_single(received, send, group=mesh.get_group())
+        received = received.view(world, total)
+        held = (send.numel() + received.numel()) * send.element_size()
     for (offset, rows_per_rank, row_numel), (name, source, target) in zip(
         layout, bucket, strict=True
     ):
@@ -110,7 +131,7 @@ def _copy_fsdp_bucket(bucket, verify: bool) -> int:
             pieces.append(piece)
         if verify:
             _verify(name, torch.cat(pieces).view(source.shape), target)
-    return (send.numel() + received.numel()) * send.element_size()
+    return held
 
 
 def _verify(name: str, source: torch.Tensor, target: torch.Tensor) -> None:
@@ -157,6 +178,7 @@ class WeightSync:
         self.verify = verify
         self.version = 0
         self.buckets = self._buckets(trainer_params, generator_params, bucket_mb * 2**20)
+        self.shared = self._shared_gather()
 
     @classmethod
     def between(cls, trainer, generator, *, bucket_mb: float, verify: bool) -> "WeightSync":
@@ -167,6 +189,14 @@ class WeightSync:
             bucket_mb=bucket_mb,
             verify=verify,
         )
+
+    def _shared_gather(self) -> "platform.HostSharedGather | None":
+        """Shared memory for the FSDP gathers where the ranks share a host (platform.py)."""
+        gathered = [b for b in self.buckets if _fsdp_sharded(b) and b[0][1].device_mesh.size() > 1]
+        if not gathered:
+            return None
+        slot_bytes = max(_gather_layout(b)[1] * b[0][2].element_size() for b in gathered)
+        return platform.host_shared_gather(gathered[0][0][1].device_mesh.get_group(), slot_bytes)
 
     @staticmethod
     def _buckets(trainer_params, generator_params, bucket_bytes: float):
@@ -190,7 +220,7 @@ class WeightSync:
         """Copy every parameter, bucket by bucket; returns (bytes written, peak extra bytes)."""
         written, peak = 0, 0
         for bucket in self.buckets:
-            peak = max(peak, _copy_bucket(bucket, self.verify))
+            peak = max(peak, _copy_bucket(bucket, self.verify, self.shared))
             written += sum(target.numel() * target.element_size() for _, _, target in bucket)
         return written, peak
 

@@ -1,17 +1,24 @@
 """Benchmark whole RL steps: the train entry point's config and flags, one JSON line of figures.
 
-    .venv/bin/python scripts/bench/e2e.py --nproc 2 \
+    .venv/bin/python scripts/bench/e2e.py --nproc 2 [--peer trl] \
         --job.config_file run_configs/debug_cpu.toml --training.steps 20 [--batch_invariant true]
 
 Runs RLTrainer for `training.steps` steps under `torchrun --nproc_per_node N` and prints the
-median over steps 2.. (step 1 warms up) of the step time and its generate / train / weight-sync
-split, the generated tokens per second, and the run's shape. With `--batch_invariant true` it
-runs the same config with the mode off too and adds `cost_ratio`: step time on / off.
+median over steps 2.. (step 1 warms up) of the step time and its generate / score / train /
+weight-sync / other split, the generated tokens per second, and the run's shape. Before the run
+it measures `peak_gflops`, the best fp32 GEMM rate of N threads here, and reports `mfu`: the
+step's model FLOPs (2 N_params per prompt and generated token, 6 N_params per trained token)
+/ step time / peak. With `--peer trl` it then runs TRL's GRPOTrainer on the same flags
+(scripts/bench/trl_peer.py, N threads in one process) and adds `trl_step_s` and
+`trl_ratio` = TRL step / our step. With `--batch_invariant true` it runs the same config with
+the mode off too and adds `cost_ratio`: step time on / off.
 """
 
 import json
 import statistics
+import subprocess
 import sys
+import time
 
 from children import REPO, join_world, report, run_child
 
@@ -36,10 +43,12 @@ def measure(flags: list[str]) -> int:
         from torchtitan_rl import disaggregated
 
         disaggregated.run(config, hooks=collect)  # rank 0 trains, and collects
+        flops = None
     else:
         trainer = RLTrainer(config, hooks=collect)
         for step in range(1, config.training.steps + 1):
             trainer.train_step(step)
+        flops = model_flops(trainer, collect.rows)
     platform.shutdown_distributed()
     if rank == 0:
         timed = collect.rows[1:] or collect.rows
@@ -47,13 +56,19 @@ def measure(flags: list[str]) -> int:
         def median(key: str) -> float:
             return round(statistics.median(r[key] for r in timed), 4)
 
+        split = ("time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s")
+        other = [r["time/step_s"] - sum(r.get(k, 0.0) for k in split) for r in timed]
         report(
             {
                 "step_s": median("time/step_s"),
                 "generate_s": median("time/generate_s"),
+                "score_s": median("time/score_s") if "time/score_s" in timed[0] else None,
                 "train_s": median("time/train_s"),
                 "weight_sync_s": median("time/weight_sync_s"),
+                "other_s": round(statistics.median(other), 4),
+                "model_tflop_per_step": round(flops / 1e12, 4) if flops else None,
                 "generated_tokens_per_s": median("throughput/generated_tokens_per_s"),
+                "response_length": median("response_length/mean"),
                 "final_reward": round(collect.rows[-1]["reward/mean"], 4),
                 "logprob_diff_max": max(r["logprob_diff/max"] for r in collect.rows),
                 "weight_sync_gb_per_s": median("weight_sync/gb_per_s")
@@ -72,25 +87,83 @@ def measure(flags: list[str]) -> int:
     return 0
 
 
+def model_flops(trainer: RLTrainer, rows: list[dict]) -> float:
+    """Model FLOPs of a median step: 2 N per prompt token (prefill) and generated token, 6 N
+    per trained token (forward and backward over prompt + completion); N = all parameters."""
+    params = sum(p.numel() for p in trainer.trainer.named_parameters().values())
+    n = trainer.config.generator.sampling.n
+    prompts = trainer.task.prompts(1, trainer.config.training.prompts_per_step)
+    prompt_tokens = sum(len(ids) for ids in trainer.encode(prompts)) * n
+    generated = statistics.median(r["generated_tokens"] for r in rows)
+    return 2 * params * (prompt_tokens + generated) + 6 * params * (prompt_tokens + generated)
+
+
+def peak_gflops(threads: int, size: int = 2048, repeats: int = 5) -> float:
+    """The best fp32 GEMM rate of `threads` threads here, in a child (a clean thread pool)."""
+    code = f"""
+import time, torch
+torch.set_num_threads({threads})
+a, b = torch.randn({size}, {size}), torch.randn({size}, {size})
+times = []
+for _ in range({repeats} + 1):  # the first warms up
+    start = time.perf_counter()
+    a @ b
+    times.append(time.perf_counter() - start)
+print(2 * {size}**3 / min(times) / 1e9)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
 def run(nproc: int, flags: list[str]) -> dict:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     script = str(REPO / "scripts" / "bench" / "e2e.py")
     return run_child([*torchrun, "--nproc_per_node", str(nproc), script, "--child", *flags])
 
 
+def run_peer(threads: int, flags: list[str]) -> dict:
+    """TRL's GRPOTrainer on the same flags (scripts/bench/trl_peer.py); its JSON line."""
+    script = str(REPO / "scripts" / "bench" / "trl_peer.py")
+    began = time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, script, "--threads", str(threads), *flags], capture_output=True, text=True
+    )
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        sys.exit(
+            f"trl_peer.py failed after {time.perf_counter() - began:.0f} s:\n{child.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
 def main() -> int:
     args = sys.argv[1:]
     if args[:1] == ["--child"]:
         return measure(args[1:])
-    nproc = 1
-    if args[:1] == ["--nproc"]:
-        nproc, args = int(args[1]), args[2:]
+    nproc, peer = 1, None
+    while args[:1] in (["--nproc"], ["--peer"]):
+        if args[0] == "--nproc":
+            nproc = int(args[1])
+        else:
+            peer = args[1]
+        args = args[2:]
+    if peer not in (None, "trl"):
+        print(f"error: --peer {peer}: the one peer is trl", file=sys.stderr)
+        return 2
     try:
         config = parse_args(args, nproc, prog="scripts/bench/e2e.py")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = {"bench": "e2e", **run(nproc, args)}
+    peak = peak_gflops(threads=nproc)
+    result = {"bench": "e2e", **run(nproc, args), "peak_gflops": round(peak, 1)}
+    if result["model_tflop_per_step"]:
+        result["mfu"] = round(result["model_tflop_per_step"] * 1e3 / result["step_s"] / peak, 3)
+    if peer == "trl":
+        trl = run_peer(nproc, args)
+        result["trl_step_s"] = trl["step_s"]
+        result["trl_response_length"] = trl["response_length"]
+        result["trl_ratio"] = round(trl["step_s"] / result["step_s"], 3)
     if config.batch_invariant:
         off = run(nproc, [*args, "--batch_invariant", "false"])
         result["batch_invariant"] = True

@@ -1,9 +1,11 @@
-"""WeightSync from fp32 FSDP shards into a bf16 copy: the gather runs in bf16.
+"""WeightSync from fp32 FSDP shards into a bf16 copy: the gather runs in bf16, through shared
+memory (the ranks share this host) and through the process group's all-gather (as across
+hosts, or NCCL on CUDA).
 
     torchrun --nproc_per_node 2 tests/dist/weight_sync_dtype_run.py OUT_DIR
 
-Rank 0 saves the sync's stats and whether every bf16 target equals its fp32 source cast to
-bf16, bit for bit.
+Rank 0 saves, per transport, the sync's stats and whether every bf16 target equals its fp32
+source cast to bf16, bit for bit.
 """
 
 import sys
@@ -28,14 +30,21 @@ def main() -> None:
     sync = WeightSync(
         dict(trainer.named_parameters()), dict(generator.named_parameters()), bucket_mb=1.0
     )
-    written, peak = sync.copy()
-    equal = all(
-        torch.equal(target, source.full_tensor().to(torch.bfloat16))
-        for target, source in zip(generator.parameters(), trainer.parameters(), strict=True)
-    )
+    result = {"shared_memory": sync.shared is not None}
+    for transport, shared in (("shared", sync.shared), ("process_group", None)):
+        sync.shared = shared
+        with torch.no_grad():
+            for target in generator.parameters():
+                target.zero_()
+        written, peak = sync.copy()
+        equal = all(
+            torch.equal(target, source.full_tensor().to(torch.bfloat16))
+            for target, source in zip(generator.parameters(), trainer.parameters(), strict=True)
+        )
+        result[transport] = {"written": written, "peak": peak, "equal": equal}
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        torch.save({"written": written, "peak": peak, "equal": equal}, out / "result.pt")
+        torch.save(result, out / "result.pt")
     platform.shutdown_distributed()
 
 
