@@ -8,6 +8,8 @@ Children measure, the parent prints one JSON line:
   of the gather + in-place copy alone, `bytes`, `gbps`, and `memcpy_ms`: one `copy_` of the same
   number of bytes between preallocated buffers, the physical limit here; `ratio_vs_memcpy` =
   sync_ms / memcpy_ms. `--no-pack` turns off the generator's packed GEMM copies (no repack).
+  Ranks on one host gather through shared memory (`transport`); `process_group_copy_ms` is the
+  same copy through the process group's all-gather (gloo over loopback), for comparison.
 - native (one process): vLLM's native model for the checkpoint; `reload_weights_ms` is vLLM's
   in-place `reload_weights` from the same tensors in memory, `file_reload_ms` saves them as
   safetensors and reloads from disk.
@@ -70,6 +72,11 @@ def measure_ours(args) -> dict | None:
 
     sync_ms = median_ms(one_sync, args.repeats)
     copy_ms = median_ms(sync.copy, args.repeats)
+    shared, process_group_ms = sync.shared, None
+    if shared is not None:  # the same copy through the process group's all-gather (gloo)
+        sync.shared = None
+        process_group_ms = median_ms(sync.copy, args.repeats)
+        sync.shared = shared
     nbytes = stats[-1].bytes
     src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(1)
@@ -88,6 +95,8 @@ def measure_ours(args) -> dict | None:
         "memcpy_ms": round(memcpy_ms, 2),
         "ratio_vs_memcpy": round(sync_ms / memcpy_ms, 2),
         "copy_ratio_vs_memcpy": round(copy_ms / memcpy_ms, 2),
+        "transport": "shared_memory" if shared is not None else "process_group",
+        "process_group_copy_ms": None if process_group_ms is None else round(process_group_ms, 2),
     }
 
 
