@@ -5,6 +5,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
 from torchtitan_rl import platform
@@ -88,3 +89,23 @@ def test_engine_child_leaves_the_torchrun_world_but_keeps_its_device(monkeypatch
     with outside_torchrun():
         assert os.environ["LOCAL_RANK"] == "0"
     assert "LOCAL_RANK" not in os.environ
+
+
+def test_shared_memory_gather_needs_room_in_dev_shm(monkeypatch):
+    """Where /dev/shm cannot hold the slots (a container's default is 64 MB), the process
+    group's all-gather serves instead of a SIGBUS; where it can, every rank reads every slot."""
+    import os
+    from types import SimpleNamespace
+
+    platform.init_distributed()  # a world of one
+    group = dist.group.WORLD
+    small = SimpleNamespace(f_bavail=1, f_frsize=4096)
+    monkeypatch.setattr(os, "statvfs", lambda path: small)
+    assert platform.host_shared_gather(group, slot_bytes=1 << 20) is None
+    monkeypatch.undo()
+    shared = platform.host_shared_gather(group, slot_bytes=64)
+    slot = shared.my_slot(4, torch.float32)
+    slot.copy_(torch.arange(4.0))
+    assert shared.gather(4, torch.float32).tolist() == [[0.0, 1.0, 2.0, 3.0]]
+    with pytest.raises(ValueError, match="does not fit a 64-byte slot"):
+        shared.my_slot(17, torch.float32)

@@ -74,7 +74,9 @@ class HostSharedGather:
             with open(path, "wb") as f:
                 f.truncate(self.world * slot_bytes)
         dist.barrier(group=group)
-        self.buffer = torch.from_file(path, shared=True, size=self.world * slot_bytes)
+        self.buffer = torch.from_file(
+            path, shared=True, size=self.world * slot_bytes, dtype=torch.uint8
+        )
         dist.barrier(group=group)
         if self.rank == 0:
             os.unlink(path)
@@ -105,10 +107,18 @@ class HostSharedGather:
 
 def host_shared_gather(group: dist.ProcessGroup, slot_bytes: int) -> HostSharedGather | None:
     """A HostSharedGather over `group` where its ranks can use one (CPU tensors, every rank on
-    this host, /dev/shm present), else None: then the process group's all-gather serves (NCCL
+    this host, room in /dev/shm), else None: then the process group's all-gather serves (NCCL
     on CUDA). A collective: every rank of `group` calls it."""
-    hosts = all_gather_objects(socket.gethostname(), group)
-    if device_type() != "cpu" or len(set(hosts)) > 1 or not os.path.isdir("/dev/shm"):
+    needed = dist.get_world_size(group) * slot_bytes
+    # A container's /dev/shm can be small (64 MB by default in Docker): writing past it kills
+    # the process with SIGBUS, so the free space decides, on every rank alike.
+    free = 0
+    if os.path.isdir("/dev/shm"):
+        stat = os.statvfs("/dev/shm")
+        free = stat.f_bavail * stat.f_frsize
+    places = all_gather_objects((socket.gethostname(), free), group)
+    one_host = len({host for host, _ in places}) == 1
+    if device_type() != "cpu" or not one_host or min(f for _, f in places) < 2 * needed:
         return None
     return HostSharedGather(group, slot_bytes)
 
