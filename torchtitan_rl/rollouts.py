@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan_rl.algorithms.advantages import zero_variance_P
 from torchtitan_rl.generator.engine import Completions
 from torchtitan_rl.tasks import Prompt
 
@@ -37,7 +38,7 @@ class Rollouts:
 
     def zero_variance_P(self) -> torch.Tensor:
         """True for each group whose rewards are all equal: no learning signal."""
-        return (self.rewards_PN == self.rewards_PN[:, :1]).all(dim=1)
+        return zero_variance_P(self.rewards_PN)
 
     def groups(self, keep_P: torch.Tensor) -> "Rollouts":
         """The groups where `keep_P` is true, in order (counts not carried)."""

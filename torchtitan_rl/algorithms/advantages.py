@@ -18,9 +18,13 @@ class GroupAdvantages:
     """True for every sample of a group whose rewards are all equal (no learning signal)."""
 
 
+def zero_variance_P(rewards_PN: torch.Tensor) -> torch.Tensor:
+    """True for each group whose rewards are all equal: no learning signal."""
+    return (rewards_PN == rewards_PN[:, :1]).all(dim=1)
+
+
 def _zero_variance(rewards_PN: torch.Tensor) -> torch.Tensor:
-    same = (rewards_PN == rewards_PN[:, :1]).all(dim=1, keepdim=True)
-    return same.expand_as(rewards_PN)
+    return zero_variance_P(rewards_PN)[:, None].expand_as(rewards_PN)
 
 
 class GRPOAdvantage:
