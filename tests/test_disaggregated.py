@@ -117,3 +117,21 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks(tmp_path):
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
     assert [row["policy_age/max"] for row in metrics] == [0.0, 1.0, 1.0, 1.0]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_generator_ranks_sample_dynamically_for_dapo(tmp_path):
+    """Dynamic sampling runs on the generator ranks (the same RLTrainer.rollouts): flat groups
+    are replaced by further rounds of prompts, and the trainer logs what it took."""
+    result = run_train(
+        *DISAGGREGATED,
+        *("--algorithm.loss", "dapo", "--training.steps", "3"),
+        *("--job.dump_folder", str(tmp_path)),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = rows(tmp_path)
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    for row in metrics:
+        # The tiny model starts near reward 0: most groups are flat, so it takes more rounds.
+        assert 1 < row["dynamic_sampling/rounds"] <= 4
+        assert row["dynamic_sampling/generated_groups"] > 32
