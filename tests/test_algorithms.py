@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from torchtitan_rl.algorithms.advantages import DrGRPOAdvantage, GRPOAdvantage, RLOOAdvantage
+from torchtitan_rl.algorithms.advantages import (
+    DrGRPOAdvantage,
+    GRPOAdvantage,
+    RLOOAdvantage,
+    zero_variance_P,
+)
 from torchtitan_rl.algorithms.losses import PolicyLoss, kl_penalty
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
 from torchtitan_rl.batch import RolloutBatch
@@ -25,24 +30,24 @@ def test_grpo_normalizes_by_group_mean_and_sample_std():
     # mean 0.5, sample std sqrt(4 * 0.25 / 3) = 0.57735
     expected = 0.5 / math.sqrt(1 / 3)
     torch.testing.assert_close(
-        out.values_PN[0],
+        out[0],
         torch.tensor([expected, -expected, -expected, expected]),
         atol=1e-5,
         rtol=0,
     )
-    assert torch.equal(out.values_PN[1], torch.zeros(4))
-    assert out.zero_variance_PN.tolist() == [[False] * 4, [True] * 4]
+    assert torch.equal(out[1], torch.zeros(4))
+    assert zero_variance_P(REWARDS_PN).tolist() == [False, True]
 
 
 def test_dr_grpo_subtracts_the_mean_only():
     out = DrGRPOAdvantage()(REWARDS_PN)
-    assert out.values_PN.tolist() == [[0.5, -0.5, -0.5, 0.5], [0.0] * 4]
+    assert out.tolist() == [[0.5, -0.5, -0.5, 0.5], [0.0] * 4]
 
 
 def test_rloo_leaves_one_out():
     out = RLOOAdvantage()(REWARDS_PN)
-    torch.testing.assert_close(out.values_PN[0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
-    assert out.values_PN[1].abs().max() == 0
+    torch.testing.assert_close(out[0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    assert out[1].abs().max() == 0
 
 
 def batch(generator_logprobs=None) -> RolloutBatch:

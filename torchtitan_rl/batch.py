@@ -45,18 +45,16 @@ class RolloutBatch:
 
     def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
         """The batch of the rows `index_R`, in that order."""
-        return RolloutBatch(
-            **{
-                f.name: getattr(self, f.name)[index_R.to(getattr(self, f.name).device)]
-                for f in fields(self)
-                if getattr(self, f.name) is not None
-            }
-        )
+        return self._map(lambda tensor: tensor[index_R.to(tensor.device)])
 
     def to(self, device: torch.device) -> "RolloutBatch":
+        return self._map(lambda tensor: tensor.to(device))
+
+    def _map(self, fn) -> "RolloutBatch":
+        """`fn` applied to every tensor the batch holds."""
         return RolloutBatch(
             **{
-                f.name: getattr(self, f.name).to(device)
+                f.name: fn(getattr(self, f.name))
                 for f in fields(self)
                 if getattr(self, f.name) is not None
             }

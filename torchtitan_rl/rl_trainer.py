@@ -270,7 +270,7 @@ class RLTrainer:
             if algorithm.kl_in_reward:
                 penalty_B, metrics["kl"] = self.kl_in_reward(batch)
                 rewards_PN = rewards_PN - algorithm.kl_beta * penalty_B.view_as(rewards_PN)
-        batch.advantages_B = self.advantage(rewards_PN).values_PN.reshape(-1).float()
+        batch.advantages_B = self.advantage(rewards_PN).reshape(-1).float()
         if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:
             keep_P = ~rollouts.zero_variance_P()
             n = rewards_PN.shape[1]

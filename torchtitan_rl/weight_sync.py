@@ -58,9 +58,14 @@ def _fsdp_sharded(bucket) -> bool:
     )
 
 
+def _gathers_fsdp(bucket) -> bool:
+    """Whether the bucket is FSDP shards over more than one rank: one all-gather serves it."""
+    return _fsdp_sharded(bucket) and bucket[0][1].device_mesh.size() > 1
+
+
 def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None") -> int:
     """Copy one bucket of (name, source, target); returns the extra bytes it held at once."""
-    if _fsdp_sharded(bucket) and bucket[0][1].device_mesh.size() > 1:
+    if _gathers_fsdp(bucket):
         return _copy_fsdp_bucket(bucket, verify, shared)
     peak = 0
     for name, source, target in bucket:
@@ -192,7 +197,7 @@ class WeightSync:
 
     def _shared_gather(self) -> "platform.HostSharedGather | None":
         """Shared memory for the FSDP gathers where the ranks share a host (platform.py)."""
-        gathered = [b for b in self.buckets if _fsdp_sharded(b) and b[0][1].device_mesh.size() > 1]
+        gathered = [b for b in self.buckets if _gathers_fsdp(b)]
         if not gathered:
             return None
         slot_bytes = max(_gather_layout(b)[1] * b[0][2].element_size() for b in gathered)
