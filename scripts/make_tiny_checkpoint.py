@@ -21,7 +21,23 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from torchtitan_rl.models import model_spec
 
 PAD, EOS, UNK = "<|pad|>", "<|eos|>", "<|unk|>"
-SPECIAL_TOKENS = [PAD, EOS, UNK]
+# Qwen3's chat markers: the template below wraps each message in them, and a chat completion
+# ends with IM_END (a stop id in generation_config.json, as in Qwen3's).
+IM_START, IM_END, THINK, END_THINK = "<|im_start|>", "<|im_end|>", "<think>", "</think>"
+SPECIAL_TOKENS = [PAD, EOS, UNK, IM_START, IM_END, THINK, END_THINK]
+# Qwen3's chat template reduced to what the tiny model needs: ChatML messages, the generation
+# prompt, and enable_thinking = false's empty think block.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
 # Digits and words for the toy tasks, math punctuation for JSONL math prompts (\boxed{...}).
 ALPHABET = string.digits + string.ascii_lowercase + " \n" + "+-*/=?:.,;!'\"()[]{}\\<>_"
 
@@ -96,13 +112,16 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
 
 
 def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str = "tiny") -> None:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json to `out`.
+    """Write config.json, generation_config.json (stop ids: <|im_end|> and <|eos|>, as Qwen3
+    lists two), model.safetensors, tokenizer.json, tokenizer_config.json (with the chat
+    template) to `out`.
 
     torchtitan.json records the torchtitan model name and flavor the weights belong to.
     """
     spec = model_spec(name, flavor)
     tokenizer = build_tokenizer(spec.model.vocab_size)
     eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
+    im_end_id = tokenizer.token_to_id(IM_END)
 
     torch.manual_seed(seed)
     model = spec.model.build()
@@ -116,7 +135,7 @@ def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str 
         json.dumps(hf_config(name, spec.model, eos_id, pad_id), indent=2) + "\n"
     )
     (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}, indent=2) + "\n"
+        json.dumps({"eos_token_id": [im_end_id, eos_id], "pad_token_id": pad_id}, indent=2) + "\n"
     )
     (out / "torchtitan.json").write_text(json.dumps({"name": name, "flavor": flavor}) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
@@ -127,6 +146,7 @@ def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str 
         "unk_token": UNK,
         "model_max_length": spec.model.layers[0].attention.rope.max_seq_len,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 

@@ -155,6 +155,11 @@ def start_train(*flags: str, nproc: int) -> subprocess.Popen:
     )
 
 
+def run_script(script: str, *args: str, nproc: int = 0) -> subprocess.CompletedProcess:
+    """Run scripts/`script` with `args` from the repo root; the result, not checked."""
+    return _run([*launcher(nproc), str(REPO / "scripts" / script), *args], None)
+
+
 def run_dist(script: str, *args: str, nproc: int) -> subprocess.CompletedProcess:
     """Run tests/dist/`script` with `args`; fails the test on a non-zero exit."""
     result = _run([*launcher(nproc), str(REPO / "tests" / "dist" / script), *args], None)

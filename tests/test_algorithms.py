@@ -214,3 +214,35 @@ def test_dynamic_sampling_keeps_informative_groups_first():
     short = fill_informative([first], wanted=3)
     assert short.rewards_PN.tolist() == first.rewards_PN.tolist()
     assert (short.rounds, short.generated_groups, short.short_groups) == (1, 3, 2)
+
+
+def test_overlong_modes_change_the_rewards_or_the_mask_as_specified():
+    from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
+    from torchtitan_rl.generator.engine import Sample
+
+    # One prompt, 4 samples of max_tokens = 8: lengths 2, 5, 7 (stopped) and 8 (cut).
+    lengths = [2, 5, 7, 8]
+    samples = [
+        Sample(token_ids=[9] * n, logprobs=[-1.0] * n, finish_reason="length" if n == 8 else "stop")
+        for n in lengths
+    ]
+    rollouts = Rollouts(
+        [Prompt(text="p", answer="a")],
+        Completions(prompts=[[1]], samples=[samples]),
+        rewards_PN=torch.ones(1, 4),
+    )
+    truncated_PN = rollouts.truncated_PN()
+    assert truncated_PN.tolist() == [[False, False, False, True]]
+    assert rollouts.lengths_PN().tolist() == [lengths]
+
+    def shaped(mode, buffer=None):
+        args = (rollouts.rewards_PN, rollouts.lengths_PN(), truncated_PN, mode, 8, buffer)
+        return overlong_rewards(*args).tolist()
+
+    assert shaped("keep") == shaped("mask") == [[1.0, 1.0, 1.0, 1.0]]
+    assert shaped("zero_reward") == [[1.0, 1.0, 1.0, 0.0]]
+    # DAPO: buffer 4 -> no penalty up to 8 - 4 = 4 tokens, then -(L - 4) / 4, -1 at 8.
+    assert shaped("soft_penalty", buffer=4) == [[1.0, 0.75, 0.25, 0.0]]
+    assert overlong_keep_PN(truncated_PN, "mask").tolist() == [[True, True, True, False]]
+    for mode in ("keep", "zero_reward", "soft_penalty"):
+        assert overlong_keep_PN(truncated_PN, mode).all()

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.config.job_config import ModelSection
 from torchtitan_rl.generator.engine import check_tokenizer_fits
+from torchtitan_rl.tasks import open_task
 from torchtitan_rl.train import check_dump_folder, main
 
 # run_configs name assets/ relative to the repo root, as the README's commands do.
@@ -134,27 +135,27 @@ BAD_INPUTS = {
         ["algorithm.max_offpolicy_steps = 2 needs generator.placement = 'disaggregated'"],
     ),
     "missing dataset file": (
-        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/none.jsonl"\n',
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/none.jsonl"\n',
         [],
-        ["task.dataset_path = '{tmp}/none.jsonl': no such file"],
+        ["task.dataset_path = '{tmp}/none.jsonl': no such file or folder"],
     ),
     "empty dataset file": (
-        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/empty.jsonl"\n',
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/empty.jsonl"\n',
         [],
         ["task.dataset_path = '{tmp}/empty.jsonl' has no rows"],
     ),
     "malformed JSONL line": (
-        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/broken.jsonl"\n',
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/broken.jsonl"\n',
         [],
-        ["{tmp}/broken.jsonl:2: not a JSON object"],
+        ["{tmp}/broken.jsonl:2: not a JSON object", "one object per line"],
     ),
     "non-UTF-8 dataset": (
-        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/latin1.jsonl"\n',
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/latin1.jsonl"\n',
         [],
-        ["task.dataset_path = '{tmp}/latin1.jsonl' is not UTF-8 text"],
+        ["task.dataset_path: {tmp}/latin1.jsonl is not UTF-8 text"],
     ),
     "empty prompt in the dataset": (
-        '[task]\nname = "jsonl"\ndataset_path = "{tmp}/blank.jsonl"\n',
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/blank.jsonl"\n',
         [],
         ["{tmp}/blank.jsonl:1: the prompt is empty"],
     ),
@@ -227,8 +228,8 @@ def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
     if name != "missing checkpoint dir":
         flags = ["--model.hf_checkpoint", TINY, *flags]
-    with pytest.raises(ConfigError):
-        parse_args(["--job.config_file", path, *flags], world_size)
+    with pytest.raises(ConfigError):  # while parsing, or when the task is opened
+        open_task(parse_args(["--job.config_file", path, *flags], world_size))
     assert main(["--job.config_file", path, *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
@@ -283,19 +284,23 @@ def test_dump_folder_with_a_checkpoint_of_another_model(tmp_path):
 
 
 def test_prompt_with_no_tokens_is_named():
-    from types import SimpleNamespace
+    from transformers import PreTrainedTokenizerFast
 
-    from torchtitan_rl.rl_trainer import RLTrainer
     from torchtitan_rl.tasks import Prompt
+    from torchtitan_rl.tasks.render import Renderer
 
     # A tokenizer that drops 'x': the prompt "xxx" encodes to nothing.
     tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.Replace("x", "")
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    config = parse_args(["--job.config_file", DEBUG_TOML])
-    run = SimpleNamespace(tokenizer=tokenizer, config=config)
+    renderer = Renderer(
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+        "dir",
+        chat_template=False,
+        max_prompt_len=32,
+    )
     with pytest.raises(ConfigError, match=r"prompt 'xxx' encodes to no tokens with .*tokenizer"):
-        RLTrainer.encode(run, [Prompt(text="a", answer=""), Prompt(text="xxx", answer="")])
+        renderer.encode([Prompt(text="a", answer=""), Prompt(text="xxx", answer="")])
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
@@ -303,7 +308,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     config = json.loads((Path(TINY) / "config.json").read_text())
     config["vocab_size"] = 32
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="tokenizer has 64 tokens but the checkpoint's vocab"):
+    with pytest.raises(ConfigError, match="tokenizer has 68 tokens but the checkpoint's vocab"):
         check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
     check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits
 
@@ -316,11 +321,12 @@ def test_a_prompt_over_max_prompt_len_is_found_when_the_dataset_is_read(tmp_path
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     result = run_train(
         *("--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path / "run")),
-        *("--task.name", "jsonl", "--task.dataset_path", str(data)),
+        *("--task.name", "dataset", "--task.dataset_path", str(data)),
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: {data}:41: prompt '1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+' has 62 tokens, "
-        "more than training.max_prompt_len = 32: raise it or shorten the prompt"
+        f"error: {data}:41: prompt '1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+' has 81 tokens "
+        "after the chat template, more than training.max_prompt_len = 32: raise it or shorten "
+        "the prompt"
     )
     assert "generator" not in result.stderr.lower()  # refused before the engine was built

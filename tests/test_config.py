@@ -51,20 +51,22 @@ def test_debug_config_validates_for_two_processes():
 
 
 def test_gpu_configs_parse(tmp_path):
-    # The GPU configs point at checkpoints the user provides; stand one in.
+    # The GPU configs point at checkpoints and GSM8K files the user provides; stand them in.
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.parquet").write_bytes(b"")
     for name in ("qwen3_0.6b", "qwen3_1.7b"):
         config = parse_args(
             [
-                "--job.config_file",
-                str(REPO / "run_configs" / f"{name}.toml"),
-                "--model.hf_checkpoint",
-                str(tmp_path),
+                *("--job.config_file", str(REPO / "run_configs" / f"{name}.toml")),
+                *("--model.hf_checkpoint", str(tmp_path)),
+                *("--task.dataset_path", str(tmp_path / "train.parquet")),
+                *("--eval.dataset_path", str(tmp_path / "train.parquet")),
             ],
             world_size=8,
         )
         assert config.model.flavor in ("0.6B", "1.7B")
         assert config.model.dtype == "bfloat16"
+        assert config.task.answer_format == "gsm8k" and config.task.enable_thinking is False
 
 
 def test_process_exits_2_with_one_line_and_no_traceback(tmp_path):

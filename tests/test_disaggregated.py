@@ -30,8 +30,10 @@ DISAGGREGATED = (
 )
 
 
-def rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+def rows(folder: Path, eval: bool = False) -> list[dict]:
+    """The step rows of metrics.jsonl (eval = True: its evaluation rows)."""
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if ("eval/accuracy" in r) == eval]
 
 
 def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_weights(tmp_path):
@@ -94,10 +96,13 @@ def test_a_rollout_older_than_k_is_refused(monkeypatch):
         DisaggregatedTrainer.receive(trainer, 7)
 
 
-def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks(tmp_path):
-    """4 ranks: FSDP over the 2 trainers, each taking the rollouts of one generator rank."""
+def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_path):
+    """4 ranks: FSDP over the 2 trainers, each taking the rollouts of one generator rank. The
+    generator ranks evaluate their halves of the held-out set with each due policy version."""
     result = run_train(
         *DISAGGREGATED,
+        *("--task.name", "dataset", "--task.dataset_path", "data/arith/train.jsonl"),
+        *("--eval.dataset_path", "data/arith/test.parquet", "--eval.interval", "2"),
         "--generator.num_ranks",
         "2",
         "--algorithm.max_offpolicy_steps",
@@ -117,6 +122,13 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks(tmp_path):
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
     assert [row["policy_age/max"] for row in metrics] == [0.0, 1.0, 1.0, 1.0]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    # Version 0 before step 1; version 2 taken before sampling step 4 (k = 1), sent with that
+    # rollout; version 4, the last, in the generators' message after the last step.
+    evaluations = rows(tmp_path, eval=True)
+    assert [(r["step"], r["eval/policy_version"]) for r in evaluations] == [(1, 0), (4, 2), (4, 4)]
+    assert {r["eval/prompts"] for r in evaluations} == {15.0}  # both halves, summed
+    logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [len(r["samples"]) for r in logged] == [8, 8, 8]  # 4 samples from each generator
 
 
 def test_generator_ranks_sample_dynamically_for_dapo(tmp_path):

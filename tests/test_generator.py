@@ -54,6 +54,32 @@ def test_parameters_share_the_trainer_fqns_and_shapes(ranks):
         assert "layers.0.attention.qkv_linear.wqkv.weight" in r["generator_params"]
 
 
+def test_every_stop_id_of_the_checkpoint_ends_a_completion(ranks):
+    # generation_config.json lists <|im_end|> and <|eos|>, as Qwen3's lists two ids.
+    assert all(r["stop_token_ids"] == [4, 1] for r in ranks)
+    ends = set()
+    for r in ranks:
+        for tokens, reason in r["stopping"]:
+            # No stop id before the end; a completion that stopped ends with one.
+            assert not {4, 1} & set(tokens[:-1])
+            if reason == "stop":
+                ends.add(tokens[-1])
+            else:
+                assert reason == "length" and len(tokens) == 24
+    assert ends == {4, 1}
+
+
+def test_a_stop_string_ends_a_completion(ranks):
+    stopped = 0
+    for r in ranks:
+        for tokens, reason in r["stopped_at_five"]:
+            assert r["five_id"] not in tokens[:-1]
+            if tokens[-1] == r["five_id"]:
+                assert reason == "stop"
+                stopped += 1
+    assert stopped > 10
+
+
 def test_per_request_seeds_reproduce_samples(ranks):
     for r in ranks:
         assert r["seeded_repeat"] == r["sampled"][0]

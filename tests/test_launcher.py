@@ -54,7 +54,7 @@ def test_torchrun_wrong_flavor_for_the_checkpoint_names_the_tensor(tmp_path):
     assert result.returncode != 0
     message = (
         "error: model.hf_checkpoint = 'assets/tiny_qwen3': 'model.embed_tokens.weight' has "
-        "shape (64, 128) but model.flavor = 'debugmodel' expects (2048, 256)"
+        "shape (68, 128) but model.flavor = 'debugmodel' expects (2048, 256)"
     )
     assert result.stderr.count(message) >= 1, result.stderr[-3000:]
     assert "torchtitan_rl/" not in result.stderr

@@ -73,7 +73,7 @@ def test_wrong_flavor_names_the_first_mismatching_key_and_shapes():
     with pytest.raises(ConfigError) as e:
         trainer(flavor="debugmodel")
     message = str(e.value)
-    assert "'model.embed_tokens.weight' has shape (64, 128)" in message
+    assert "'model.embed_tokens.weight' has shape (68, 128)" in message
     assert "model.flavor = 'debugmodel' expects (2048, 256)" in message
     assert "\n" not in message
 

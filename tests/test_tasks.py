@@ -1,4 +1,4 @@
-"""Tasks and rewards: JSONL prompts, math-verify, user reward functions, the error policy.
+"""Tasks and rewards: dataset prompts, math-verify, user reward functions, the error policy.
 
 .venv/bin/python -m pytest tests/test_tasks.py
 """
@@ -12,7 +12,8 @@ from conftest import run_train
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError
-from torchtitan_rl.tasks.jsonl import JsonlTask, read_jsonl
+from torchtitan_rl.tasks import open_task
+from torchtitan_rl.tasks.dataset import DatasetKeys, DatasetTask, read_rows
 from torchtitan_rl.tasks.rewards import (
     load_reward_fn,
     math_reward,
@@ -31,12 +32,14 @@ def dataset(tmp_path) -> str:
     return str(path)
 
 
-def test_jsonl_cycles_every_row_once_per_epoch_in_seeded_order(dataset):
-    task = JsonlTask(dataset, seed=3)
+def test_a_dataset_cycles_every_row_once_per_epoch_in_seeded_order(dataset):
+    task = DatasetTask(dataset, DatasetKeys(), seed=3)
     first_epoch = [p.text for p in task.prompts(1, 5)]
     assert sorted(first_epoch) == sorted(f"what is {i}+1?" for i in range(5))
     assert task.prompts(2, 5) != task.prompts(1, 5)  # a new order in the next epoch
-    assert [p.text for p in JsonlTask(dataset, seed=3).prompts(1, 5)] == first_epoch
+    assert [
+        p.text for p in DatasetTask(dataset, DatasetKeys(), seed=3).prompts(1, 5)
+    ] == first_epoch
 
 
 @pytest.mark.parametrize(
@@ -51,8 +54,9 @@ def test_math_reward_reads_boxed_or_last_number(completion, reward):
     "content, message",
     [
         (b'{"prompt": "a", "answer": "1"}\n{"prompt": "b",\n', ":2: not a JSON object"),
-        (b'{"answer": "1"}\n', ':1: needs a string "prompt"'),
+        (b'{"answer": "1"}\n', r':1: needs a string "prompt" \(task.prompt_key\)'),
         (b'{"prompt": "  ", "answer": "1"}\n', ":1: the prompt is empty"),
+        (b'{"prompt": "a"}\n', r':1: needs an "answer" \(task.answer_key\)'),
         (b"\n\n", "has no rows"),
         (b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text"),
     ],
@@ -61,7 +65,7 @@ def test_bad_dataset_files_name_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=message):
-        read_jsonl(str(path))
+        read_rows(str(path), DatasetKeys())
 
 
 def test_user_reward_functions_load_or_say_why(monkeypatch):
@@ -76,14 +80,17 @@ def test_user_reward_functions_load_or_say_why(monkeypatch):
 
 def test_task_config_errors(dataset):
     tiny = str(REPO / "assets" / "tiny_qwen3")
-    with pytest.raises(ConfigError, match="task.name = 'jsonl' needs task.dataset_path"):
-        parse_args(["--model.hf_checkpoint", tiny, "--task.name", "jsonl"])
+    with pytest.raises(ConfigError, match="task.name = 'dataset' needs task.dataset_path"):
+        parse_args(["--model.hf_checkpoint", tiny, "--task.name", "dataset"])
+    with pytest.raises(ConfigError, match="task.dataset_path is set but task.name = 'echo_dig"):
+        parse_args(["--model.hf_checkpoint", tiny, "--task.dataset_path", dataset])
+    config = parse_args(["--model.hf_checkpoint", tiny, "--task.reward_fn", "nope:f"])
     with pytest.raises(ConfigError, match="task.reward_fn = 'nope:f': cannot import"):
-        parse_args(["--model.hf_checkpoint", tiny, "--task.reward_fn", "nope:f"])
+        open_task(config)
     config = parse_args(
-        ["--model.hf_checkpoint", tiny, "--task.name", "jsonl", "--task.dataset_path", dataset]
+        ["--model.hf_checkpoint", tiny, "--task.name", "dataset", "--task.dataset_path", dataset]
     )
-    assert config.task.name == "jsonl"
+    assert open_task(config).task.every_prompt()[0].text == "what is 0+1?"
 
 
 def test_reverse_task():
@@ -112,7 +119,7 @@ def test_a_nan_reward_stops_the_run_naming_the_step(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_a_run_on_a_jsonl_dataset_with_a_user_reward_that_raises(tmp_path):
+def test_a_run_on_a_dataset_with_a_user_reward_that_raises(tmp_path):
     rows = [{"prompt": f"echo {d}:", "answer": str(d)} for d in range(10)]
     (tmp_path / "echo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     result = train(
@@ -120,7 +127,7 @@ def test_a_run_on_a_jsonl_dataset_with_a_user_reward_that_raises(tmp_path):
         "--training.steps",
         "2",
         "--task.name",
-        "jsonl",
+        "dataset",
         "--task.dataset_path",
         str(tmp_path / "echo.jsonl"),
         "--task.reward_fn",

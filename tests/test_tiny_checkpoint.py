@@ -88,7 +88,7 @@ def test_transformers_loads_it_with_torchtitan_logits():
     with torch.no_grad():
         hf_logits = model(torch.tensor([ids])).logits[0]
     titan = torchtitan_logits(ids)
-    assert hf_logits.shape == titan.shape == (len(ids), 64)
+    assert hf_logits.shape == titan.shape == (len(ids), 68)
     torch.testing.assert_close(titan, hf_logits, rtol=1e-5, atol=1e-5)
     assert hf_logits.std() > 0.05  # real weights, not zeros
 

@@ -20,7 +20,6 @@ import pickle
 import random
 import re
 import shutil
-import sys
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 
+from torchtitan_rl import console
 from torchtitan_rl.config.job_config import CheckpointSection, ConfigError, JobConfig
 
 MANIFEST = "manifest.json"
@@ -57,7 +57,7 @@ def _reason(error: BaseException) -> str:
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    console.warn(f"warning: {message}")
 
 
 @dataclass(slots=True)
@@ -247,7 +247,7 @@ class Checkpointer:
         self.model_state.load_state_dict({k: v for k, v in states.items() if k not in _NON_MODEL})
         self.trainer.step = self.state.step
         if self.rank == 0:
-            print(f"resumed from {path}", flush=True)
+            console.say(f"resumed from {path}")
         return self.state.step
 
     def check_same_run(self, manifest: dict, path: Path) -> None:

@@ -17,6 +17,11 @@ algorithm.max_offpolicy_steps), so generators sample steps s+1..s+k while the tr
 step s; k = 0 is the synchronous loop. A generator waits for the version it needs before it
 samples; the trainer refuses a rollout older than k (StalenessError).
 
+Evaluation: each generator rank evaluates its shard of the eval set with every policy version
+that is due (eval.interval) as soon as it takes those weights, between its steps, and sends the
+result with its next rollout (the last version's in a message of its own after the last step);
+trainer rank 0 logs the sum, naming the version (eval/policy_version) at the step it arrived.
+
 Resume: trainers restore the checkpoint and broadcast its weights first. Rollouts that were in
 flight when the run stopped are discarded and regenerated: prompts and seeds are functions of
 the step, so the regenerated rollouts sample the same prompts.
@@ -35,6 +40,7 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_loss
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.evaluation import EvalShard
 from torchtitan_rl.generator.remote import RemoteGenerator
 from torchtitan_rl.rl_trainer import Hooks, RLTrainer
 from torchtitan_rl.rollouts import Rollouts
@@ -84,9 +90,12 @@ class Rollout:
     version: int
     weights_sha256: str | None
     """Digest of the generator's weights it sampled with (generator.verify_weight_sync)."""
-    rollouts: Rollouts
+    rollouts: Rollouts | None
+    """None in the message after the last step, which carries only evaluations."""
     reward_errors: int
     generate_s: float
+    evaluations: list[EvalShard]
+    """This rank's evaluations of the policy versions it took since its previous message."""
 
 
 def _buckets(params: dict[str, torch.Tensor], bucket_mb: float) -> list[list[str]]:
@@ -205,12 +214,20 @@ class GeneratorWorker(RLTrainer):
         )
 
     def take_weights(self) -> None:
+        """Receive the next policy version, and evaluate it when it is due."""
         receive_weights(self.generator, self.topology, self.config.generator.weight_sync_bucket_mb)
+        version = self.generator.policy_version
+        due = self.evaluator is not None and self.evaluator.due(version, self.last_step)
+        # A resumed run evaluated its restored version before it stopped (version 0: at_start).
+        if due and (version > self.start or self.start == 0):
+            evaluation = self.evaluator.run(self.generator, version, self.shard, self.shards)
+            self.evaluations.append(evaluation)
 
     def run(self) -> None:
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
         verify = self.config.generator.verify_weight_sync
         start = _start_step(self.topology, 0)
+        self.start, self.last_step, self.evaluations = start, steps, []
         self.take_weights()  # the starting (or restored) weights
         pending: list = []
         trainer = self.topology.trainer_of(self.rank)
@@ -228,13 +245,18 @@ class GeneratorWorker(RLTrainer):
                 rollouts=rollouts,
                 reward_errors=self.scorer.errors,
                 generate_s=time.perf_counter() - began,
+                evaluations=self.evaluations,
             )
+            self.evaluations = []
             _send(rollout, trainer, pending)
             while len(pending) > k + 1:  # what the trainer has not taken yet
                 for work in pending.pop(0)[2:]:
                     work.wait()
         while self.generator.policy_version < steps:  # the trainer's last broadcasts
             self.take_weights()
+        if self.evaluator is not None:  # the trainer waits for it: the last version's eval
+            last = Rollout(steps + 1, steps, None, None, self.scorer.errors, 0.0, self.evaluations)
+            _send(last, trainer, pending)
         for *_, size_sent, data_sent in pending:
             size_sent.wait()
             data_sent.wait()
@@ -295,8 +317,21 @@ class DisaggregatedTrainer(RLTrainer):
             if self.checkpointer.should_save(step, last=step == steps):
                 self.checkpointer.save(step)
             self.checkpointer.poll()
+        if self.evaluator is not None:
+            self.log_evaluations(steps, [_receive(src) for src in self.sources])
         self.checkpointer.close()
         self.metrics.close()
+
+    def log_evaluations(self, step: int, messages: list[Rollout]) -> None:
+        """Sum the evaluations the generators sent with `messages` over every trainer rank
+        (each generator evaluates the same versions at the same point of its loop), and log
+        them at `step`, one row per version."""
+        by_version: dict[int, list[EvalShard]] = {}
+        for message in messages:
+            for evaluation in message.evaluations:
+                by_version.setdefault(evaluation.version, []).append(evaluation)
+        for version in sorted(by_version):
+            self.log_eval(step, by_version[version])
 
     def receive(self, step: int) -> list[Rollout]:
         rollouts: list[Rollout] = [_receive(src) for src in self.sources]
@@ -316,6 +351,7 @@ class DisaggregatedTrainer(RLTrainer):
         start = time.perf_counter()
         rollouts = self.receive(step)
         received = time.perf_counter()
+        self.log_evaluations(step, rollouts)
         joined = Rollouts.cat([r.rollouts for r in rollouts])
         learned = self.learn(step, joined)
         trained = time.perf_counter()

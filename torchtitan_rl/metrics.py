@@ -1,5 +1,5 @@
 """Per-step metrics: metrics.jsonl (rank 0), TensorBoard, a console line, a progress bar,
-a reward curve, and sampled rollouts (rollouts.jsonl).
+a reward curve, sampled rollouts (rollouts.jsonl), and the summary a finished run ends with.
 
     .venv/bin/python -m pytest tests/test_rl_trainer.py
 
@@ -11,9 +11,10 @@ time/weight_sync_s, time/step_s, throughput/generated_tokens_per_s.
 
 import json
 import os
-import sys
 import uuid
 from pathlib import Path
+
+from torchtitan_rl import console
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward {:.3f}"),
@@ -47,6 +48,7 @@ class MetricsLogger:
         self.log_interval = log_interval
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.rollouts_path = Path(dump_folder) / "rollouts.jsonl"
+        self.eval_path = Path(dump_folder) / "eval.jsonl"
         self.bar = None
         self.tensorboard = None
         self.wandb = None
@@ -54,6 +56,7 @@ class MetricsLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _keep_rows_until(self.path, resume_step)
             _keep_rows_until(self.rollouts_path, resume_step)
+            _keep_rows_until(self.eval_path, resume_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -63,10 +66,11 @@ class MetricsLogger:
             if wandb_project is not None:
                 self.wandb = _wandb_run(Path(dump_folder), wandb_project, run_config or {})
             # A bar only where someone watches: not under CI, not into a file.
-            if sys.stderr.isatty() and not os.environ.get("CI"):
+            terminal = console.terminal()
+            if terminal.isatty() and not os.environ.get("CI"):
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total_steps, desc="steps", unit="step")
+                self.bar = tqdm(total=total_steps, desc="steps", unit="step", file=terminal)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -85,9 +89,38 @@ class MetricsLogger:
             parts = [fmt.format(metrics[key]) for key, fmt in CONSOLE_KEYS if key in metrics]
             line = f"step {step:4d} | " + " | ".join(parts)
             if self.bar is not None:
-                self.bar.write(line)
+                # The bar steps aside while the line is written, then redraws below it.
+                with self.bar.external_write_mode(file=self.bar.fp):
+                    console.say(line)
             else:
-                print(line, flush=True)
+                console.say(line)
+
+    def log_eval(self, step: int, metrics: dict[str, float], samples: list[dict]) -> None:
+        """An evaluation of the policy after `step` (eval/policy_version names the version it
+        evaluated): a row of its own in metrics.jsonl, its samples in eval.jsonl, a console
+        line."""
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        with self.eval_path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics, "samples": samples}) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        passes = [f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/pass@")]
+        line = (
+            f"eval {step:4d} | accuracy {metrics['eval/accuracy']:.3f} | "
+            + " | ".join(passes + [f"len {metrics['eval/response_length']:.1f}"])
+            + f" | policy version {int(metrics['eval/policy_version'])}"
+        )
+        if self.bar is not None:
+            with self.bar.external_write_mode(file=self.bar.fp):
+                console.say(line)
+        else:
+            console.say(line)
 
     def log_rollouts(self, step: int, samples: list[dict]) -> None:
         """Append sampled prompts, completions, rewards and per-token logprob diffs."""
@@ -105,6 +138,51 @@ class MetricsLogger:
             self.wandb.finish()
         if self.enabled:
             plot_reward_curve(self.path, self.path.with_name("reward_curve.png"))
+
+
+def summary(dump_folder: Path, *, wall_s: float, log: Path | None, checkpoints: Path) -> list[str]:
+    """The lines a finished run ends with: how far it got, its first and last mean reward, its
+    last eval accuracy (if it logged one), and where its outputs are; no rows, no lines."""
+    metrics_path = dump_folder / "metrics.jsonl"
+    rows = _rows(metrics_path)
+    rewarded = [row for row in rows if "reward/mean" in row]
+    if not rewarded:
+        return []
+    first, last = rewarded[0], rewarded[-1]
+    lines = [
+        f"done: trained to step {last['step']} in {wall_s:.0f} s | reward/mean "
+        f"{first['reward/mean']:.3f} at step {first['step']} -> {last['reward/mean']:.3f} at "
+        f"step {last['step']}"
+    ]
+    evaluated = [row for row in rows if "eval/accuracy" in row]
+    if evaluated:
+        row = evaluated[-1]
+        lines.append(f"eval/accuracy {row['eval/accuracy']:.3f} at step {row['step']}")
+    lines.append(f"metrics:     {metrics_path}")
+    curve = metrics_path.with_name("reward_curve.png")
+    if curve.is_file():
+        lines.append(f"reward plot: {curve}")
+    plot = f".venv/bin/python scripts/plot_metrics.py {metrics_path} -o {dump_folder}/curves.png"
+    lines.append(f"all curves:  {plot}")
+    if log is not None:
+        others = " (other ranks: run.rank<N>.log)" if any(log.parent.glob("run.rank*.log")) else ""
+        lines.append(f"library log: {log}{others}")
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        lines.append(f"checkpoints: {checkpoints}")
+    if (dump_folder / "hf").is_dir():
+        lines.append(f"HF export:   {dump_folder / 'hf'}")
+    return lines
+
+
+def _rows(path: Path) -> list[dict]:
+    """The rows of a JSONL file (none if it is missing; a line cut short is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def _wandb_run(dump_folder: Path, project: str, run_config: dict):
@@ -140,19 +218,31 @@ def _keep_rows_until(path: Path, step: int) -> None:
 
 
 def plot_reward_curve(metrics_path: Path, out: Path) -> None:
-    """Mean reward per step from metrics.jsonl, as a PNG."""
+    """Mean reward per step from metrics.jsonl, and held-out eval accuracy where the run
+    evaluated, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
-    if not rows:
+    rows = _rows(metrics_path)
+    trained = [r for r in rows if "reward/mean" in r]
+    evaluated = [r for r in rows if "eval/accuracy" in r]
+    if not trained and not evaluated:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["reward/mean"] for r in rows], marker=".")
+    ax.plot(
+        [r["step"] for r in trained],
+        [r["reward/mean"] for r in trained],
+        ".-",
+        label="train reward",
+    )
+    if evaluated:
+        steps = [r["step"] for r in evaluated]
+        ax.plot(steps, [r["eval/accuracy"] for r in evaluated], "o-", label="eval accuracy")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     fig.tight_layout()

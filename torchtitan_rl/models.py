@@ -29,7 +29,7 @@ def _qwen3_tiny(attn_backend: str):
     )
     from torchtitan.models.qwen3.model import Qwen3Model
 
-    dim, head_dim, vocab_size = 128, 32, 64
+    dim, head_dim, vocab_size = 128, 32, 68
     return Qwen3Model.Config(
         vocab_size=vocab_size,
         dim=dim,
@@ -65,7 +65,7 @@ def _llama3_tiny(attn_backend: str):
     )
     from torchtitan.models.llama3.model import Llama3Model
 
-    dim, n_heads, vocab_size = 128, 4, 64
+    dim, n_heads, vocab_size = 128, 4, 68
     return Llama3Model.Config(
         dim=dim,
         vocab_size=vocab_size,

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tokenizers import Tokenizer
 
-from torchtitan_rl import batch_invariant, platform
+from torchtitan_rl import batch_invariant, console, platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.algorithms.losses import kl_penalty
 from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
+from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
 from torchtitan_rl.batch import RolloutBatch, rollout_batch
 from torchtitan_rl.checkpoint import (
     Checkpointer,
@@ -28,12 +28,13 @@ from torchtitan_rl.checkpoint import (
     export_hf,
     run_facts,
 )
-from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.evaluation import EvalShard, Evaluator
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.rollouts import Rollouts, fill_informative
-from torchtitan_rl.tasks import Prompt, build_task
-from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn
+from torchtitan_rl.tasks import Prompt, open_task
+from torchtitan_rl.tasks.rewards import RewardError
 from torchtitan_rl.trainer.policy_trainer import (
     NonFiniteError,
     PolicyTrainer,
@@ -124,21 +125,25 @@ class RLTrainer:
         )
 
     def build_task(self) -> None:
-        """Tokenizer, prompts, rewards and advantages."""
+        """Prompts, their renderer, rewards, advantages and the evaluator; every dataset row is
+        read and rendered here (tasks.open_task)."""
         config = self.config
-        self.tokenizer = Tokenizer.from_file(
-            str(Path(config.model.tokenizer_dir) / "tokenizer.json")
-        )
+        opened = open_task(config)
+        self.task, self.renderer, self.scorer = opened.task, opened.renderer, opened.scorer
         # Padding follows every real token of a right-padded causal batch and is masked out of
         # the loss, so any valid id serves.
         self.pad_id = 0
-        self.task = build_task(config.task, seed=config.job.seed)
-        reward_fn = load_reward_fn(config.task.reward_fn) if config.task.reward_fn else None
-        self.scorer = Scorer(
-            self.task, reward_fn, config.task.reward_on_error, config.task.reward_timeout_s
-        )
         self.advantage = build_advantage(config.algorithm.advantage)
-        self.encode(self.task.every_prompt())  # the longest prompt fits, or one line says not
+        self.evaluator = None
+        if opened.eval_prompts:
+            self.evaluator = Evaluator(
+                config.eval,
+                opened.eval_prompts,
+                self.renderer,
+                self.scorer,
+                seed=config.job.seed,
+                max_tokens=config.generator.sampling.max_tokens,
+            )
 
     def build_metrics(self, enabled: bool) -> None:
         config = self.config
@@ -164,8 +169,12 @@ class RLTrainer:
 
     def train(self) -> None:
         steps = self.config.training.steps
+        if self.evaluator is not None and self.start_step == 0 and self.evaluator.due(0, steps):
+            self.evaluate(0)
         for step in range(self.start_step + 1, steps + 1):
             self.train_step(step)
+            if self.evaluator is not None and self.evaluator.due(step, steps):
+                self.evaluate(step)
             self.state.step = step
             self.state.policy_version = self.generator.policy_version
             self.state.reward_errors = self.scorer.errors
@@ -176,6 +185,20 @@ class RLTrainer:
         if self.config.checkpoint.export_hf_at_end:
             self.export_hf(Path(self.config.job.dump_folder) / "hf")
         self.metrics.close()
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the generator's policy (the weights after `step`) on every rank's shard of
+        the eval set; rank 0 logs eval/* to metrics.jsonl and samples to eval.jsonl."""
+        result = self.evaluator.run(self.generator, step, self.shard, self.shards)
+        return self.log_eval(step, [result])
+
+    def log_eval(self, step: int, shards: list[EvalShard]) -> dict[str, float]:
+        """Sum the evaluations `shards` (this rank's) over the ranks, and log them at `step`."""
+        result = EvalShard.merge(shards)
+        result.all_reduce(self.group)
+        metrics = result.metrics()
+        self.metrics.log_eval(step, metrics, result.samples)
+        return metrics
 
     def export_hf(self, out: Path) -> None:
         """The current policy as an HF safetensors folder (every rank calls; rank 0 writes)."""
@@ -188,7 +211,7 @@ class RLTrainer:
             out,
         )
         if self.rank == 0:
-            print(f"exported the policy to {out}", flush=True)
+            console.say(f"exported the policy to {out}")
 
     def train_step(self, step: int) -> dict[str, float]:
         self.hooks.before_step(step)
@@ -232,7 +255,7 @@ class RLTrainer:
         for round in range(algorithm.max_generation_rounds):
             prompts = self.my_prompts(step, round)
             completions = self.generator.generate(
-                self.encode(prompts), seed=self.sampling_seed(step, round)
+                self.renderer.encode(prompts), seed=self.sampling_seed(step, round)
             )
             began = time.perf_counter()
             rewards_PN = self.score(step, prompts, completions)
@@ -255,7 +278,16 @@ class RLTrainer:
             shares = platform.all_gather_objects(rollouts, group=self.trainer.tp_group)
             rollouts = Rollouts.cat(shares)
         completions = rollouts.completions
-        rewards_PN = rollouts.rewards_PN
+        truncated_PN = rollouts.truncated_PN()
+        sampling = self.config.generator.sampling
+        rewards_PN = overlong_rewards(
+            rollouts.rewards_PN,
+            rollouts.lengths_PN(),
+            truncated_PN,
+            algorithm.overlong,
+            sampling.max_tokens,
+            algorithm.overlong_buffer,
+        )
         batch = rollout_batch(
             completions.prompts,
             [[s.token_ids for s in group] for group in completions.samples],
@@ -271,10 +303,10 @@ class RLTrainer:
                 penalty_B, metrics["kl"] = self.kl_in_reward(batch)
                 rewards_PN = rewards_PN - algorithm.kl_beta * penalty_B.view_as(rewards_PN)
         batch.advantages_B = self.advantage(rewards_PN).reshape(-1).float()
+        keep_PN = overlong_keep_PN(truncated_PN, algorithm.overlong)
         if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:
-            keep_P = ~rollouts.zero_variance_P()
-            n = rewards_PN.shape[1]
-            batch.loss_mask_BT = batch.loss_mask_BT * keep_P.repeat_interleave(n)[:, None]
+            keep_PN = keep_PN & ~rollouts.zero_variance_P()[:, None]
+        batch.loss_mask_BT = batch.loss_mask_BT * keep_PN.reshape(-1, 1)
         old_BT, results = self.update(step, batch)
         batch = batch.to(old_BT.device)
         metrics |= self.logprob_diff(step, batch, old_BT) | self.train_summary(results)
@@ -344,24 +376,6 @@ class RLTrainer:
         prompts = self.task.prompts(step, per_shard * self.shards, round)
         return prompts[self.shard * per_shard : (self.shard + 1) * per_shard]
 
-    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
-        ids = [self.tokenizer.encode(p.text).ids for p in prompts]
-        limit = self.config.training.max_prompt_len
-        for prompt, tokens in zip(prompts, ids, strict=True):
-            where = f"{prompt.source}: " if prompt.source else ""
-            if not tokens:
-                raise ConfigError(
-                    f"{where}prompt {prompt.text[:40]!r} encodes to no tokens with "
-                    f"{self.config.model.tokenizer_dir}/tokenizer.json: fix the prompt or "
-                    "use the tokenizer the model was trained with"
-                )
-            if len(tokens) > limit:
-                raise ConfigError(
-                    f"{where}prompt {prompt.text[:40]!r} has {len(tokens)} tokens, more than "
-                    f"training.max_prompt_len = {limit}: raise it or shorten the prompt"
-                )
-        return ids
-
     def sampling_seed(self, step: int, round: int = 0) -> int:
         # Per-request seeds: samples depend on (seed, step, shard, prompt), not on batching.
         # Each (step, shard) owns 2**20 consecutive seeds, one per sample (Generator.generate);
@@ -373,7 +387,7 @@ class RLTrainer:
     def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
         """Rewards [P, N] of every sample; a NaN/inf reward stops the run."""
         rewards = [
-            [self.scorer(prompt, self.tokenizer.decode(s.token_ids)) for s in group]
+            [self.scorer(prompt, self.renderer.decode(s.token_ids)) for s in group]
             for prompt, group in zip(prompts, completions.samples, strict=True)
         ]
         rewards_PN = torch.tensor(rewards, dtype=torch.float32)
@@ -416,7 +430,7 @@ class RLTrainer:
         if self.config.batch_invariant_on_mismatch == "fail":
             raise InvarianceError(message)
         if len(differing):
-            print(f"warning: {message}", flush=True)
+            console.say(f"warning: {message}")
 
     def log_rollouts(
         self,
@@ -439,8 +453,8 @@ class RLTrainer:
             diffs = trainer_logprobs_BT[row][sampled] - batch.generator_logprobs_BT[row][sampled]
             samples.append(
                 {
-                    "prompt": prompt.text,
-                    "completion": self.tokenizer.decode(sample.token_ids),
+                    "prompt": self.renderer.text(prompt),
+                    "completion": self.renderer.decode(sample.token_ids),
                     "reward": float(rollouts.rewards_PN[p, 0]),
                     "token_ids": sample.token_ids,
                     "generator_logprobs": sample.logprobs,
@@ -467,11 +481,13 @@ class RLTrainer:
                 float(rollouts.parts),
                 float(rollouts.generated_groups or len(rollouts)),
                 float(rollouts.short_groups),
+                float(rollouts.truncated_PN().sum()),
             ],
             dtype=torch.float64,
         )
         platform.all_reduce_host(sums, group=self.group)
-        reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rounds = sums.tolist()
+        reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
+        *rounds, truncated = rest
         mean = reward_sum / samples
         if self.config.algorithm.dynamic_sampling:
             rounds_sum, parts, generated, short = rounds
@@ -486,6 +502,7 @@ class RLTrainer:
             "reward/mean": mean,
             "reward/std": max(reward_sq / samples - mean**2, 0.0) ** 0.5,
             "response_length/mean": tokens / samples,
+            "response/truncated_fraction": truncated / samples,
             "zero_variance_groups/fraction": flat_groups / groups,
             "reward/errors": errors,
             "generated_tokens": tokens,

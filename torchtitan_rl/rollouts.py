@@ -36,6 +36,15 @@ class Rollouts:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def lengths_PN(self) -> torch.Tensor:
+        """Tokens of each sample (a sampled stop token included)."""
+        return torch.tensor([[len(s.token_ids) for s in g] for g in self.completions.samples])
+
+    def truncated_PN(self) -> torch.Tensor:
+        """True for each sample cut by max_tokens (finish_reason "length")."""
+        samples = self.completions.samples
+        return torch.tensor([[s.finish_reason == "length" for s in g] for g in samples])
+
     def zero_variance_P(self) -> torch.Tensor:
         """True for each group whose rewards are all equal: no learning signal."""
         return zero_variance_P(self.rewards_PN)

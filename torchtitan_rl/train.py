@@ -4,17 +4,23 @@
     python -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml --job.dry_run
 
 Config errors exit with code 2 and one line on stderr. A real run writes the resolved config to
-{job.dump_folder}/config.toml and trains (torchtitan_rl/rl_trainer.py).
+{job.dump_folder}/config.toml and trains (torchtitan_rl/rl_trainer.py); library output goes to
+{job.dump_folder}/run.log unless job.verbose (torchtitan_rl/console.py), and rank 0 ends with a
+summary of the run.
 """
 
 import os
 import shutil
 import sys
+import time
+import traceback
 from pathlib import Path
 
-from torchtitan_rl import platform
+from torchtitan_rl import console, platform
 from torchtitan_rl.config import ConfigError, parse_args, to_toml
 from torchtitan_rl.config.manager import write_config
+from torchtitan_rl.metrics import summary
+from torchtitan_rl.tasks import open_task
 
 # Room a run needs besides checkpoints: metrics, TensorBoard, rollouts, an HF export.
 MIN_FREE_BYTES = 256 * 2**20
@@ -51,13 +57,17 @@ def check_dump_folder(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = parse_args(argv, world_size)
+        # Every dataset row, rendered prompt and the reward function, before anything is
+        # built (a dry run checks them too); the run opens the task again.
+        open_task(config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(f"error: {e}")
         return 2
     if config.job.dry_run:
         if rank == 0:
@@ -67,8 +77,45 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_dump_folder(config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(f"error: {e}")
         return 2
+    # Before torch.distributed and vLLM are imported: most of their chatter starts there.
+    if not config.job.verbose:
+        log = console.redirect(config.job.dump_folder, rank)
+        if rank == 0:
+            # The engine takes a while to start; say where its output goes meanwhile.
+            console.say(f"starting: library output goes to {log} (--job.verbose shows it here)")
+    try:
+        code = run(config)
+    except Exception:
+        report_crash()
+        return 1
+    if code == 0 and rank == 0:
+        say_summary(config, time.monotonic() - start)
+    return code
+
+
+def report_crash() -> None:
+    """An exception that is not one of ours: its whole traceback on the console and in the
+    log, then where the library output around it is."""
+    console.error(traceback.format_exc().rstrip())
+    if console.log_path() is not None:
+        console.error(f"see {console.log_path()} for library output")
+
+
+def say_summary(config, wall_s: float) -> None:
+    """The closing lines of a finished run (rank 0, which writes the metrics)."""
+    dump = Path(config.job.dump_folder)
+    lines = summary(
+        dump, wall_s=wall_s, log=console.log_path(), checkpoints=dump / config.checkpoint.folder
+    )
+    for line in lines:
+        console.say(line)
+
+
+def run(config) -> int:
+    """Join the torchrun world and train; returns the exit code (2: a config error, 1: the run
+    stopped, each after one line on stderr)."""
     platform.patch_torchtitan()
     rank, world_size = platform.init_distributed()
     from torchtitan_rl.rl_trainer import RLTrainer, StopRun
@@ -84,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             RLTrainer(config).train()
     except ConfigError as e:
         # Every rank meets the same config error; torchrun collects the exit codes.
-        print(f"error: {e}", file=sys.stderr)
+        console.error(f"error: {e}")
         return 2
     except StopRun as e:
         # A non-finite value, a failing reward function, a bad weight copy: stop, say why.
-        print(f"error: {e}", file=sys.stderr)
+        console.error(f"error: {e}")
         return 1
     platform.shutdown_distributed()
     return 0

@@ -93,7 +93,7 @@ def model_flops(trainer: RLTrainer, rows: list[dict]) -> float:
     params = sum(p.numel() for p in trainer.trainer.named_parameters().values())
     n = trainer.config.generator.sampling.n
     prompts = trainer.task.prompts(1, trainer.config.training.prompts_per_step)
-    prompt_tokens = sum(len(ids) for ids in trainer.encode(prompts)) * n
+    prompt_tokens = sum(len(ids) for ids in trainer.renderer.encode(prompts)) * n
     generated = statistics.median(r["generated_tokens"] for r in rows)
     return 2 * params * (prompt_tokens + generated) + 6 * params * (prompt_tokens + generated)
 

@@ -130,7 +130,7 @@ def measure(flags: list[str]) -> int:
     generator_params = list(trainer.generator.named_parameters().values())
     copy_s = max(platform.all_gather_objects(memcpy_seconds(generator_params)))
     params = sum(p.numel() for p in trainer.trainer.named_parameters().values())
-    prompt_tokens = len(trainer.encode(trainer.my_prompts(1))[0])
+    prompt_tokens = len(trainer.renderer.encode(trainer.my_prompts(1))[0])
     platform.shutdown_distributed()
     if rank != 0:
         return 0

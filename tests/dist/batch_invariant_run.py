@@ -39,7 +39,7 @@ def max_diff(
 ) -> tuple[float, list]:
     """Sample n completions of each prompt in one generate call; the largest |generator -
     trainer| logprob over every sampled token (all ranks), and the first sample's logprobs."""
-    ids = [run.tokenizer.encode(p).ids for p in prompts]
+    ids = [run.renderer.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     completions = run.generator.generate(ids, n=n, max_tokens=max_tokens, seed=seed)
     batch = rollout_batch(
         ids,
@@ -78,7 +78,9 @@ def main() -> None:
             "alone": alone_diff,
             "among_16": crowd_diff,
             "alone_equals_among_16": alone_logprobs == crowd_logprobs,
-            "longest_prompt_tokens": len(run.tokenizer.encode(mixed[-1]).ids),
+            "longest_prompt_tokens": len(
+                run.renderer.tokenizer.encode(mixed[-1], add_special_tokens=False)
+            ),
         }
         with open(out, "w") as f:
             json.dump(result, f)

@@ -38,7 +38,12 @@ def main() -> None:
     run = RLTrainer(parse_args(flags, world_size))
     prompts = [f"echo {str(7 ** (200 + i))[:95]}:" for i in range(8)]
     diff, _ = max_diff(run, prompts, seed=3, n=4, max_tokens=50)
-    long_prompts = [run.tokenizer.encode(f"echo {str(3 ** (400 + i))[:195]}:").ids for i in range(12)]
+    long_prompts = [
+        run.renderer.tokenizer.encode(
+            f"echo {str(3 ** (400 + i))[:195]}:", add_special_tokens=False
+        )
+        for i in range(12)
+    ]
     together = run.generator.generate(long_prompts, n=1, max_tokens=4, seed=5)
     alone = run.generator.generate(long_prompts[:1], n=1, max_tokens=4, seed=5)
     result = {

@@ -88,6 +88,13 @@ def main() -> None:
     trainer_params = {k: tuple(v.shape) for k, v in trainer.named_parameters().items()}
     generator.reset_prefix_cache()
     again = generator.generate(prompts[:1], n=3, temperature=TEMPERATURE, max_tokens=12, seed=7)
+    # The random tiny model emits each of its 68 ids at about the same rate: over 128 samples
+    # of 24 tokens both stop ids of generation_config.json come up.
+    stopping = generator.generate(prompts, n=64, temperature=1.5, max_tokens=24, seed=11)
+    # A stop string (generator.sampling.stop) ends a completion too; the id "5" encodes to.
+    generator.config.sampling.stop = ["5"]
+    five = generator.generate(prompts, n=32, temperature=1.5, max_tokens=24, seed=12)
+    generator.config.sampling.stop = []
 
     torch.save(
         {
@@ -102,6 +109,10 @@ def main() -> None:
             "generator_params": generator_params,
             "trainer_params": trainer_params,
             "seeded_repeat": [s.token_ids for s in again.samples[0]],
+            "stop_token_ids": generator.stop_token_ids,
+            "stopping": [(s.token_ids, s.finish_reason) for g in stopping.samples for s in g],
+            "five_id": generator.engine.get_tokenizer().convert_tokens_to_ids("5"),
+            "stopped_at_five": [(s.token_ids, s.finish_reason) for g in five.samples for s in g],
             "torch_distributed_usable": dist.is_initialized() and dist.get_world_size() == world,
         },
         out / f"rank{rank}.pt",

@@ -32,6 +32,9 @@ class JobSection:
     """Seed for torch, python and numpy RNGs and the generator's sampling."""
     dry_run: bool = False
     """Parse and validate, print the resolved config as TOML, build nothing, exit 0."""
+    verbose: bool = False
+    """Show library output (vLLM, torch, warnings) on the console too; by default it goes only
+    to {dump_folder}/run.log and the console shows this project's lines and errors."""
 
     def validate(self) -> None:
         _require(self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0")
@@ -222,10 +225,19 @@ class SamplingSection:
     top_p: float = 1.0
     """Nucleus sampling probability mass, in (0, 1]."""
     max_tokens: int = 16
-    """Most tokens generated per sample."""
+    """Most tokens generated per sample; a completion cut here has finish_reason "length"
+    (algorithm.overlong says what happens to it)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion, besides the checkpoint's stop ids (every eos_token_id of
+    its generation_config.json, e.g. Qwen3's <|im_end|> and <|endoftext|>)."""
 
     def validate(self) -> None:
         _require(self.n >= 1, f"generator.sampling.n = {self.n}: must be >= 1")
+        _require(
+            all(self.stop),
+            f"generator.sampling.stop = {self.stop!r}: an empty string would stop at once; "
+            "remove it",
+        )
         _require(
             self.temperature > 0,
             f"generator.sampling.temperature = {self.temperature}: RL samples from the policy, "
@@ -388,9 +400,30 @@ class AlgorithmSection:
     """Disaggregated placement: generators may sample with weights up to this many optimizer
     steps old (policy age <= k), generating steps s+1..s+k while the trainer trains step s;
     0 is the synchronous loop. algorithm.offpolicy_correction corrects the loss for it."""
+    overlong: Literal["keep", "zero_reward", "mask", "soft_penalty"] = "keep"
+    """Completions cut by generator.sampling.max_tokens (finish_reason "length"): keep them
+    as scored; give them reward 0; mask them out of the loss (DAPO's overlong filtering; they
+    still count in their group's advantages); or soft_penalty: DAPO's overlong reward shaping,
+    every sample of length L > max_tokens - overlong_buffer loses
+    (L - (max_tokens - overlong_buffer)) / overlong_buffer, up to 1 at max_tokens."""
+    overlong_buffer: int | None = None
+    """The soft_penalty's buffer in tokens (DAPO's L_cache). Unset: max_tokens // 4."""
 
-    def validate(self) -> None:
-        """Check the values, then fill the fields left unset from algorithm.loss's preset."""
+    def validate(self, max_tokens: int = 16) -> None:
+        """Check the values, then fill the fields left unset from algorithm.loss's preset
+        (`max_tokens`: generator.sampling.max_tokens, for the overlong buffer)."""
+        if self.overlong == "soft_penalty" and self.overlong_buffer is None:
+            self.overlong_buffer = max(1, max_tokens // 4)
+        _require(
+            self.overlong_buffer is None or self.overlong == "soft_penalty",
+            f"algorithm.overlong_buffer = {self.overlong_buffer} has no effect with overlong = "
+            f"{self.overlong!r}: set algorithm.overlong = 'soft_penalty', or unset it",
+        )
+        _require(
+            self.overlong_buffer is None or 1 <= self.overlong_buffer <= max_tokens,
+            f"algorithm.overlong_buffer = {self.overlong_buffer}: must be in 1.."
+            f"generator.sampling.max_tokens = {max_tokens}",
+        )
         for name, value in LOSS_PRESETS[self.loss].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -445,13 +478,30 @@ class AlgorithmSection:
 
 @dataclass(kw_only=True, slots=True)
 class TaskSection:
-    name: Literal["echo_digits", "reverse_digits", "jsonl"] = "echo_digits"
-    """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'), or jsonl:
-    the rows of task.dataset_path, scored by math-verify."""
+    name: Literal["echo_digits", "reverse_digits", "dataset"] = "echo_digits"
+    """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'), or
+    dataset: the rows of task.dataset_path, scored by math-verify."""
     num_digits: int = 1
     """Digits per prompt (echo_digits, reverse_digits)."""
     dataset_path: str | None = None
-    """JSONL file of {"prompt": ..., "answer": ...} rows (task.name = jsonl)."""
+    """A local JSONL, JSON or Parquet file, or a folder of such shards (task.name = dataset)."""
+    prompt_key: str = "prompt"
+    """The row's prompt string, rendered as the user message."""
+    messages_key: str | None = None
+    """The row's chat messages ([{"role", "content"}, ...]) instead of a prompt string."""
+    answer_key: str = "answer"
+    """The row's answer, which the reward compares the completion with."""
+    answer_format: Literal["raw", "gsm8k"] = "raw"
+    """raw: the answer as it is; gsm8k: what follows '####' in the answer (GSM8K's solutions)."""
+    chat_template: bool | None = None
+    """Render prompts with the checkpoint's chat template (transformers' apply_chat_template);
+    false: the prompt text as is. Unset: the template for task.name = dataset when the
+    checkpoint has one, raw text for the toy tasks."""
+    system_prompt: str | None = None
+    """System message put before each prompt's messages (needs the chat template)."""
+    enable_thinking: bool | None = None
+    """Passed to the chat template (Qwen3: false renders an empty think block, so the model
+    answers without reasoning); unset: the template's default."""
     reward_fn: str | None = None
     """Custom reward `module:function(prompt, completion, answer) -> float`; None: the task's."""
     reward_on_error: Literal["zero", "fail"] = "zero"
@@ -462,32 +512,70 @@ class TaskSection:
     disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
 
     def validate(self) -> None:
+        """Values only; the dataset, its rows and the reward function are checked when the task
+        is opened (tasks.open_task), before any model is built."""
         _require(self.num_digits >= 1, f"task.num_digits = {self.num_digits}: must be >= 1")
         _require(
             self.reward_timeout_s >= 0,
             f"task.reward_timeout_s = {self.reward_timeout_s}: must be >= 0 (0: no limit)",
         )
         _require(
-            self.name != "jsonl" or self.dataset_path is not None,
-            "task.name = 'jsonl' needs task.dataset_path: a JSONL file of "
-            '{"prompt": ..., "answer": ...} rows',
+            self.name != "dataset" or self.dataset_path is not None,
+            "task.name = 'dataset' needs task.dataset_path: a JSONL, JSON or Parquet file (or "
+            'a folder of them) of {"prompt": ..., "answer": ...} rows',
         )
         _require(
-            self.dataset_path is None or os.path.isfile(self.dataset_path),
-            f"task.dataset_path = {self.dataset_path!r}: no such file",
+            self.dataset_path is None or self.name == "dataset",
+            f"task.dataset_path is set but task.name = {self.name!r} does not read it: set "
+            "task.name = 'dataset', or unset task.dataset_path",
+        )
+        _require(
+            self.dataset_path is None or os.path.exists(self.dataset_path),
+            f"task.dataset_path = {self.dataset_path!r}: no such file or folder",
         )
         _require(
             self.reward_fn is None or self.reward_fn.count(":") == 1,
             f"task.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
         )
-        if self.reward_fn is not None:
-            from torchtitan_rl.tasks.rewards import load_reward_fn
 
-            load_reward_fn(self.reward_fn)  # fails here, not at the first step
-        if self.dataset_path is not None:
-            from torchtitan_rl.tasks.jsonl import read_jsonl
 
-            read_jsonl(self.dataset_path)
+@dataclass(kw_only=True, slots=True)
+class EvalSection:
+    dataset_path: str | None = None
+    """Held-out dataset to evaluate on (as task.dataset_path, read with the task's keys, chat
+    template and reward); None: no evaluation."""
+    interval: int = 0
+    """Evaluate every this many steps (and after the last); 0: only at the start and the end."""
+    at_start: bool = True
+    """Evaluate the starting policy before the first step (not when resuming)."""
+    n: int = 1
+    """Samples per prompt; eval/accuracy is their mean (mean@n), eval/pass@k for k = 1, 2, 4,
+    ... <= n uses the unbiased estimator."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy decoding (then n must be 1)."""
+    max_tokens: int | None = None
+    """Most tokens per completion; unset: generator.sampling.max_tokens."""
+    log_samples: int = 4
+    """Prompts, completions and rewards of this many prompts written to eval.jsonl each time."""
+
+    def validate(self) -> None:
+        for name in ("interval", "log_samples"):
+            _require(getattr(self, name) >= 0, f"eval.{name} = {getattr(self, name)}: must be >= 0")
+        _require(self.n >= 1, f"eval.n = {self.n}: must be >= 1")
+        _require(self.temperature >= 0, f"eval.temperature = {self.temperature}: must be >= 0")
+        _require(
+            self.temperature > 0 or self.n == 1,
+            f"eval.n = {self.n} with eval.temperature = 0: greedy samples are all the same; "
+            "set eval.n = 1, or a temperature > 0",
+        )
+        _require(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"eval.max_tokens = {self.max_tokens}: must be >= 1",
+        )
+        _require(
+            self.dataset_path is None or os.path.exists(self.dataset_path),
+            f"eval.dataset_path = {self.dataset_path!r}: no such file or folder",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -586,6 +674,7 @@ class JobConfig:
     generator: GeneratorSection = field(default_factory=GeneratorSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     task: TaskSection = field(default_factory=TaskSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
@@ -657,8 +746,9 @@ class JobConfig:
         generators = self._validate_placement(world_size)
         self.parallelism.validate(world_size - generators)
         self.generator.validate(generators or world_size)
-        self.algorithm.validate()
+        self.algorithm.validate(self.generator.sampling.max_tokens)
         self.task.validate()
+        self.eval.validate()
         self.checkpoint.validate()
         self.metrics.validate()
 
@@ -671,10 +761,17 @@ class JobConfig:
         if self.batch_invariant:
             self._validate_batch_invariant()
         self._validate_heads()
-        longest = self.training.max_prompt_len + self.generator.sampling.max_tokens
+        _require(
+            self.eval.dataset_path is None or self.task.name == "dataset",
+            f"eval.dataset_path is set but task.name = {self.task.name!r}: evaluation reads "
+            "its rows like the task's dataset; set task.name = 'dataset', or unset it",
+        )
+        most_tokens = max(self.generator.sampling.max_tokens, self.eval.max_tokens or 0)
+        longest = self.training.max_prompt_len + most_tokens
         _require(
             longest <= self.generator.max_model_len,
-            f"training.max_prompt_len + generator.sampling.max_tokens = {longest} exceeds "
+            f"training.max_prompt_len + generator.sampling.max_tokens (or eval.max_tokens) = "
+            f"{longest} exceeds "
             f"generator.max_model_len = {self.generator.max_model_len}: raise max_model_len "
             "or lower one of them",
         )

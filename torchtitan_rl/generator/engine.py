@@ -72,6 +72,19 @@ def check_tokenizer_fits(model: ModelSection) -> None:
         )
 
 
+def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
+    """Every id that ends a completion for the checkpoint: the eos_token_id of its
+    generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
+    of its config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(hf_checkpoint) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
 def _kv_cache_error(generator: GeneratorSection, vllm_message: str) -> str:
     """One line for vLLM's "the KV cache cannot hold one max_model_len sequence" error."""
     fits = re.search(r"maximum model length is (\d+)", vllm_message)
@@ -148,6 +161,7 @@ class Generator:
         if not native:
             spec = model_spec(model.name, model.flavor)
             batch_invariant.check_kernels(spec.model, generator.dtype)
+        self.stop_token_ids = checkpoint_stop_ids(model.hf_checkpoint)
         self._next_request = 0
         self.policy_version = 0
         """Version of the weights the engine samples with (bumped by weight sync)."""
@@ -189,10 +203,13 @@ class Generator:
                 top_p=sampling.top_p,
                 max_tokens=max_tokens or sampling.max_tokens,
                 logprobs=0,  # the sampled token's logprob only
+                stop_token_ids=self.stop_token_ids,
+                stop=sampling.stop or None,
                 # Measured: vLLM's per-token Python work was a fifth of generation at 2 tokens
                 # per sample. Completions are decoded by the scorer, so vLLM decodes nothing
-                # (no text, no logprob token strings), and logprobs come as flat lists.
-                detokenize=False,
+                # (no text, no logprob token strings) unless stop strings need the text; logprobs
+                # come as flat lists.
+                detokenize=bool(sampling.stop),
                 flat_logprobs=True,
                 # vLLM seeds the n samples of a request seed, seed + 1, ...: request i takes
                 # seeds [seed + i * n, seed + (i + 1) * n), shared with no other sample.

@@ -17,6 +17,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
+from torchtitan_rl import console
 from torchtitan_rl.batch_invariant import make_linears_invariant, ops
 from torchtitan_rl.models import model_spec
 
@@ -30,10 +31,9 @@ def _onednn_available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16 and "AVX512" not in torch.backends.cpu.get_cpu_capability():
         # Measured on an AVX2 CPU: oneDNN has no bf16 matmul there ("could not create a
         # primitive descriptor"); plain GEMMs run instead.
-        print(
+        console.warn(
             "warning: generator.cpu_packed_gemm: no oneDNN bf16 GEMM on this CPU "
-            "(AVX2); the generator runs plain GEMMs",
-            flush=True,
+            "(AVX2); the generator runs plain GEMMs"
         )
         return False
     return True

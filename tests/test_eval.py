@@ -1,0 +1,109 @@
+"""Evaluation: the unbiased pass@k, eval config checks, and eval metrics from summed totals.
+
+.venv/bin/python -m pytest tests/test_eval.py
+"""
+
+import json
+import math
+
+import pytest
+from conftest import run_script, run_train
+
+from torchtitan_rl.config import parse_args
+from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.evaluation import EvalShard, pass_at_k, pass_ks
+
+TINY = "assets/tiny_qwen3"
+
+
+def test_pass_at_k_matches_the_unbiased_formula_by_hand():
+    # n = 5 samples, c = 2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10;
+    # pass@4 = 1 - C(3,4)/C(5,4) = 1 (fewer than 4 wrong samples).
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 4) == 1.0
+    assert pass_at_k(5, 0, 4) == 0.0
+    # n = 8, c = 3, k = 4: 1 - C(5,4)/C(8,4) = 1 - 5/70.
+    assert pass_at_k(8, 3, 4) == pytest.approx(1 - 5 / 70)
+    assert pass_ks(8) == [1, 2, 4, 8] and pass_ks(6) == [1, 2, 4] and pass_ks(1) == [1]
+    assert math.isclose(pass_at_k(8, 3, 1), 3 / 8)
+
+
+def test_eval_metrics_from_merged_shards():
+    a = EvalShard(
+        3,
+        {"prompts": 2, "samples": 8, "correct": 3, "reward": 3.5, "tokens": 16, "truncated": 1}
+        | {"pass@1": 0.75, "pass@4": 1.0},
+        samples=[{"prompt": "a"}],
+        seconds=1.0,
+    )
+    b = EvalShard(
+        3,
+        {"prompts": 1, "samples": 4, "correct": 0, "reward": 0.0, "tokens": 4, "truncated": 0}
+        | {"pass@1": 0.0, "pass@4": 0.0},
+        samples=[{"prompt": "b"}],
+        seconds=2.0,
+    )
+    metrics = EvalShard.merge([a, b]).metrics()
+    assert metrics["eval/accuracy"] == 3 / 12 and metrics["eval/reward"] == 3.5 / 12
+    assert metrics["eval/pass@1"] == 0.25 and metrics["eval/pass@4"] == pytest.approx(1 / 3)
+    assert metrics["eval/response_length"] == 20 / 12 and metrics["eval/prompts"] == 3
+    assert metrics["eval/policy_version"] == 3 and metrics["time/eval_s"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--eval.n", "4"],
+            "eval.n = 4 with eval.temperature = 0: greedy samples are all the same",
+        ),
+        (["--eval.dataset_path", "/no/such"], "eval.dataset_path = '/no/such': no such file"),
+        (["--eval.dataset_path", "data/arith"], "eval.dataset_path is set but task.name = 'echo"),
+        (["--eval.max_tokens", "0"], "eval.max_tokens = 0: must be >= 1"),
+    ],
+)
+def test_bad_eval_settings_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--model.hf_checkpoint", TINY, *flags])
+
+
+def test_the_run_evaluates_and_scripts_eval_reproduces_it_on_the_export(tmp_path):
+    """A colocated run of the arithmetic demo (3 steps) evaluates sampled completions (n = 4,
+    temperature 1) at the start and the end; scripts/eval.py on the exported policy, with the
+    run's config and as many ranks, gives the same figures exactly: the same samples."""
+    dump = tmp_path / "run"
+    sampled = ("--eval.n", "4", "--eval.temperature", "1.0", "--eval.interval", "0")
+    result = run_train(
+        *("--job.config_file", "run_configs/arith_cpu.toml", "--job.dump_folder", str(dump)),
+        *("--training.steps", "3", *sampled),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in rows if "eval/accuracy" in r]
+    assert [(r["step"], r["eval/policy_version"]) for r in evaluations] == [(0, 0), (3, 3)]
+    last = evaluations[-1]
+    assert last["eval/prompts"] == 15 and set(last) >= {"eval/pass@1", "eval/pass@4"}
+    assert last["eval/pass@1"] == pytest.approx(last["eval/accuracy"])
+    assert "eval    3 | accuracy" in result.stdout
+    logged = [json.loads(line) for line in (dump / "eval.jsonl").read_text().splitlines()]
+    assert len(logged[-1]["samples"]) == 4 and len(logged[-1]["samples"][0]["completions"]) == 4
+    assert logged[-1]["samples"][0]["prompt"].startswith("<|im_start|>user\n")
+
+    scored = run_script(
+        "eval.py",
+        *(
+            "--job.config_file",
+            str(dump / "config.toml"),
+            "--model.hf_checkpoint",
+            str(dump / "hf"),
+        ),
+        nproc=2,
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    (line,) = [x for x in scored.stdout.splitlines() if x.startswith("{")]
+    again = json.loads(line)
+    assert again["checkpoint"] == str(dump / "hf") and again["ranks"] == 2
+    for key in ("eval/accuracy", "eval/pass@2", "eval/pass@4", "eval/response_length"):
+        assert again[key] == last[key], key

@@ -1,0 +1,150 @@
+"""Held-out evaluation on the generator: accuracy (mean@n), unbiased pass@k, response length.
+
+    .venv/bin/python -m pytest tests/test_eval.py
+
+Every rank evaluates a contiguous shard of the eval prompts and the shards' totals are summed.
+A sample is correct when its reward is at least 1 (math-verify's 1.0; a custom reward_fn
+should give 1 for a right answer). Sampling seeds belong to the prompt (its index in the eval
+set), not to the step, the rank or the batch: the same policy on the same data gives the same
+samples, in the run and in scripts/eval.py.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torchtitan_rl import platform
+from torchtitan_rl.config.job_config import EvalSection
+from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.render import Renderer
+from torchtitan_rl.tasks.rewards import Scorer
+
+# Eval seeds: their own range, far from the training samples' (RLTrainer.sampling_seed).
+EVAL_SEED_BASE = 2**61
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with `correct` of `n` samples right (Chen et al. 2021):
+    1 - C(n - c, k) / C(n, k)."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k of eval/pass@k: 1, 2, 4, ... up to n."""
+    return [2**i for i in range(n.bit_length()) if 2**i <= n]
+
+
+@dataclass(slots=True)
+class EvalShard:
+    """One rank's (or several ranks' merged) evaluation of one policy version."""
+
+    version: int
+    totals: dict[str, float]
+    """Sums over prompts and samples (see `Evaluator.run`), added up by `merge`."""
+    samples: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @staticmethod
+    def merge(shards: list["EvalShard"]) -> "EvalShard":
+        return EvalShard(
+            version=shards[0].version,
+            totals={k: sum(s.totals[k] for s in shards) for k in shards[0].totals},
+            samples=[x for s in shards for x in s.samples],
+            seconds=max(s.seconds for s in shards),
+        )
+
+    def all_reduce(self, group=None) -> None:
+        """Sum the totals over the ranks of `group` (the same keys on every rank)."""
+        keys = sorted(self.totals)
+        values = torch.tensor([self.totals[k] for k in keys], dtype=torch.float64)
+        platform.all_reduce_host(values, group=group)
+        self.totals = dict(zip(keys, values.tolist(), strict=True))
+
+    def metrics(self) -> dict[str, float]:
+        """eval/* metrics of the summed totals."""
+        t = self.totals
+        samples, prompts = max(t["samples"], 1.0), max(t["prompts"], 1.0)
+        metrics = {
+            "eval/policy_version": float(self.version),
+            "eval/accuracy": t["correct"] / samples,
+            "eval/reward": t["reward"] / samples,
+            "eval/response_length": t["tokens"] / samples,
+            "eval/truncated_fraction": t["truncated"] / samples,
+            "eval/prompts": t["prompts"],
+            "time/eval_s": self.seconds,
+        }
+        for key in sorted(k for k in t if k.startswith("pass@")):
+            metrics[f"eval/{key}"] = t[key] / prompts
+        return metrics
+
+
+class Evaluator:
+    """Samples the eval prompts on a generator and scores them with the task's scorer."""
+
+    def __init__(
+        self,
+        section: EvalSection,
+        prompts: list[Prompt],
+        renderer: Renderer,
+        scorer: Scorer,
+        *,
+        seed: int,
+        max_tokens: int,
+    ):
+        """`max_tokens`: generator.sampling.max_tokens, used when eval.max_tokens is unset."""
+        self.section, self.prompts, self.renderer, self.scorer = section, prompts, renderer, scorer
+        self.seed = EVAL_SEED_BASE + seed * 2**32
+        self.max_tokens = section.max_tokens or max_tokens
+
+    def due(self, version: int, last: int) -> bool:
+        """Whether policy `version` (the weights after that step) is evaluated."""
+        if version == 0:
+            return self.section.at_start
+        interval = self.section.interval
+        return version == last or (interval > 0 and version % interval == 0)
+
+    def run(self, generator: Generator, version: int, shard: int = 0, shards: int = 1):
+        """This rank's shard of the eval set sampled with `generator` and scored: an EvalShard
+        with totals prompts, samples, correct, reward, tokens, truncated and pass@k sums."""
+        began = time.perf_counter()
+        n = self.section.n
+        first = shard * len(self.prompts) // shards
+        prompts = self.prompts[first : (shard + 1) * len(self.prompts) // shards]
+        names = ["prompts", "samples", "correct", "reward", "tokens", "truncated"]
+        totals = dict.fromkeys(names + [f"pass@{k}" for k in pass_ks(n)], 0.0)
+        samples = []
+        if prompts:
+            completions = generator.generate(
+                self.renderer.encode(prompts),
+                n=n,
+                temperature=self.section.temperature,
+                max_tokens=self.max_tokens,
+                seed=self.seed + first * n,  # request i takes seed + i * n: the prompt's own
+            )
+            for prompt, group in zip(prompts, completions.samples, strict=True):
+                texts = [self.renderer.decode(s.token_ids) for s in group]
+                rewards = [self.scorer(prompt, text) for text in texts]
+                correct = sum(r >= 1.0 for r in rewards)
+                totals["prompts"] += 1
+                totals["samples"] += n
+                totals["correct"] += correct
+                totals["reward"] += sum(rewards)
+                totals["tokens"] += sum(len(s.token_ids) for s in group)
+                totals["truncated"] += sum(s.finish_reason == "length" for s in group)
+                for k in pass_ks(n):
+                    totals[f"pass@{k}"] += pass_at_k(n, correct, k)
+                if len(samples) < self.section.log_samples:
+                    samples.append(
+                        {
+                            "prompt": self.renderer.text(prompt),
+                            "answer": prompt.answer,
+                            "completions": texts,
+                            "rewards": rewards,
+                        }
+                    )
+        return EvalShard(version, totals, samples, time.perf_counter() - began)

@@ -1,0 +1,186 @@
+"""Prompts from local JSONL, JSON or Parquet files (or a folder of shards), read with `datasets`.
+
+.venv/bin/python -m pytest tests/test_datasets.py
+
+A row holds a prompt (a string under `prompt_key`, or a list of chat messages under
+`messages_key`) and an answer under `answer_key`; GSM8K's answers ("... #### 42") keep what
+follows "####" with `answer_format = "gsm8k"`. Every row is checked when the dataset is opened
+and a bad one is a ConfigError naming file:row (rows count from 1; in JSONL, row N is line N).
+"""
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.tasks.base import Prompt
+from torchtitan_rl.tasks.rewards import math_reward
+
+# Nothing is downloaded: local files only.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetKeys:
+    """Where a row keeps its prompt and answer (task.prompt_key and friends)."""
+
+    prompt_key: str = "prompt"
+    messages_key: str | None = None
+    answer_key: str = "answer"
+    answer_format: str = "raw"
+
+
+def dataset_files(path: str, field: str = "task.dataset_path") -> list[Path]:
+    """The file at `path`, or the dataset files of the folder at `path` in name order."""
+    root = Path(path)
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(f for f in root.iterdir() if f.suffix in FORMATS and f.is_file())
+    else:
+        raise ConfigError(f"{field} = {path!r}: no such file or folder")
+    for file in files:
+        if file.suffix not in FORMATS:
+            raise ConfigError(
+                f"{field} = {path!r}: {file.name} is not a .jsonl, .json or .parquet file"
+            )
+    if not files:
+        raise ConfigError(f"{field} = {path!r}: the folder holds no .jsonl, .json or .parquet file")
+    return files
+
+
+def read_rows(path: str, keys: DatasetKeys, field: str = "task.dataset_path") -> list[Prompt]:
+    """Every row of the dataset at `path` as a Prompt; a bad row is a ConfigError (file:row)."""
+    prompts = []
+    for file in dataset_files(path, field):
+        for number, row in enumerate(_load(file, keys, field), start=1):
+            prompts.append(_prompt(row, keys, f"{file}:{number}"))
+    if not prompts:
+        raise ConfigError(f"{field} = {path!r} has no rows")
+    return prompts
+
+
+def _load(file: Path, keys: DatasetKeys, field: str) -> list[dict]:
+    """The rows of one file, read by `datasets` (in memory, its cache in a scratch folder)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if file.stat().st_size == 0 or (file.suffix != ".parquet" and not file.read_bytes().strip()):
+        return []
+    reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}
+    with tempfile.TemporaryDirectory() as cache:
+        try:
+            table = reader[FORMATS[file.suffix]](str(file), keep_in_memory=True, cache_dir=cache)
+        except Exception as e:  # datasets raises many types for a malformed file
+            raise ConfigError(_unreadable(file, keys, field, e)) from None
+    return table.to_list()
+
+
+def _unreadable(file: Path, keys: DatasetKeys, field: str, error: Exception) -> str:
+    """One line for a file `datasets` could not read; for JSON Lines, the first bad line (not
+    JSON, or a row without the keys: `datasets` fails on rows whose columns differ)."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{field}: {file} is not UTF-8 text ({e.reason} at byte {e.start})"
+    if file.suffix == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{file}:{number}: not a JSON object ({e.msg}); one object per line"
+            if not isinstance(row, dict):
+                return f"{file}:{number}: not a JSON object; one object per line"
+            try:
+                _prompt(row, keys, f"{file}:{number}")
+            except ConfigError as e:
+                return str(e)
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return f"{field}: cannot read {file} ({reason})"
+
+
+def _prompt(row: dict, keys: DatasetKeys, source: str) -> Prompt:
+    messages = None
+    if keys.messages_key is not None:
+        messages = _messages(row.get(keys.messages_key), keys.messages_key, source)
+        text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    else:
+        text = row.get(keys.prompt_key)
+        if not isinstance(text, str):
+            raise ConfigError(
+                f'{source}: needs a string "{keys.prompt_key}" (task.prompt_key); '
+                f"the row has {sorted(row)}"
+            )
+        if not text.strip():
+            raise ConfigError(f"{source}: the prompt is empty")
+    if keys.answer_key not in row or row[keys.answer_key] is None:
+        raise ConfigError(
+            f'{source}: needs an "{keys.answer_key}" (task.answer_key); the row has {sorted(row)}'
+        )
+    return Prompt(
+        text=text,
+        answer=_answer(str(row[keys.answer_key]), keys.answer_format, source),
+        source=source,
+        messages=messages,
+    )
+
+
+def _messages(value, key: str, source: str) -> tuple[dict, ...]:
+    ok = isinstance(value, list) and value
+    ok = ok and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise ConfigError(
+            f'{source}: "{key}" (task.messages_key) must be a non-empty list of '
+            '{"role": ..., "content": ...} messages'
+        )
+    if not any(m["content"].strip() for m in value):
+        raise ConfigError(f"{source}: the prompt is empty")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def _answer(answer: str, answer_format: str, source: str) -> str:
+    """The answer a reward compares with: GSM8K's keeps what follows '####'."""
+    if answer_format == "raw":
+        return answer
+    head, mark, tail = answer.rpartition("####")
+    if not mark or not tail.strip():
+        raise ConfigError(
+            f"{source}: task.answer_format = 'gsm8k' but the answer has no '#### <answer>' "
+            f"line: {answer[-60:]!r}"
+        )
+    return tail.strip().replace(",", "")
+
+
+class DatasetTask:
+    """Cycles through the dataset in a fresh seeded order every epoch; math-verify rewards."""
+
+    def __init__(self, path: str, keys: DatasetKeys, seed: int = 0):
+        self.rows = read_rows(path, keys)
+        self.seed = seed
+
+    def prompts(self, step: int, count: int, round: int = 0) -> list[Prompt]:
+        start = (step - 1) * count
+        return [self._row(i, round) for i in range(start, start + count)]
+
+    def _row(self, index: int, round: int = 0) -> Prompt:
+        """Row `index` of the dataset read in epochs, each shuffled; round r > 0 reads its own
+        shuffles (dynamic sampling's further prompts)."""
+        epoch, position = divmod(index, len(self.rows))
+        order = list(range(len(self.rows)))
+        stream = self.seed * 1_000_003 + epoch
+        random.Random(stream if round == 0 else f"{stream}/{round}").shuffle(order)
+        return self.rows[order[position]]
+
+    def every_prompt(self) -> list[Prompt]:
+        return self.rows
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return math_reward(prompt.text, completion, prompt.answer)
