@@ -1,11 +1,13 @@
-"""Write the arithmetic demo's dataset: single-digit sums "a+b=" (a + b <= 9), split into train
-(JSONL) and held-out test (Parquet) pairs.
+"""Write the arithmetic demo's dataset: "max(a,b)=" and "min(a,b)=" over distinct digits a, b,
+split into train (JSONL) and held-out test (Parquet) prompts.
 
     .venv/bin/python scripts/make_arith_data.py --out data/arith
 
-The answer needs both operands (no single prompt token gives it away), and every held-out pair
-is unseen in training, so held-out accuracy measures addition, not recall. The same seed gives
-the same split; the files are small and shipped in the repo.
+The answer needs three prompt tokens (the operation and both digits), and every held-out prompt
+is unseen in training, so held-out accuracy measures the operation, not recall. Why not sums:
+measured on the tiny model with RL alone (README "The arithmetic demo"), single-digit sums
+collapse to the most frequent answer or are memorized without reaching held-out pairs, while
+max and min generalize. The same seed gives the same split; the files are small and shipped.
 """
 
 import argparse
@@ -13,18 +15,26 @@ import json
 import random
 from pathlib import Path
 
-
-def pairs() -> list[tuple[int, int]]:
-    """Every (a, b) of digits whose sum is one digit: 55 pairs."""
-    return [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+OPERATIONS = {"max": max, "min": min}
 
 
-def split(seed: int = 0, held_out: int = 15) -> tuple[list[dict], list[dict]]:
-    """Rows {"prompt": "a+b=", "answer": "a+b"} of the train and test pairs."""
-    everything = pairs()
+def rows(operations: list[str]) -> list[dict]:
+    """{"prompt": "max(3,7)=", "answer": "7"} for each operation and ordered pair a != b."""
+    return [
+        {"prompt": f"{name}({a},{b})=", "answer": str(OPERATIONS[name](a, b))}
+        for name in operations
+        for a in range(10)
+        for b in range(10)
+        if a != b
+    ]
+
+
+def split(seed: int = 0, held_out: float = 0.2, operations=("max", "min")):
+    """The train and test rows: a seeded shuffle, the first `held_out` fraction held out."""
+    everything = rows(list(operations))
     random.Random(seed).shuffle(everything)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in everything]
-    return rows[held_out:], rows[:held_out]
+    cut = round(len(everything) * held_out)
+    return everything[cut:], everything[:cut]
 
 
 def main() -> None:

@@ -30,34 +30,6 @@ CHATTER = (
 )
 
 
-def test_two_ranks_console_shows_steps_and_summary_and_the_log_the_rest(tmp_path):
-    dump = tmp_path / "run"
-    result = run_train(
-        *("--job.config_file", DEBUG_TOML, "--training.steps", "2"),
-        *("--job.dump_folder", str(dump)),
-        nproc=2,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    console = result.stdout + result.stderr
-    assert [marker for marker in CHATTER if marker in console] == [], console
-    assert result.stderr == ""  # torchrun's own OMP_NUM_THREADS notice is off (conftest sets it)
-    lines = result.stdout.splitlines()
-    assert (
-        lines[0]
-        == f"starting: library output goes to {dump / 'run.log'} (--job.verbose shows it here)"
-    )
-    assert lines[1].startswith("step    1 | reward") and lines[2].startswith("step    2 | reward")
-    assert lines[3].startswith("done: trained to step 2 in "), lines
-    assert f"metrics:     {dump / 'metrics.jsonl'}" in lines
-    assert f"library log: {dump / 'run.log'} (other ranks: run.rank<N>.log)" in lines
-    assert len(lines) <= 10, lines
-
-    log = (dump / "run.log").read_text()
-    assert "DTensor random operators" in log and ") WARNING " in log  # torch's, vLLM's
-    assert "step    2 | reward" in log  # the console's lines too, in order with the rest
-    assert "DTensor random operators" in (dump / "run.rank1.log").read_text()
-
-
 def test_verbose_shows_library_output_on_the_console(tmp_path):
     dump = tmp_path / "run"
     result = run_train(

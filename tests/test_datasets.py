@@ -175,3 +175,23 @@ def test_open_task_reads_the_eval_set_and_checks_every_prompt_length(tmp_path):
         ConfigError, match=r"test\.jsonl:3: prompt '9+' has 69 tokens after the chat"
     ):
         open_task(parse_args([*flags, "--eval.dataset_path", held_out]))
+
+
+def test_the_shipped_arithmetic_data_is_what_its_script_makes():
+    import importlib.util
+
+    import pyarrow.parquet as pq
+
+    spec = importlib.util.spec_from_file_location("arith", REPO / "scripts" / "make_arith_data.py")
+    arith = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arith)
+    train, test = arith.split()
+    shipped = REPO / "data" / "arith"
+    assert [json.loads(x) for x in (shipped / "train.jsonl").read_text().splitlines()] == train
+    assert pq.read_table(shipped / "test.parquet").to_pylist() == test
+    # Held-out prompts are unseen in training; each answer is the operation of both digits.
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert len(train) == 144 and len(test) == 36
+    for row in train + test:
+        name, a, b = row["prompt"][:3], int(row["prompt"][4]), int(row["prompt"][6])
+        assert row["answer"] == str({"max": max, "min": min}[name](a, b)) and a != b

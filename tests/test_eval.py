@@ -84,7 +84,7 @@ def test_the_run_evaluates_and_scripts_eval_reproduces_it_on_the_export(tmp_path
     evaluations = [r for r in rows if "eval/accuracy" in r]
     assert [(r["step"], r["eval/policy_version"]) for r in evaluations] == [(0, 0), (3, 3)]
     last = evaluations[-1]
-    assert last["eval/prompts"] == 15 and set(last) >= {"eval/pass@1", "eval/pass@4"}
+    assert last["eval/prompts"] == 36 and set(last) >= {"eval/pass@1", "eval/pass@4"}
     assert last["eval/pass@1"] == pytest.approx(last["eval/accuracy"])
     assert "eval    3 | accuracy" in result.stdout
     logged = [json.loads(line) for line in (dump / "eval.jsonl").read_text().splitlines()]

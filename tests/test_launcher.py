@@ -7,6 +7,7 @@ import subprocess
 import tomllib
 
 from conftest import run_train
+from test_console import CHATTER
 
 DEBUG_TOML = "run_configs/debug_cpu.toml"
 
@@ -20,6 +21,24 @@ def test_torchrun_two_ranks_train_and_write_the_config(tmp_path):
     result = launch(2, "--job.dump_folder", str(dump), "--training.steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step    3 | reward" in result.stdout
+
+    # The console shows this project's lines and the summary; library output is in run.log.
+    console = result.stdout + result.stderr
+    assert [marker for marker in CHATTER if marker in console] == [], console
+    assert result.stderr == ""  # torchrun's own OMP_NUM_THREADS notice is off (conftest sets it)
+    lines = result.stdout.splitlines()
+    assert lines[0] == (
+        f"starting: library output goes to {dump / 'run.log'} (--job.verbose shows it here)"
+    )
+    assert all(lines[s].startswith(f"step    {s} | reward") for s in (1, 2, 3)), lines
+    assert lines[4].startswith("done: trained to step 3 in "), lines
+    assert f"metrics:     {dump / 'metrics.jsonl'}" in lines
+    assert f"library log: {dump / 'run.log'} (other ranks: run.rank<N>.log)" in lines
+    assert len(lines) <= 11, lines
+    log = (dump / "run.log").read_text()
+    assert "DTensor random operators" in log and ") WARNING " in log  # torch's, vLLM's
+    assert "step    2 | reward" in log  # the console's lines too, in order with the rest
+    assert "DTensor random operators" in (dump / "run.rank1.log").read_text()
 
     # The written config is the resolved one, and feeding it back reproduces it.
     written = (dump / "config.toml").read_text()

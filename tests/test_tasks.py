@@ -44,7 +44,17 @@ def test_a_dataset_cycles_every_row_once_per_epoch_in_seeded_order(dataset):
 
 @pytest.mark.parametrize(
     "completion, reward",
-    [("so it is \\boxed{3}", 1.0), ("2 + 1 = 3", 1.0), ("\\boxed{4}", 0.0), ("no idea", 0.0)],
+    [
+        ("so it is \\boxed{3}", 1.0),
+        ("2 + 1 = 3", 1.0),
+        ("\\boxed{4}", 0.0),
+        ("no idea", 0.0),
+        # Plain integers take the fast path; the verdict is math-verify's.
+        ("3", 1.0),
+        (" 03 ", 1.0),
+        ("4", 0.0),
+        ("-3", 0.0),
+    ],
 )
 def test_math_reward_reads_boxed_or_last_number(completion, reward):
     assert math_reward("what is 2+1?", completion, "3") == reward

@@ -18,7 +18,7 @@ the parameter ratio (0.6B / debugmodel; <= 1: step time grows no faster than lin
 parameters).
 
 The weights are torchtitan's random init of each flavor (seed 0), written once as an HF
-checkpoint under assets/ (the generator starts from one); the tokenizer is the 64-token
+checkpoint under assets/ (the generator starts from one); the tokenizer is the 68-token
 character tokenizer of assets/tiny_qwen3. Extra flags are the train entry point's and override
 the defaults below, for every size (e.g. `--generator.cpu_packed_gemm false`). The run stops
 itself, and says so, if the machine's available memory falls under `--min_free_gib`.
