@@ -3,6 +3,7 @@
 .venv/bin/python -m pytest tests/test_tasks.py
 """
 
+import functools
 import importlib
 import re
 import signal
@@ -27,11 +28,20 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
         # Both plain integers (most arithmetic answers): the same verdict without math-verify's
         # sympy parse, measured at a quarter of an arithmetic demo step.
         return float(int(completion) == int(answer))
-    from math_verify import parse, verify
-
+    mv = _math_verify()
     # math-verify's own SIGALRM timeouts would cancel the Scorer's (task.reward_timeout_s).
-    gold, guess = parse(answer, parsing_timeout=None), parse(completion, parsing_timeout=None)
-    return 1.0 if verify(gold, guess, timeout_seconds=None) else 0.0
+    gold = mv.parse(answer, parsing_timeout=None)
+    guess = mv.parse(completion, parsing_timeout=None)
+    return 1.0 if mv.verify(gold, guess, timeout_seconds=None) else 0.0
+
+
+@functools.cache
+def _math_verify():
+    # Imported on first use (it pulls in sympy), then once: a `from ... import` per call was
+    # measured at a quarter of the scoring time.
+    import math_verify
+
+    return math_verify
 
 
 def load_reward_fn(spec: str) -> RewardFn:
