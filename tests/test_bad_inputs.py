@@ -201,6 +201,26 @@ BAD_INPUTS = {
         ["training.mini_batches = 40", "trains on 16 samples per step"],
     ),
     "the removed tis_cap": ("[algorithm]\ntis_cap = 2.0\n", [], ["'algorithm.tis_cap'"]),
+    "overlong buffer without the soft penalty": (
+        "[algorithm]\noverlong_buffer = 4\n",
+        [],
+        ["algorithm.overlong_buffer = 4 has no effect", "overlong = 'soft_penalty'"],
+    ),
+    "empty stop string": (
+        '[generator.sampling]\nstop = ["a", ""]\n',
+        [],
+        ["generator.sampling.stop = ['a', '']", "an empty string would stop at once"],
+    ),
+    "system prompt with raw text prompts": (
+        '[task]\nsystem_prompt = "be brief"\n',
+        [],
+        ["task.system_prompt = 'be brief' needs a chat template", "task.chat_template = true"],
+    ),
+    "row without the answer key": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/broken.jsonl"\nanswer_key = "solution"\n',
+        [],
+        ['{tmp}/broken.jsonl:1: needs an "solution" (task.answer_key)'],
+    ),
 }
 
 
