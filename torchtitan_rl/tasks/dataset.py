@@ -70,13 +70,13 @@ def _load(file: Path, keys: DatasetKeys, field: str) -> list[dict]:
     import datasets
 
     datasets.disable_progress_bars()
-    if file.stat().st_size == 0 or (file.suffix != ".parquet" and not file.read_bytes().strip()):
-        return []
     reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}
     with tempfile.TemporaryDirectory() as cache:
         try:
             table = reader[FORMATS[file.suffix]](str(file), keep_in_memory=True, cache_dir=cache)
         except Exception as e:  # datasets raises many types for a malformed file
+            if file.suffix != ".parquet" and not file.read_bytes().strip():
+                return []  # blank: no rows, which datasets does not accept
             raise ConfigError(_unreadable(file, keys, field, e)) from None
     return table.to_list()
 

@@ -88,15 +88,8 @@ class Renderer:
 def build_renderer(task: TaskSection, tokenizer_dir: str, max_prompt_len: int) -> Renderer:
     """The task's renderer. task.chat_template unset: the checkpoint's chat template for dataset
     tasks when it has one, raw text for the toy tasks (their prompts are not chat)."""
-    renderer = Renderer(
-        load_tokenizer(tokenizer_dir),
-        tokenizer_dir,
-        chat_template=False,
-        system_prompt=task.system_prompt,
-        enable_thinking=task.enable_thinking,
-        max_prompt_len=max_prompt_len,
-    )
-    has_template = bool(getattr(renderer.tokenizer, "chat_template", None))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     wanted = task.chat_template
     if wanted is None:
         wanted = task.name == "dataset" and has_template
@@ -114,5 +107,11 @@ def build_renderer(task: TaskSection, tokenizer_dir: str, max_prompt_len: int) -
                     f"are raw text here (task.chat_template = {task.chat_template}): set "
                     "task.chat_template = true, or unset it"
                 )
-    renderer.chat_template = wanted
-    return renderer
+    return Renderer(
+        tokenizer,
+        tokenizer_dir,
+        chat_template=wanted,
+        system_prompt=task.system_prompt,
+        enable_thinking=task.enable_thinking,
+        max_prompt_len=max_prompt_len,
+    )
