@@ -75,25 +75,13 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        self._record(step, metrics)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         if step % self.log_interval == 0:
             parts = [fmt.format(metrics[key]) for key, fmt in CONSOLE_KEYS if key in metrics]
-            line = f"step {step:4d} | " + " | ".join(parts)
-            if self.bar is not None:
-                # The bar steps aside while the line is written, then redraws below it.
-                with self.bar.external_write_mode(file=self.bar.fp):
-                    console.say(line)
-            else:
-                console.say(line)
+            self._say(f"step {step:4d} | " + " | ".join(parts))
 
     def log_eval(self, step: int, metrics: dict[str, float], samples: list[dict]) -> None:
         """An evaluation of the policy after `step` (eval/policy_version names the version it
@@ -101,22 +89,29 @@ class MetricsLogger:
         line."""
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._record(step, metrics)
         with self.eval_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics, "samples": samples}) + "\n")
+        passes = [f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/pass@")]
+        self._say(
+            f"eval {step:4d} | accuracy {metrics['eval/accuracy']:.3f} | "
+            + " | ".join(passes + [f"len {metrics['eval/response_length']:.1f}"])
+            + f" | policy version {int(metrics['eval/policy_version'])}"
+        )
+
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
+        """A row of metrics.jsonl, and the same values to TensorBoard and W&B."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tensorboard is not None:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        passes = [f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/pass@")]
-        line = (
-            f"eval {step:4d} | accuracy {metrics['eval/accuracy']:.3f} | "
-            + " | ".join(passes + [f"len {metrics['eval/response_length']:.1f}"])
-            + f" | policy version {int(metrics['eval/policy_version'])}"
-        )
+
+    def _say(self, line: str) -> None:
         if self.bar is not None:
+            # The bar steps aside while the line is written, then redraws below it.
             with self.bar.external_write_mode(file=self.bar.fp):
                 console.say(line)
         else:
