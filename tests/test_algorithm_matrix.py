@@ -19,7 +19,7 @@ def matrix(tmp_path_factory):
 
 
 def test_every_combination_trains_with_finite_metrics(matrix):
-    assert len(matrix) == 3 * 3 * 2 * 2 + 6
+    assert len(matrix) == 3 * 3 * 2 * 2 + 8
     for row in matrix:
         combination, metrics = row["combination"], row["metrics"]
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -58,3 +58,18 @@ def test_offpolicy_corrections_report_what_they_did(matrix):
         # Colocated: behaviour and old differ by numerics only, so the ratio stays near 1.
         assert 0.99 < metrics["offpolicy/ratio_min"] <= 1 <= metrics["offpolicy/ratio_max"] < 1.01
         assert metrics["offpolicy/kl"] >= 0
+
+
+def test_overlong_shaping_changes_the_rewards_the_advantages_see(matrix):
+    shaped = {row["combination"].get("overlong"): row["metrics"] for row in matrix}
+    for mode in ("zero_reward", "soft_penalty"):
+        metrics = shaped[mode]
+        # The random tiny model rarely stops within max_tokens = 2.
+        assert metrics["response/truncated_fraction"] > 0.5, metrics
+    zeroed = shaped["zero_reward"]
+    assert zeroed["reward/shaped_mean"] <= zeroed["reward/mean"]
+    # Every 2-token sample loses 1, and every truncated sample has 2 tokens.
+    penalized = shaped["soft_penalty"]
+    fraction = penalized["response/truncated_fraction"]
+    assert penalized["reward/shaped_mean"] <= penalized["reward/mean"] - fraction + 1e-6
+    assert "reward/shaped_mean" not in shaped[None]

@@ -302,6 +302,13 @@ class RLTrainer:
             if algorithm.kl_in_reward:
                 penalty_B, metrics["kl"] = self.kl_in_reward(batch)
                 rewards_PN = rewards_PN - algorithm.kl_beta * penalty_B.view_as(rewards_PN)
+        if algorithm.overlong in ("zero_reward", "soft_penalty") or algorithm.kl_in_reward:
+            # What the advantages see, beside the task's reward/mean.
+            totals = torch.tensor(
+                [float(rewards_PN.sum()), rewards_PN.numel()], dtype=torch.float64
+            )
+            platform.all_reduce_host(totals, group=self.group)
+            metrics["reward/shaped_mean"] = float(totals[0] / totals[1])
         batch.advantages_B = self.advantage(rewards_PN).reshape(-1).float()
         keep_PN = overlong_keep_PN(truncated_PN, algorithm.overlong)
         if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:

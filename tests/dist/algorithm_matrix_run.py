@@ -27,14 +27,19 @@ STEPS_EACH = 3
 
 def combinations() -> list[dict]:
     """advantage x loss x mini_batches (1, 2) x KL (off, k3), then the off-policy corrections,
-    KL in the reward, and two epochs."""
+    KL in the reward, two epochs, and the overlong reward shapings."""
     rows = [
         {"advantage": a, "loss": loss, "mini_batches": m, "kl_beta": kl}
         for a, loss, m, kl in itertools.product(
             ("grpo", "dr_grpo", "rloo"), ("grpo", "dapo", "gspo"), (1, 2), (0.0, 0.05)
         )
     ]
-    for mode, level, low in (("tis", "token", 0.0), ("tis", "sequence", 0.0), ("mis", "token", 0.5), ("mis", "sequence", 0.5)):
+    for mode, level, low in (
+        ("tis", "token", 0.0),
+        ("tis", "sequence", 0.0),
+        ("mis", "token", 0.5),
+        ("mis", "sequence", 0.5),
+    ):
         rows.append(
             {
                 "mini_batches": 2,
@@ -45,6 +50,8 @@ def combinations() -> list[dict]:
         )
     rows.append({"kl_beta": 0.05, "kl_estimator": "k1", "kl_in_reward": True, "mini_batches": 2})
     rows.append({"mini_batches": 2, "epochs": 2, "clip_ratio_c": 3.0})
+    # max_tokens = 2: a buffer of 1 takes 1 from every 2-token sample.
+    rows += [{"overlong": "zero_reward"}, {"overlong": "soft_penalty", "overlong_buffer": 1}]
     return rows
 
 
@@ -96,7 +103,7 @@ def main() -> None:
         config.training.mini_batches = training.get("mini_batches", 1)
         config.training.epochs = training.get("epochs", 1)
         algorithm = AlgorithmSection(**combination)
-        algorithm.validate()
+        algorithm.validate(config.generator.sampling.max_tokens)
         config.algorithm = algorithm
         rl.loss = build_loss(algorithm, max_tokens=config.generator.sampling.max_tokens)
         rl.advantage = build_advantage(algorithm.advantage)
