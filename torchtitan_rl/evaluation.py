@@ -98,6 +98,7 @@ class Evaluator:
     ):
         """`max_tokens`: generator.sampling.max_tokens, used when eval.max_tokens is unset."""
         self.section, self.prompts, self.renderer, self.scorer = section, prompts, renderer, scorer
+        self.prompt_ids = renderer.encode(prompts)  # once: the eval set does not change
         self.seed = EVAL_SEED_BASE + seed * 2**32
         self.max_tokens = section.max_tokens or max_tokens
 
@@ -108,19 +109,19 @@ class Evaluator:
         interval = self.section.interval
         return version == last or (interval > 0 and version % interval == 0)
 
-    def run(self, generator: Generator, version: int, shard: int = 0, shards: int = 1):
+    def run(self, generator: Generator, version: int, shard: int = 0, shards: int = 1) -> EvalShard:
         """This rank's shard of the eval set sampled with `generator` and scored: an EvalShard
         with totals prompts, samples, correct, reward, tokens, truncated and pass@k sums."""
         began = time.perf_counter()
         n = self.section.n
-        first = shard * len(self.prompts) // shards
-        prompts = self.prompts[first : (shard + 1) * len(self.prompts) // shards]
+        first, end = shard * len(self.prompts) // shards, (shard + 1) * len(self.prompts) // shards
+        prompts = self.prompts[first:end]
         names = ["prompts", "samples", "correct", "reward", "tokens", "truncated"]
         totals = dict.fromkeys(names + [f"pass@{k}" for k in pass_ks(n)], 0.0)
         samples = []
         if prompts:
             completions = generator.generate(
-                self.renderer.encode(prompts),
+                self.prompt_ids[first:end],
                 n=n,
                 temperature=self.section.temperature,
                 max_tokens=self.max_tokens,
