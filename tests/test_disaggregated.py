@@ -88,6 +88,7 @@ def test_a_rollout_older_than_k_is_refused(monkeypatch):
         rollouts=Rollouts([], Completions(prompts=[], samples=[]), torch.zeros(0, 2)),
         reward_errors=0,
         generate_s=0.0,
+        evaluations=[],
     )
     monkeypatch.setattr(disaggregated, "_receive", lambda src: stale)
     trainer = SimpleNamespace(sources=[1], config=config, trainer=SimpleNamespace(policy_version=6))

@@ -41,7 +41,7 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
     positions_BT = torch.arange(12).expand(2, 12)
     logits_BTV = model(tokens_BT, positions_BT, None)
     logits_BTV.float().logsumexp(-1).mean().backward()
-    assert logits_BTV.shape == (2, 12, 64)
+    assert logits_BTV.shape == (2, 12, 68)
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
 
     # Causal: changing a later token leaves earlier logits unchanged.
