@@ -117,7 +117,9 @@ def test_run_writes_its_files_and_a_line_per_step(demo):
     dump, _, stdout = demo
     assert (dump / "config.toml").is_file()
     assert (dump / "reward_curve.png").stat().st_size > 1000
-    assert stdout.count("step ") == 5 and "reward " in stdout
+    lines = stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 5 and "reward " in stdout
+    assert any(line.startswith("done: trained to step 5 in ") for line in lines)
 
 
 @pytest.mark.parametrize(
