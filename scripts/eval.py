@@ -34,17 +34,10 @@ def main(argv: list[str]) -> int:
         return 2
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
-    from torchtitan_rl.evaluation import Evaluator
+    from torchtitan_rl.evaluation import build_evaluator
     from torchtitan_rl.generator.engine import Generator
 
-    evaluator = Evaluator(
-        config.eval,
-        opened.eval_prompts,
-        opened.renderer,
-        opened.scorer,
-        seed=config.job.seed,
-        max_tokens=config.generator.sampling.max_tokens,
-    )
+    evaluator = build_evaluator(config, opened)
     # Seeded like the run's generator on this rank (colocated: job.seed + rank).
     generator = Generator(
         generator=config.generator, model=config.model, seed=config.job.seed + rank

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import EvalSection
+from torchtitan_rl.config.job_config import EvalSection, JobConfig
 from torchtitan_rl.generator.engine import Generator
-from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks import OpenTask, Prompt
 from torchtitan_rl.tasks.render import Renderer
 from torchtitan_rl.tasks.rewards import Scorer
 
@@ -149,3 +149,17 @@ class Evaluator:
                         }
                     )
         return EvalShard(version, totals, samples, time.perf_counter() - began)
+
+
+def build_evaluator(config: JobConfig, opened: OpenTask) -> Evaluator | None:
+    """The run's evaluator (its eval set, the task's renderer and scorer); None without one."""
+    if not opened.eval_prompts:
+        return None
+    return Evaluator(
+        config.eval,
+        opened.eval_prompts,
+        opened.renderer,
+        opened.scorer,
+        seed=config.job.seed,
+        max_tokens=config.generator.sampling.max_tokens,
+    )

@@ -29,7 +29,7 @@ from torchtitan_rl.checkpoint import (
     run_facts,
 )
 from torchtitan_rl.config.job_config import JobConfig
-from torchtitan_rl.evaluation import EvalShard, Evaluator
+from torchtitan_rl.evaluation import EvalShard, build_evaluator
 from torchtitan_rl.generator.engine import Completions, Generator
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.rollouts import Rollouts, fill_informative
@@ -134,16 +134,7 @@ class RLTrainer:
         # the loss, so any valid id serves.
         self.pad_id = 0
         self.advantage = build_advantage(config.algorithm.advantage)
-        self.evaluator = None
-        if opened.eval_prompts:
-            self.evaluator = Evaluator(
-                config.eval,
-                opened.eval_prompts,
-                self.renderer,
-                self.scorer,
-                seed=config.job.seed,
-                max_tokens=config.generator.sampling.max_tokens,
-            )
+        self.evaluator = build_evaluator(config, opened)
 
     def build_metrics(self, enabled: bool) -> None:
         config = self.config
