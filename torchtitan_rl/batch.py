@@ -12,16 +12,18 @@ import torch
 
 @dataclass(kw_only=True, slots=True)
 class RolloutBatch:
-    """One rank's training batch: right-padded sequences and what the loss needs of them."""
+    """One rank's training batch: right-padded sequences and what the loss needs of them.
+    An SFT batch holds only tokens and the loss mask (its assistant tokens)."""
 
     tokens_BT: torch.Tensor
     """Prompt + completion token ids, right-padded, int64."""
     loss_mask_BT: torch.Tensor
     """1.0 where the token is a sampled completion token whose logprob is trained, else 0.0."""
-    advantages_B: torch.Tensor
-    """Advantage of each sequence."""
-    generator_logprobs_BT: torch.Tensor
-    """Logprob the generator reported for each sampled token (0 where loss_mask is 0)."""
+    advantages_B: torch.Tensor | None = None
+    """Advantage of each sequence (None in an SFT batch, which trains on demonstrations)."""
+    generator_logprobs_BT: torch.Tensor | None = None
+    """Logprob the generator reported for each sampled token (0 where loss_mask is 0; None in
+    an SFT batch)."""
     reference_logprobs_BT: torch.Tensor | None = None
     """Logprob of each token under the frozen reference model (only with a KL penalty)."""
     old_logprobs_BT: torch.Tensor | None = None

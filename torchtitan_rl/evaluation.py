@@ -83,6 +83,14 @@ class EvalShard:
         return metrics
 
 
+def eval_due(section: EvalSection, step: int, last: int) -> bool:
+    """Whether the weights after `step` (0: the starting ones) are evaluated, in a run of
+    `last` steps: at the start (eval.at_start), every eval.interval steps and at the end."""
+    if step == 0:
+        return section.at_start
+    return step == last or (section.interval > 0 and step % section.interval == 0)
+
+
 class Evaluator:
     """Samples the eval prompts on a generator and scores them with the task's scorer."""
 
@@ -104,10 +112,7 @@ class Evaluator:
 
     def due(self, version: int, last: int) -> bool:
         """Whether policy `version` (the weights after that step) is evaluated."""
-        if version == 0:
-            return self.section.at_start
-        interval = self.section.interval
-        return version == last or (interval > 0 and version % interval == 0)
+        return eval_due(self.section, version, last)
 
     def run(self, generator: Generator, version: int, shard: int = 0, shards: int = 1) -> EvalShard:
         """This rank's shard of the eval set sampled with `generator` and scored: an EvalShard

@@ -25,6 +25,15 @@ CONSOLE_KEYS = (
     ("time/step_s", "{:.2f}s"),
 )
 
+# RL evaluations report accuracy, SFT's the held-out loss and its greedy samples' exact matches.
+EVAL_CONSOLE_KEYS = (
+    ("eval/accuracy", "accuracy {:.3f}"),
+    ("eval/loss", "loss {:.4f}"),
+    ("eval/samples_exact_match", "samples exact {:.2f}"),
+    ("eval/response_length", "len {:.1f}"),
+    ("eval/policy_version", "policy version {:.0f}"),
+)
+
 
 class MetricsLogger:
     """Writes metrics on rank 0 only; every other rank's logger does nothing."""
@@ -78,7 +87,10 @@ class MetricsLogger:
         self._record(step, metrics)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            if "reward/mean" in metrics:
+                self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            else:
+                self.bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         if step % self.log_interval == 0:
             parts = [fmt.format(metrics[key]) for key, fmt in CONSOLE_KEYS if key in metrics]
             self._say(f"step {step:4d} | " + " | ".join(parts))
@@ -92,12 +104,10 @@ class MetricsLogger:
         self._record(step, metrics)
         with self.eval_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics, "samples": samples}) + "\n")
+        parts = [fmt.format(metrics[key]) for key, fmt in EVAL_CONSOLE_KEYS if key in metrics]
         passes = [f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/pass@")]
-        self._say(
-            f"eval {step:4d} | accuracy {metrics['eval/accuracy']:.3f} | "
-            + " | ".join(passes + [f"len {metrics['eval/response_length']:.1f}"])
-            + f" | policy version {int(metrics['eval/policy_version'])}"
-        )
+        parts[1:1] = passes  # after the accuracy
+        self._say(f"eval {step:4d} | " + " | ".join(parts))
 
     def _record(self, step: int, metrics: dict[str, float]) -> None:
         """A row of metrics.jsonl, and the same values to TensorBoard and W&B."""
@@ -140,19 +150,20 @@ def summary(dump_folder: Path, *, wall_s: float, log: Path | None, checkpoints: 
     last eval accuracy (if it logged one), and where its outputs are; no rows, no lines."""
     metrics_path = dump_folder / "metrics.jsonl"
     rows = _rows(metrics_path)
-    rewarded = [row for row in rows if "reward/mean" in row]
-    if not rewarded:
+    # An RL run's headline is its reward, an SFT run's its loss.
+    key = "reward/mean" if any("reward/mean" in row for row in rows) else "loss"
+    trained = [row for row in rows if key in row]
+    if not trained:
         return []
-    first, last = rewarded[0], rewarded[-1]
+    first, last = trained[0], trained[-1]
     lines = [
-        f"done: trained to step {last['step']} in {wall_s:.0f} s | reward/mean "
-        f"{first['reward/mean']:.3f} at step {first['step']} -> {last['reward/mean']:.3f} at "
-        f"step {last['step']}"
+        f"done: trained to step {last['step']} in {wall_s:.0f} s | {key} "
+        f"{first[key]:.3f} at step {first['step']} -> {last[key]:.3f} at step {last['step']}"
     ]
-    evaluated = [row for row in rows if "eval/accuracy" in row]
-    if evaluated:
-        row = evaluated[-1]
-        lines.append(f"eval/accuracy {row['eval/accuracy']:.3f} at step {row['step']}")
+    for name in ("eval/accuracy", "eval/loss"):
+        evaluated = [row for row in rows if name in row]
+        if evaluated:
+            lines.append(f"{name} {evaluated[-1][name]:.3f} at step {evaluated[-1]['step']}")
     lines.append(f"metrics:     {metrics_path}")
     curve = metrics_path.with_name("reward_curve.png")
     if curve.is_file():

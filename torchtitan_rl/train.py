@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Literal
 
 from torchtitan_rl import console, platform
 from torchtitan_rl.config import ConfigError, parse_args, to_toml
@@ -56,16 +57,22 @@ def check_dump_folder(config) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, entry: Literal["train", "sft"] = "train") -> int:
+    """An RL run (`entry` train), or an SFT run (sft: torchtitan_rl/sft.py)."""
     start = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        config = parse_args(argv, world_size)
+        config = parse_args(argv, world_size, prog=f"torchtitan_rl.{entry}", entry=entry)
         # Every dataset row, rendered prompt and the reward function, before anything is
-        # built (a dry run checks them too); the run opens the task again.
-        open_task(config)
+        # built (a dry run checks them too); the run opens its data again.
+        if entry == "sft":
+            from torchtitan_rl.tasks.sft_data import open_sft_data
+
+            open_sft_data(config)
+        else:
+            open_task(config)
     except ConfigError as e:
         console.error(f"error: {e}")
         return 2
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             # The engine takes a while to start; say where its output goes meanwhile.
             console.say(f"starting: library output goes to {log} (--job.verbose shows it here)")
     try:
-        code = run(config)
+        code = run(config, entry)
     except Exception:
         report_crash()
         return 1
@@ -113,7 +120,7 @@ def say_summary(config, wall_s: float) -> None:
         console.say(line)
 
 
-def run(config) -> int:
+def run(config, entry: Literal["train", "sft"] = "train") -> int:
     """Join the torchrun world and train; returns the exit code (2: a config error, 1: the run
     stopped, each after one line on stderr)."""
     platform.patch_torchtitan()
@@ -123,7 +130,11 @@ def run(config) -> int:
     try:
         if rank == 0:
             write_config(config, Path(config.job.dump_folder) / "config.toml")
-        if config.generator.placement == "disaggregated":
+        if entry == "sft":
+            from torchtitan_rl.sft import SFTTrainer
+
+            SFTTrainer(config).train()
+        elif config.generator.placement == "disaggregated":
             from torchtitan_rl import disaggregated
 
             disaggregated.run(config)

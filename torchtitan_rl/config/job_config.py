@@ -652,6 +652,33 @@ class MetricsSection:
         )
 
 
+@dataclass(kw_only=True, slots=True)
+class SFTSection:
+    """Supervised fine-tuning (`python -m torchtitan_rl.sft`): token cross-entropy on the
+    assistant tokens of task.dataset_path's rows, rendered as the RL run renders its prompts.
+    An RL run refuses values here."""
+
+    batch_size: int = 16
+    """Rows per optimizer step over all data-parallel ranks (a row with several assistant
+    messages counts once per message)."""
+    max_seq_len: int = 256
+    """Longest rendered row (prompt + response + stop id) in tokens; a longer row is an error
+    naming file:row."""
+    micro_batch_tokens: int = 4096
+    """Gradient-accumulation budget: each rank cuts its rows into micro-batches of at most this
+    many tokens (rows x the longest, padding included), in as many micro-batches as the
+    rank that needs most; the gradient equals one batch's. Must be >= sft.max_seq_len."""
+
+    def validate(self) -> None:
+        for name in ("batch_size", "max_seq_len", "micro_batch_tokens"):
+            _require(getattr(self, name) >= 1, f"sft.{name} = {getattr(self, name)}: must be >= 1")
+        _require(
+            self.micro_batch_tokens >= self.max_seq_len,
+            f"sft.micro_batch_tokens = {self.micro_batch_tokens} cannot hold one row of "
+            f"sft.max_seq_len = {self.max_seq_len} tokens: raise it to at least that",
+        )
+
+
 # Advantage estimators that compare samples within a prompt's group.
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 
@@ -677,6 +704,7 @@ class JobConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    sft: SFTSection = field(default_factory=SFTSection)
 
     def _validate_placement(self, world_size: int) -> int:
         """The number of generator-only ranks: 0 when colocated."""
@@ -738,20 +766,62 @@ class JobConfig:
             "do not reproduce bit for bit; use parallelism.tp = 1 (FSDP) in this mode",
         )
 
-    def validate(self, world_size: int = 1) -> None:
-        """Check every section, then the rules that span sections, for `world_size` processes."""
+    def validate(self, world_size: int = 1, entry: Literal["train", "sft"] = "train") -> None:
+        """Check every section, then the rules that span sections, for `world_size` processes
+        of the `entry` point (torchtitan_rl.train or torchtitan_rl.sft)."""
         self.job.validate()
         self.model.validate()
         self.training.validate()
-        generators = self._validate_placement(world_size)
-        self.parallelism.validate(world_size - generators)
-        self.generator.validate(generators or world_size)
-        self.algorithm.validate(self.generator.sampling.max_tokens)
         self.task.validate()
         self.eval.validate()
         self.checkpoint.validate()
         self.metrics.validate()
+        self.sft.validate()
+        self._validate_heads()
+        if entry == "sft":
+            self._validate_sft(world_size)
+        else:
+            self._validate_rl(world_size)
 
+    def _validate_sft(self, world_size: int) -> None:
+        """An SFT run: the fields it uses fit, and those only RL uses keep their defaults (a
+        value there would change nothing)."""
+        self.parallelism.validate(world_size)
+        _require(
+            self.task.name == "dataset",
+            f"task.name = {self.task.name!r}: SFT trains on the rows of a dataset; set "
+            "task.name = 'dataset' and task.dataset_path",
+        )
+        _unused(self, "batch_invariant", "batch_invariant_on_mismatch", "generator", "algorithm")
+        _unused(self.training, "prompts_per_step", "mini_batches", "epochs", "micro_batches")
+        _unused(self.training, "max_prompt_len", instead="sft.max_seq_len")
+        _unused(
+            self.task,
+            "num_digits",
+            "answer_format",
+            "reward_fn",
+            "reward_on_error",
+            "reward_timeout_s",
+        )
+        _unused(self.eval, "n", "temperature", instead="greedy samples of eval.log_samples rows")
+        _unused(self.metrics, "rollout_log_interval")
+        data_ranks = world_size // self.parallelism.tp
+        _require(
+            self.sft.batch_size % data_ranks == 0,
+            f"sft.batch_size = {self.sft.batch_size} does not split over {data_ranks} "
+            f"data-parallel ranks: use a multiple of {data_ranks}",
+        )
+
+    def _validate_rl(self, world_size: int) -> None:
+        _require(
+            self.sft == SFTSection(),
+            "the [sft] section is for python -m torchtitan_rl.sft; an RL run does not read it: "
+            "remove it from this config",
+        )
+        generators = self._validate_placement(world_size)
+        self.parallelism.validate(world_size - generators)
+        self.generator.validate(generators or world_size)
+        self.algorithm.validate(self.generator.sampling.max_tokens)
         n = self.generator.sampling.n
         _require(
             self.algorithm.advantage not in GROUP_ADVANTAGES or n >= 2,
@@ -760,7 +830,6 @@ class JobConfig:
         )
         if self.batch_invariant:
             self._validate_batch_invariant()
-        self._validate_heads()
         _require(
             self.eval.dataset_path is None or self.task.name == "dataset",
             f"eval.dataset_path is set but task.name = {self.task.name!r}: evaluation reads "
@@ -790,3 +859,40 @@ class JobConfig:
             f"data-parallel trainer ranks trains on {rows} samples per step (prompts_per_step * "
             "generator.sampling.n / ranks): lower mini_batches or raise prompts_per_step",
         )
+
+
+def _unused(section, *names: str, instead: str | None = None) -> None:
+    """Refuse a value in fields of `section` (or in the sections they name) that an SFT run
+    does not read, naming the first such field."""
+    prefix = _SECTION_NAMES.get(type(section).__name__, "")
+    default = type(section)()
+    for name in names:
+        changed = _first_change(getattr(section, name), getattr(default, name), prefix + name)
+        if changed is not None:
+            dotted, value = changed
+            also = f" ({instead} does that here)" if instead else ""
+            raise ConfigError(
+                f"{dotted} = {value!r}: an SFT run does not use it{also}; remove it from "
+                "this config"
+            )
+
+
+def _first_change(value, default, dotted: str) -> tuple[str, object] | None:
+    """(dotted name, value) of the first field where `value` differs from `default`."""
+    if value == default:
+        return None
+    if not hasattr(value, "__dataclass_fields__"):
+        return dotted, value
+    for name in value.__dataclass_fields__:
+        changed = _first_change(getattr(value, name), getattr(default, name), f"{dotted}.{name}")
+        if changed is not None:
+            return changed
+    return None
+
+
+_SECTION_NAMES = {
+    "TrainingSection": "training.",
+    "TaskSection": "task.",
+    "EvalSection": "eval.",
+    "MetricsSection": "metrics.",
+}

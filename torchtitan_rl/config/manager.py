@@ -185,15 +185,19 @@ def _tyro_cli(default: JobConfig, argv: list[str], prog: str) -> JobConfig:
 
 
 def parse_args(
-    argv: list[str], world_size: int = 1, prog: str = "torchtitan_rl.train"
+    argv: list[str],
+    world_size: int = 1,
+    prog: str = "torchtitan_rl.train",
+    entry: Literal["train", "sft"] = "train",
 ) -> JobConfig:
-    """The validated JobConfig for CLI `argv`: defaults < --job.config_file TOML < flags."""
+    """The validated JobConfig for CLI `argv`: defaults < --job.config_file TOML < flags,
+    checked for an RL run (`entry` train) or an SFT run (sft)."""
     config = JobConfig()
     config_file = _config_file_arg(argv)
     if config_file is not None:
         apply_toml(config, load_toml(config_file))
     config = _tyro_cli(config, normalize_bool_args(argv), prog)
-    config.validate(world_size)
+    config.validate(world_size, entry)
     return config
 
 

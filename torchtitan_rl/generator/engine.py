@@ -25,6 +25,7 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.models import model_spec
+from torchtitan_rl.tasks.render import checkpoint_stop_ids
 
 # vLLM reads these at import: the engine must run inside this process, not a child, and its
 # per-step INFO lines (one per prefix-cache reset) would drown the run's own output.
@@ -70,19 +71,6 @@ def check_tokenizer_fits(model: ModelSection) -> None:
             f"model.tokenizer_path: the tokenizer has {tokens} tokens but the checkpoint's "
             f"vocabulary has {vocab}: use the tokenizer the checkpoint was trained with"
         )
-
-
-def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
-    """Every id that ends a completion for the checkpoint: the eos_token_id of its
-    generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
-    of its config.json."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(hf_checkpoint) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    return []
 
 
 def _kv_cache_error(generator: GeneratorSection, vllm_message: str) -> str:

@@ -8,6 +8,7 @@ follows "####" with `answer_format = "gsm8k"`. Every row is checked when the dat
 and a bad one is a ConfigError naming file:row (rows count from 1; in JSONL, row N is line N).
 """
 
+import functools
 import json
 import os
 import random
@@ -31,7 +32,8 @@ class DatasetKeys:
 
     prompt_key: str = "prompt"
     messages_key: str | None = None
-    answer_key: str = "answer"
+    answer_key: str | None = "answer"
+    """None: rows need no answer (SFT rows of messages carry theirs as assistant turns)."""
     answer_format: str = "raw"
 
 
@@ -118,13 +120,17 @@ def _prompt(row: dict, keys: DatasetKeys, source: str) -> Prompt:
             )
         if not text.strip():
             raise ConfigError(f"{source}: the prompt is empty")
-    if keys.answer_key not in row or row[keys.answer_key] is None:
-        raise ConfigError(
-            f'{source}: needs an "{keys.answer_key}" (task.answer_key); the row has {sorted(row)}'
-        )
+    answer = ""
+    if keys.answer_key is not None:
+        if row.get(keys.answer_key) is None:
+            raise ConfigError(
+                f'{source}: needs an "{keys.answer_key}" (task.answer_key); the row has '
+                f"{sorted(row)}"
+            )
+        answer = _answer(str(row[keys.answer_key]), keys.answer_format, source)
     return Prompt(
         text=text,
-        answer=_answer(str(row[keys.answer_key]), keys.answer_format, source),
+        answer=answer,
         source=source,
         messages=messages,
     )
@@ -159,6 +165,20 @@ def _answer(answer: str, answer_format: str, source: str) -> str:
     return tail.strip().replace(",", "")
 
 
+def epoch_order(rows: int, index: int, seed: int, round: int = 0) -> int:
+    """The row at position `index` of a dataset of `rows` rows read in epochs, each in a fresh
+    order seeded by (seed, epoch); round r > 0 reads its own orders."""
+    epoch, position = divmod(index, rows)
+    return _shuffled(rows, seed * 1_000_003 + epoch, round)[position]
+
+
+@functools.lru_cache(maxsize=4)
+def _shuffled(rows: int, stream: int, round: int) -> tuple[int, ...]:
+    order = list(range(rows))
+    random.Random(stream if round == 0 else f"{stream}/{round}").shuffle(order)
+    return tuple(order)
+
+
 class DatasetTask:
     """Cycles through the dataset in a fresh seeded order every epoch; math-verify rewards."""
 
@@ -173,11 +193,7 @@ class DatasetTask:
     def _row(self, index: int, round: int = 0) -> Prompt:
         """Row `index` of the dataset read in epochs, each shuffled; round r > 0 reads its own
         shuffles (dynamic sampling's further prompts)."""
-        epoch, position = divmod(index, len(self.rows))
-        order = list(range(len(self.rows)))
-        stream = self.seed * 1_000_003 + epoch
-        random.Random(stream if round == 0 else f"{stream}/{round}").shuffle(order)
-        return self.rows[order[position]]
+        return self.rows[epoch_order(len(self.rows), index, self.seed, round)]
 
     def every_prompt(self) -> list[Prompt]:
         return self.rows

@@ -9,6 +9,7 @@ model saw in its own fine-tuning. The text it renders is then encoded without ad
 tokens (the template writes them). `task.chat_template = false` encodes the prompt text as is.
 """
 
+import json
 from pathlib import Path
 
 from torchtitan_rl.config.job_config import ConfigError, TaskSection
@@ -24,6 +25,19 @@ def load_tokenizer(tokenizer_dir: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 
 
+def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
+    """Every id that ends a completion for the checkpoint: the eos_token_id of its
+    generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
+    of its config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(hf_checkpoint) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
 class Renderer:
     """Prompt -> token ids (chat-templated or raw), token ids -> text."""
 
@@ -36,11 +50,14 @@ class Renderer:
         system_prompt: str | None = None,
         enable_thinking: bool | None = None,
         max_prompt_len: int,
+        length_field: str = "training.max_prompt_len",
     ):
-        """`tokenizer`: a transformers tokenizer (`load_tokenizer`), read from `tokenizer_dir`."""
+        """`tokenizer`: a transformers tokenizer (`load_tokenizer`), read from `tokenizer_dir`.
+        `length_field`: the config field holding `max_prompt_len`, named in its error."""
         self.tokenizer, self.tokenizer_dir = tokenizer, tokenizer_dir
         self.chat_template, self.system_prompt = chat_template, system_prompt
         self.enable_thinking, self.max_prompt_len = enable_thinking, max_prompt_len
+        self.length_field = length_field
 
     def messages(self, prompt: Prompt) -> list[dict]:
         """The chat messages of `prompt`: its own, or its text as the user's, after the system
@@ -75,7 +92,7 @@ class Renderer:
                 raise ConfigError(
                     f"{where}prompt {prompt.text[:40]!r} has {len(tokens)} tokens"
                     f"{' after the chat template' if self.chat_template else ''}, more than "
-                    f"training.max_prompt_len = {self.max_prompt_len}: raise it or shorten the "
+                    f"{self.length_field} = {self.max_prompt_len}: raise it or shorten the "
                     "prompt"
                 )
         return ids
@@ -85,7 +102,12 @@ class Renderer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def build_renderer(task: TaskSection, tokenizer_dir: str, max_prompt_len: int) -> Renderer:
+def build_renderer(
+    task: TaskSection,
+    tokenizer_dir: str,
+    max_prompt_len: int,
+    length_field: str = "training.max_prompt_len",
+) -> Renderer:
     """The task's renderer. task.chat_template unset: the checkpoint's chat template for dataset
     tasks when it has one, raw text for the toy tasks (their prompts are not chat)."""
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -114,4 +136,5 @@ def build_renderer(task: TaskSection, tokenizer_dir: str, max_prompt_len: int) -
         system_prompt=task.system_prompt,
         enable_thinking=task.enable_thinking,
         max_prompt_len=max_prompt_len,
+        length_field=length_field,
     )

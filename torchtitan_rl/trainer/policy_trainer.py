@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -57,7 +58,8 @@ class StepResult:
     """Global figures: loss, grad_norm, lr, entropy, tokens and the loss function's sums."""
     logprobs_BT: torch.Tensor
     """This rank's trainer logprobs [B, T] before the update, from the step's own forward
-    (no extra pass): what the generator's logprobs are compared with."""
+    (no extra pass): what the generator's logprobs are compared with. Micro-batches passed as
+    a list are right-padded with 0 to the widest."""
 
 
 def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
@@ -243,6 +245,31 @@ class PolicyTrainer:
         self._reshard()
         return torch.cat(logprobs), torch.cat(entropies)
 
+    @torch.no_grad()
+    def greedy(
+        self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int]
+    ) -> list[list[int]]:
+        """Greedy completions of `prompts` (token ids), each ending after its first stop id or
+        at `max_tokens`. Recomputes every sequence for each token (no KV cache): for the few
+        samples an SFT evaluation shows. Every trainer rank calls it with the same prompts and
+        runs `max_tokens` forwards, as FSDP's gathers are collective."""
+        completions: list[list[int]] = [[] for _ in prompts]
+        for _ in range(max_tokens):
+            rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+            width = max(len(r) for r in rows)
+            tokens_BT = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+            positions_BT = torch.arange(width, device=self.device).expand_as(tokens_BT)
+            logits_BTV = self.model(tokens_BT, positions_BT, None)
+            if isinstance(logits_BTV, DTensor):
+                logits_BTV = logits_BTV.full_tensor()
+            last_B = torch.tensor([len(r) - 1 for r in rows], device=self.device)
+            next_B = logits_BTV[torch.arange(len(rows), device=self.device), last_B].argmax(-1)
+            for completion, token in zip(completions, next_B.tolist(), strict=True):
+                if not (completion and completion[-1] in stop_ids):
+                    completion.append(token)
+        self._reshard()
+        return completions
+
     def _reshard(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 
@@ -250,9 +277,11 @@ class PolicyTrainer:
             self.model.reshard()
 
     def train_step(
-        self, batch: RolloutBatch, loss_fn: LossFn, *, step: int | None = None
+        self, batch: RolloutBatch | list[RolloutBatch], loss_fn: LossFn, *, step: int | None = None
     ) -> StepResult:
-        """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces.
+        """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces, or
+        over the micro-batches of a list as they are (SFT cuts them by a token budget; every
+        rank must pass as many, since FSDP's gathers are collective).
 
         The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
         the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
@@ -263,11 +292,18 @@ class PolicyTrainer:
         """
         self.step += 1
         label = self.step if step is None else step
-        batch = batch.to(self.device)
+        if isinstance(batch, RolloutBatch):
+            micro_batches = batch.split(min(self.training.micro_batches, batch.batch_size))
+        else:
+            micro_batches = batch
+        micro_batches = [micro.to(self.device) for micro in micro_batches]
         # The global counts travel while the first micro-batch runs its forward.
         # Sequences count when they have a token in the loss (filtered groups do not).
         counts = torch.tensor(
-            [batch.loss_mask_BT.sum().item(), (batch.loss_mask_BT.sum(1) > 0).sum().item()],
+            [
+                sum(m.loss_mask_BT.sum().item() for m in micro_batches),
+                sum((m.loss_mask_BT.sum(1) > 0).sum().item() for m in micro_batches),
+            ],
             dtype=torch.float64,
         )
         counting = platform.all_reduce_host(counts, group=self.group, async_op=True)
@@ -275,7 +311,7 @@ class PolicyTrainer:
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
         pre_update: list[torch.Tensor] = []
-        for micro in batch.split(min(self.training.micro_batches, batch.batch_size)):
+        for micro in micro_batches:
             logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT)
             check_finite(label, "trainer", logprobs_BT.detach(), micro.loss_mask_BT.bool())
             pre_update.append(logprobs_BT.detach())
@@ -330,7 +366,9 @@ class PolicyTrainer:
             "tokens": float(scale.tokens),
             **dict(zip(names, metric_totals, strict=True)),
         }
-        return StepResult(metrics=metrics, logprobs_BT=torch.cat(pre_update))
+        width = max(lp.shape[1] for lp in pre_update)
+        logprobs_BT = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp in pre_update])
+        return StepResult(metrics=metrics, logprobs_BT=logprobs_BT)
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():

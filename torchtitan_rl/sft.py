@@ -1,0 +1,201 @@
+"""SFT warm start: the RL run's PolicyTrainer with a token cross-entropy step on demonstrations.
+
+    torchrun --nproc_per_node 2 -m torchtitan_rl.sft \
+        --job.config_file run_configs/sft_arith_cpu.toml
+
+The same JobConfig as an RL run (an SFT run refuses RL-only values), the same dataset reader
+and chat rendering (tasks/sft_data.py), the same checkpoints, metrics and HF export: the export
+at {job.dump_folder}/hf is what an RL config loads with model.hf_checkpoint. A step: this
+data-parallel rank's sft.batch_size / ranks rows of the step (the dataset read in seeded,
+shuffled epochs, so resume is exact) -> micro-batches of at most sft.micro_batch_tokens
+tokens -> one optimizer step on the mean NLL of every rank's response tokens. With
+eval.dataset_path: the held-out NLL at the start, every eval.interval steps and at the end,
+and the trainer's greedy completions of eval.log_samples held-out prompts in eval.jsonl.
+Shapes: B rows, T tokens.
+"""
+
+import dataclasses
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import console, platform
+from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_hf, run_facts
+from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.evaluation import eval_due
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.tasks.dataset import epoch_order
+from torchtitan_rl.tasks.sft_data import Example, SFTData, open_sft_data, pack, sft_batch, split_to
+from torchtitan_rl.trainer.policy_trainer import LossScale, NonFiniteError, PolicyTrainer
+
+
+def cross_entropy(
+    logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the step's mean NLL over every response token of the step."""
+    nll = -(logprobs_BT * batch.loss_mask_BT).sum()
+    return nll / max(scale.tokens, 1), {}
+
+
+class SFTTrainer:
+    """Owns the policy trainer, the demonstrations, checkpoints and metrics of an SFT run."""
+
+    def __init__(self, config: JobConfig):
+        self.config = config
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(config.job.seed)
+        facts = run_facts(config) | {"prompts_per_step": config.sft.batch_size}
+        self.checkpointer = Checkpointer(config.checkpoint, config.job.dump_folder, facts)
+        resume_path = self.checkpointer.find()
+        # Before any model: a bad row fails in seconds, naming file:row.
+        self.data: SFTData = open_sft_data(config)
+        self.trainer = PolicyTrainer(
+            model=config.model,
+            training=config.training,
+            parallelism=config.parallelism,
+            seed=config.job.seed,
+            dump_folder=config.job.dump_folder,
+        )
+        # torchtitan puts TP innermost: the ranks of a TP group share their rows.
+        self.tp = config.parallelism.tp
+        self.data_rank, self.data_ranks = self.rank // self.tp, world // self.tp
+        self.state = TrainState()
+        self.checkpointer.attach(self.trainer, self.state)
+        self.start_step = self.checkpointer.load(resume_path) if resume_path else 0
+        self.metrics = MetricsLogger(
+            config.job.dump_folder,
+            enabled=self.rank == 0,
+            total_steps=config.training.steps,
+            log_interval=config.metrics.log_interval,
+            tensorboard=config.metrics.enable_tensorboard,
+            wandb_project=config.metrics.wandb_project if config.metrics.enable_wandb else None,
+            run_config=asdict(config),
+            resume_step=self.start_step,
+        )
+
+    def train(self) -> None:
+        steps = self.config.training.steps
+        evaluating = bool(self.data.held_out)
+        if evaluating and self.start_step == 0 and eval_due(self.config.eval, 0, steps):
+            self.evaluate(0)
+        for step in range(self.start_step + 1, steps + 1):
+            self.train_step(step)
+            if evaluating and eval_due(self.config.eval, step, steps):
+                self.evaluate(step)
+            self.state.step = step
+            if self.checkpointer.should_save(step, last=step == steps):
+                self.checkpointer.save(step)
+            self.checkpointer.poll()
+        self.checkpointer.close()
+        if self.config.checkpoint.export_hf_at_end:
+            out = Path(self.config.job.dump_folder) / "hf"
+            model = self.config.model
+            export_hf(
+                self.trainer.model.state_dict(),
+                self.trainer.spec,
+                model.hf_checkpoint,
+                model.tokenizer_dir,
+                out,
+            )
+            if self.rank == 0:
+                console.say(f"exported the policy to {out}")
+        self.metrics.close()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        rows = self.rows(step)
+        result = self.trainer.train_step(self.micro_batches(rows), cross_entropy, step=step)
+        tokens = torch.tensor([float(sum(len(e) for e in rows))], dtype=torch.float64)
+        platform.all_reduce_host(tokens)
+        elapsed = time.perf_counter() - start
+        epoch = step * self.config.sft.batch_size / len(self.data.examples)
+        metrics = {
+            **result.metrics,
+            "epoch": epoch,
+            "throughput/tokens_per_s": float(tokens[0]) / self.tp / elapsed,
+            "time/step_s": elapsed,
+        }
+        self.metrics.log(step, metrics)
+        return metrics
+
+    def rows(self, step: int) -> list[Example]:
+        """This data-parallel rank's contiguous share of the step's sft.batch_size rows."""
+        batch_size = self.config.sft.batch_size
+        per_rank = batch_size // self.data_ranks
+        first = (step - 1) * batch_size + self.data_rank * per_rank
+        examples = self.data.examples
+        seed = self.config.job.seed
+        return [
+            examples[epoch_order(len(examples), i, seed)] for i in range(first, first + per_rank)
+        ]
+
+    def micro_batches(self, rows: list[Example]) -> list[RolloutBatch]:
+        """`rows` in micro-batches of at most sft.micro_batch_tokens padded tokens, as many as
+        the rank that needs most (every rank must run as many forwards)."""
+        groups = pack(rows, self.config.sft.micro_batch_tokens)
+        count = torch.tensor([len(groups)])
+        platform.all_reduce_host(count, op=dist.ReduceOp.MAX)
+        return [sft_batch(group) for group in split_to(groups, int(count))]
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out NLL over every rank's shard, and greedy samples of the first
+        eval.log_samples held-out rows; rank 0 logs eval/* and writes the samples."""
+        began = time.perf_counter()
+        held_out = self.data.held_out
+        per_rank = math.ceil(len(held_out) / self.data_ranks)
+        mine = held_out[self.data_rank * per_rank : (self.data_rank + 1) * per_rank]
+        # A rank short of rows scores a copy of one with nothing trained in it: every rank
+        # must run as many forwards.
+        filler = dataclasses.replace(held_out[0], prompt_len=len(held_out[0]))
+        mine = mine + [filler] * (per_rank - len(mine))
+        sums = torch.zeros(2, dtype=torch.float64)
+        for micro in self.micro_batches(mine):
+            logprobs_BT, _ = self.trainer.logprobs(micro.tokens_BT)
+            mask_BT = micro.loss_mask_BT.to(logprobs_BT.device)
+            sums += torch.tensor([float(-(logprobs_BT * mask_BT).sum()), float(mask_BT.sum())])
+        platform.all_reduce_host(sums)
+        nll, tokens = (sums / self.tp).tolist()
+        if not math.isfinite(nll):
+            raise NonFiniteError(f"step {step}: the held-out loss is {nll}")
+        samples = self.samples(held_out[: self.config.eval.log_samples])
+        matches = sum(sample["exact_match"] for sample in samples)
+        metrics = {
+            "eval/loss": nll / tokens,
+            "eval/tokens": tokens,
+            "eval/samples_exact_match": matches / max(len(samples), 1),
+            "time/eval_s": time.perf_counter() - began,
+        }
+        self.metrics.log_eval(step, metrics, samples)
+        return metrics
+
+    def samples(self, examples: list[Example]) -> list[dict]:
+        """The trainer's greedy completions of `examples`' prompts (as long as the longest
+        reference response, or eval.max_tokens), beside the references."""
+        if not examples:
+            return []
+        max_tokens = self.config.eval.max_tokens or max(len(e) - e.prompt_len for e in examples)
+        prompts = [e.tokens[: e.prompt_len] for e in examples]
+        completions = self.trainer.greedy(prompts, max_tokens, self.data.stop_ids)
+        renderer = self.data.renderer
+        return [
+            {
+                "prompt": renderer.text(e.prompt),
+                "completion": renderer.decode(ids),
+                "reference": e.response,
+                "exact_match": ids == e.tokens[e.prompt_len :],
+                "token_ids": ids,
+            }
+            for e, ids in zip(examples, completions, strict=True)
+        ]
+
+
+if __name__ == "__main__":
+    from torchtitan_rl.train import main
+
+    platform.exit_process(main(entry="sft"))
