@@ -1,5 +1,5 @@
 """Write the arithmetic demo's dataset: "max(a,b)=" and "min(a,b)=" over distinct digits a, b,
-split into train (JSONL) and held-out test (Parquet) prompts.
+split into train (JSONL) and held-out test (Parquet) prompts, plus a few SFT demonstrations.
 
     .venv/bin/python scripts/make_arith_data.py --out data/arith
 
@@ -7,7 +7,10 @@ The answer needs three prompt tokens (the operation and both digits), and every 
 is unseen in training, so held-out accuracy measures the operation, not recall. Why not sums:
 measured on the tiny model with RL alone (README "The arithmetic demo"), single-digit sums
 collapse to the most frequent answer or are memorized without reaching held-out pairs, while
-max and min generalize. The same seed gives the same split; the files are small and shipped.
+max and min generalize. sft.jsonl holds the first SFT_ROWS training rows: demonstrations are
+scarce next to prompts with a checkable answer, so the SFT warm start sees few of them and RL
+sees every training prompt (README "SFT warm start"). The same seed gives the same files; they
+are small and shipped.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import random
 from pathlib import Path
 
 OPERATIONS = {"max": max, "min": min}
+SFT_ROWS = 24
 
 
 def rows(operations: list[str]) -> list[dict]:
@@ -48,8 +52,12 @@ def main() -> None:
     train, test = split(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (args.out / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train[:SFT_ROWS]))
     pq.write_table(pa.Table.from_pylist(test), args.out / "test.parquet")
-    print(f"wrote {args.out}: {len(train)} train rows, {len(test)} test rows")
+    print(
+        f"wrote {args.out}: {len(train)} train rows ({SFT_ROWS} of them in sft.jsonl), "
+        f"{len(test)} test rows"
+    )
 
 
 if __name__ == "__main__":

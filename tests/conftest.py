@@ -136,17 +136,21 @@ def _run(command: list[str], env: dict[str, str] | None) -> subprocess.Completed
 
 
 def run_train(
-    *flags: str, nproc: int = 0, env: dict[str, str] | None = None
+    *flags: str,
+    nproc: int = 0,
+    env: dict[str, str] | None = None,
+    module: str = "torchtitan_rl.train",
 ) -> subprocess.CompletedProcess:
-    """`python -m torchtitan_rl.train FLAGS` from the repo root; the result, not checked."""
-    return _run([*launcher(nproc), "-m", "torchtitan_rl.train", *flags], env)
+    """`python -m torchtitan_rl.train FLAGS` (or `module`) from the repo root; the result,
+    not checked."""
+    return _run([*launcher(nproc), "-m", module, *flags], env)
 
 
-def start_train(*flags: str, nproc: int) -> subprocess.Popen:
-    """Start `python -m torchtitan_rl.train FLAGS` in its own session (so that the test can
-    signal it without signalling pytest); output goes to DEVNULL."""
+def start_train(*flags: str, nproc: int, module: str = "torchtitan_rl.train") -> subprocess.Popen:
+    """Start `python -m torchtitan_rl.train FLAGS` (or `module`) in its own session (so that
+    the test can signal it without signalling pytest); output goes to DEVNULL."""
     return subprocess.Popen(
-        [*launcher(nproc), "-m", "torchtitan_rl.train", *flags],
+        [*launcher(nproc), "-m", module, *flags],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

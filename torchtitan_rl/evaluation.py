@@ -151,6 +151,7 @@ class Evaluator:
                             "answer": prompt.answer,
                             "completions": texts,
                             "rewards": rewards,
+                            "token_ids": [list(s.token_ids) for s in group],
                         }
                     )
         return EvalShard(version, totals, samples, time.perf_counter() - began)

@@ -1,0 +1,253 @@
+"""SFT warm start: the loss mask, token-budget micro-batches, exact resume, and an export that
+the RL run and vLLM load and that answers as the SFT trainer did.
+
+.venv/bin/python -m pytest tests/test_sft.py
+
+Real runs: torchrun with 2 ranks, the tiny Qwen3 checkpoint and its chat template, DCP files,
+SIGKILL, and the real vLLM engine in the RL run that starts from the SFT export.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, kill_tree, run_dist, run_train, start_train, wait_for_step
+from safetensors.torch import load_file
+
+from torchtitan_rl.config import ConfigError, parse_args
+from torchtitan_rl.tasks.render import load_tokenizer
+from torchtitan_rl.tasks.sft_data import open_sft_data, sft_batch
+
+TINY = str(REPO / "assets" / "tiny_qwen3")
+IM_END = 4  # the tiny checkpoint's <|im_end|>, its first stop id
+SFT = ("--job.config_file", "run_configs/sft_arith_cpu.toml")
+# 30 steps of 16 rows in micro-batches of 2 rows; checkpoints at 10, 20 and 30.
+FLAGS = (
+    *SFT,
+    *("--training.steps", "30", "--sft.micro_batch_tokens", "64"),
+    *("--checkpoint.enable", "true", "--checkpoint.interval", "10"),
+    *("--eval.interval", "10", "--eval.log_samples", "36"),
+)
+TIMING = ("time/", "throughput/")
+
+
+def sft_config(tmp_path: Path, rows: list[dict], *flags: str):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--model.hf_checkpoint", TINY, "--task.name", "dataset", "--task.dataset_path"]
+    return parse_args([*argv, str(data), *flags], entry="sft")
+
+
+def rows_by_step(folder: Path) -> dict[tuple[int, str], dict]:
+    """metrics.jsonl rows keyed by (step, "train" or "eval")."""
+    rows = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"], "eval" if "eval/loss" in row else "train"] = row
+    return rows
+
+
+def test_only_the_assistant_tokens_are_trained(tmp_path):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "max(1,2)="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "min(1,2)="},
+        {"role": "assistant", "content": "1"},
+    ]
+    config = sft_config(tmp_path, [{"messages": messages}], "--task.messages_key", "messages")
+    data = open_sft_data(config)
+    tokenizer = load_tokenizer(TINY)
+    # One row per assistant message, its prompt the messages before it.
+    assert [e.response for e in data.examples] == ["2", "1"]
+    for example, turn in zip(data.examples, (2, 4), strict=True):
+        prompt = tokenizer.apply_chat_template(
+            messages[:turn], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        response_ids = tokenizer.encode(messages[turn]["content"], add_special_tokens=False)
+        assert example.tokens == prompt_ids + response_ids + [IM_END]
+        assert example.prompt_len == len(prompt_ids)
+    batch = sft_batch(data.examples)
+    first, width = data.examples[0], batch.tokens_BT.shape[1]
+    padding = [0.0] * (width - len(first))
+    assert batch.loss_mask_BT[0].tolist() == [0.0] * first.prompt_len + [1.0, 1.0] + padding
+    assert tokenizer.decode(batch.tokens_BT[0][batch.loss_mask_BT[0].bool()]) == "2<|im_end|>"
+    # The second row's context holds the first answer, its system and user turns: none trained.
+    second = batch.loss_mask_BT[1]
+    assert second.sum() == 2 and tokenizer.decode(batch.tokens_BT[1][second.bool()]) == (
+        "1<|im_end|>"
+    )
+
+
+def test_prompt_rows_train_the_answer_after_the_rendered_prompt(tmp_path):
+    config = sft_config(
+        tmp_path, [{"prompt": "max(3,7)=", "answer": "7"}], "--task.system_prompt", "digits"
+    )
+    (example,) = open_sft_data(config).examples
+    tokenizer = load_tokenizer(TINY)
+    prompt = tokenizer.decode(example.tokens[: example.prompt_len])
+    assert prompt == (
+        "<|im_start|>system\ndigits<|im_end|>\n<|im_start|>user\nmax(3,7)=<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert example.tokens[example.prompt_len :] == tokenizer.encode("7") + [IM_END]
+
+
+@pytest.mark.parametrize(
+    ("rows", "flags", "message"),
+    [
+        (
+            [{"prompt": "p", "answer": "x" * 80}],
+            (),
+            r"sft.jsonl:1: 101 tokens after the chat template \(prompt 20, response 81\), more "
+            r"than sft.max_seq_len = 64",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}]}],
+            ("--task.messages_key", "messages"),
+            'sft.jsonl:1: no "assistant" message to train on',
+        ),
+        (
+            [{"messages": [{"role": "assistant", "content": "hi"}]}],
+            ("--task.messages_key", "messages"),
+            "sft.jsonl:1: assistant message 0 has no user message before it",
+        ),
+        ([{"prompt": "p"}], (), r'sft.jsonl:1: needs an "answer" \(task.answer_key\)'),
+    ],
+)
+def test_bad_rows_name_the_file_row_and_the_fix(tmp_path, rows, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        open_sft_data(sft_config(tmp_path, rows, "--sft.max_seq_len", "64", *flags))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ("--generator.sampling.n", "4"),
+            r"generator.sampling.n = 4: an SFT run does not use it; remove it",
+        ),
+        (
+            ("--training.max_prompt_len", "8"),
+            r"training.max_prompt_len = 8: an SFT run does not use it \(sft.max_seq_len does",
+        ),
+        (("--algorithm.loss", "dapo"), "algorithm.loss = 'dapo': an SFT run does not use it"),
+        (("--sft.batch_size", "3"), "sft.batch_size = 3 does not split over 2 data-parallel"),
+        (
+            ("--sft.micro_batch_tokens", "16"),
+            "sft.micro_batch_tokens = 16 cannot hold one row of sft.max_seq_len = 32",
+        ),
+    ],
+)
+def test_sft_refuses_values_it_would_ignore(flags, message, repo_cwd):
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*SFT, *flags], world_size=2, entry="sft")
+
+
+def test_sft_needs_a_dataset():
+    with pytest.raises(ConfigError, match="task.name = 'echo_digits': SFT trains on the rows"):
+        parse_args(["--model.hf_checkpoint", TINY], entry="sft")
+
+
+def test_an_rl_run_refuses_an_sft_section(repo_cwd):
+    with pytest.raises(ConfigError, match=r"the \[sft\] section is for python -m torchtitan_rl"):
+        parse_args(["--job.config_file", "run_configs/arith_cpu.toml", "--sft.batch_size", "8"])
+
+
+def test_token_budget_micro_batches_give_the_one_batch_gradient(tmp_path):
+    # Rows of 22 to 36 tokens whose seeded order packs rank 0's into 3 micro-batches of at
+    # most 96 tokens, rank 1's into 4.
+    answers = ["a" * (1 + (5 * i + 3) % 13) for i in range(8)] + ["a"] * 8
+    rows = [{"prompt": "q" * (1 + i % 7), "answer": answers[i]} for i in range(16)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dist("sft_step_run.py", str(tmp_path), str(data), "96", nproc=2)
+    result = torch.load(tmp_path / "result.pt")
+    whole, cut = result["whole"], result["cut"]
+    assert whole["packed"] == [1, 1]
+    assert cut["packed"][0] != cut["packed"][1], "the test rows must pack unevenly"
+    # Every rank ran as many micro-batches, each within the budget.
+    assert len(cut["shapes"][0]) == len(cut["shapes"][1]) == max(cut["packed"])
+    assert all(rows * width <= 96 for shapes in cut["shapes"] for rows, width in shapes)
+    assert cut["metrics"]["tokens"] == whole["metrics"]["tokens"]
+    assert cut["metrics"]["loss"] == pytest.approx(whole["metrics"]["loss"], rel=1e-6)
+    for name, grad in whole["grads"].items():
+        torch.testing.assert_close(cut["grads"][name], grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> Path:
+    """30 uninterrupted SFT steps on the arithmetic demonstrations, with their export."""
+    out = tmp_path_factory.mktemp("sft")
+    result = run_train(*FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (out / "console.txt").write_text(result.stdout)
+    return out
+
+
+def test_sft_lowers_the_held_out_loss_and_logs_what_it_did(sft_run):
+    rows = rows_by_step(sft_run)
+    assert sorted(step for step, kind in rows if kind == "eval") == [0, 10, 20, 30]
+    assert rows[30, "eval"]["eval/loss"] < rows[0, "eval"]["eval/loss"] / 3
+    assert rows[30, "train"]["loss"] < rows[1, "train"]["loss"] / 3
+    # 16 rows of 2 response tokens per step: the digit and <|im_end|>.
+    assert rows[1, "train"]["tokens"] == 32
+    assert rows[30, "train"]["epoch"] == 30 * 16 / 24
+    console = (sft_run / "console.txt").read_text()
+    assert "done: trained to step 30" in console and "eval/loss" in console
+    assert f"HF export:   {sft_run / 'hf'}" in console
+
+
+def test_sigkill_then_restart_matches_the_uninterrupted_run(sft_run, tmp_path):
+    out = tmp_path / "killed"
+    process = start_train(
+        *FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft"
+    )
+    try:
+        wait_for_step(process, out, 12)
+    finally:
+        kill_tree(process)
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "step-10").is_dir()
+    assert not (checkpoints / "step-30").exists(), "killed too late: the run finished"
+    result = run_train(*FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    expected, resumed = rows_by_step(sft_run), rows_by_step(out)
+    assert sorted(resumed) == sorted(expected)
+    for key in expected:
+        if key[0] > 10:
+            for name, value in expected[key].items():
+                if not name.startswith(TIMING):
+                    assert resumed[key][name] == value, (key, name)
+    final, reference = (
+        load_file(out / "hf" / "model.safetensors"),
+        load_file(sft_run / "hf" / "model.safetensors"),
+    )
+    for name, tensor in reference.items():
+        assert torch.equal(final[name], tensor), name
+
+
+def test_the_rl_run_loads_the_export_and_vllm_answers_as_the_sft_trainer(sft_run, tmp_path):
+    """The SFT trainer's greedy completions of the held-out prompts (its last evaluation, the
+    exported weights) equal the RL run's vLLM greedy completions of them at step 0."""
+    sft_samples = json.loads((sft_run / "eval.jsonl").read_text().splitlines()[-1])["samples"]
+    assert len(sft_samples) == 36
+    assert sum(s["exact_match"] for s in sft_samples) >= 9  # it learned something
+    assert all(s["token_ids"][-1] == IM_END for s in sft_samples)  # and to stop
+    result = run_train(
+        *("--job.config_file", "run_configs/arith_cpu.toml", "--job.dump_folder", str(tmp_path)),
+        *("--model.hf_checkpoint", str(sft_run / "hf"), "--training.steps", "1"),
+        *("--eval.log_samples", "18", "--checkpoint.export_hf_at_end", "false"),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0
+    # Rank 0 evaluates the first half of the held-out set; its samples are those.
+    rl_ids = [sample["token_ids"][0] for sample in start["samples"]]
+    assert rl_ids == [s["token_ids"] for s in sft_samples[:18]]
+    exact = sum(s["exact_match"] for s in sft_samples) / 36
+    assert start["eval/accuracy"] >= exact  # math-verify also accepts what exact match does
