@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the CPU demo on 2 processes: the arithmetic demo (run_configs/arith_cpu.toml,
-# about 6 minutes), or another config with CONFIG=..., e.g. the 25-second echo demo:
-#   ./scripts/demo.sh --training.steps 20
-#   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh
+# Set up, then run the CPU demo on 2 processes: the arithmetic demo, SFT warm start then RL
+# (run_configs/sft_arith_cpu.toml, ~25 s, then run_configs/arith_rl_from_sft_cpu.toml, ~2
+# minutes; extra flags go to the RL stage), or one RL config alone with CONFIG=..., e.g.
+#   CONFIG=run_configs/arith_cpu.toml ./scripts/demo.sh     # RL from random weights, ~6 minutes
+#   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh     # the 25-second echo demo
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -10,5 +11,10 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 # torchrun sets 1 itself when this is unset, with a 5-line warning; the same value, said here.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_rl.train \
-    --job.config_file "${CONFIG:-run_configs/arith_cpu.toml}" "$@"
+torchrun=(.venv/bin/torchrun --standalone --nproc_per_node 2)
+if [[ -n "${CONFIG:-}" ]]; then
+    exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file "$CONFIG" "$@"
+fi
+"${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_arith_cpu.toml
+exec "${torchrun[@]}" -m torchtitan_rl.train \
+    --job.config_file run_configs/arith_rl_from_sft_cpu.toml "$@"

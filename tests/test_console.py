@@ -86,7 +86,7 @@ def test_an_unexpected_error_shows_its_traceback_and_points_at_the_log(tmp_path)
         import sys
         from torchtitan_rl import train
 
-        def run(config):
+        def run(config, entry):
             raise RuntimeError("boom")
 
         train.run = run
