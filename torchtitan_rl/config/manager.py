@@ -30,6 +30,11 @@ INVOCATION_FIELDS = {"job.config_file", "job.dry_run"}
 
 _BOOL_WORDS = {"true": "True", "false": "False"}
 
+DESCRIPTIONS = {
+    "train": "torchtitan_rl: GRPO-style RL for torchtitan models.",
+    "sft": "torchtitan_rl.sft: supervised fine-tuning (the SFT warm start of an RL run).",
+}
+
 
 def load_toml(path: str) -> dict[str, Any]:
     """The parsed TOML file at `path`; a missing or malformed file is a ConfigError."""
@@ -165,7 +170,7 @@ def _one_line(tyro_message: str) -> str:
     return " ".join(" ".join(lines).split()) or "invalid command line"
 
 
-def _tyro_cli(default: JobConfig, argv: list[str], prog: str) -> JobConfig:
+def _tyro_cli(default: JobConfig, argv: list[str], prog: str, description: str) -> JobConfig:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
@@ -174,7 +179,7 @@ def _tyro_cli(default: JobConfig, argv: list[str], prog: str) -> JobConfig:
                 default=default,
                 args=argv,
                 prog=prog,
-                description="torchtitan_rl: GRPO-style RL for torchtitan models.",
+                description=description,
                 config=(tyro.conf.FlagConversionOff,),
                 use_underscores=True,
             )
@@ -196,7 +201,8 @@ def parse_args(
     config_file = _config_file_arg(argv)
     if config_file is not None:
         apply_toml(config, load_toml(config_file))
-    config = _tyro_cli(config, normalize_bool_args(argv), prog)
+    description = DESCRIPTIONS[entry]
+    config = _tyro_cli(config, normalize_bool_args(argv), prog, description)
     config.validate(world_size, entry)
     return config
 
