@@ -34,7 +34,12 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 
 from torchtitan_rl import console
-from torchtitan_rl.config.job_config import CheckpointSection, ConfigError, JobConfig
+from torchtitan_rl.config.job_config import (
+    CheckpointSection,
+    ConfigError,
+    JobConfig,
+    ModelSection,
+)
 
 MANIFEST = "manifest.json"
 _NON_MODEL = ("optimizer", "lr_scheduler", "train_state")
@@ -426,3 +431,13 @@ def export_hf(
     os.replace(tmp, out)
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def export_policy(trainer, model: ModelSection, out: Path) -> None:
+    """`trainer`'s policy (a PolicyTrainer) as an HF safetensors folder at `out`, with the
+    config and tokenizer files of `model`'s checkpoint (every rank calls; rank 0 writes)."""
+    export_hf(
+        trainer.model.state_dict(), trainer.spec, model.hf_checkpoint, model.tokenizer_dir, out
+    )
+    if dist.get_rank() == 0:
+        console.say(f"exported the policy to {out}")

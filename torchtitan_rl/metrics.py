@@ -12,6 +12,7 @@ time/weight_sync_s, time/step_s, throughput/generated_tokens_per_s.
 import json
 import os
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 from torchtitan_rl import console
@@ -143,6 +144,22 @@ class MetricsLogger:
             self.wandb.finish()
         if self.enabled:
             plot_reward_curve(self.path, self.path.with_name("reward_curve.png"))
+
+
+def run_metrics(config, *, enabled: bool, resume_step: int) -> MetricsLogger:
+    """The MetricsLogger of a run with JobConfig `config` (RL or SFT): its dump folder, steps
+    and metrics section; `enabled` on the rank that writes."""
+    section = config.metrics
+    return MetricsLogger(
+        config.job.dump_folder,
+        enabled=enabled,
+        total_steps=config.training.steps,
+        log_interval=section.log_interval,
+        tensorboard=section.enable_tensorboard,
+        wandb_project=section.wandb_project if section.enable_wandb else None,
+        run_config=asdict(config),
+        resume_step=resume_step,
+    )
 
 
 def summary(dump_folder: Path, *, wall_s: float, log: Path | None, checkpoints: Path) -> list[str]:

@@ -9,7 +9,6 @@ this rank, N samples per prompt, B = P * N sequences, T tokens.
 """
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,13 +24,13 @@ from torchtitan_rl.checkpoint import (
     Checkpointer,
     CheckpointError,
     TrainState,
-    export_hf,
+    export_policy,
     run_facts,
 )
 from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.evaluation import EvalShard, build_evaluator
 from torchtitan_rl.generator.engine import Completions, Generator
-from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.rollouts import Rollouts, fill_informative
 from torchtitan_rl.tasks import Prompt, open_task
 from torchtitan_rl.tasks.rewards import RewardError
@@ -137,17 +136,7 @@ class RLTrainer:
         self.evaluator = build_evaluator(config, opened)
 
     def build_metrics(self, enabled: bool) -> None:
-        config = self.config
-        self.metrics = MetricsLogger(
-            config.job.dump_folder,
-            enabled=enabled,
-            total_steps=config.training.steps,
-            log_interval=config.metrics.log_interval,
-            tensorboard=config.metrics.enable_tensorboard,
-            wandb_project=config.metrics.wandb_project if config.metrics.enable_wandb else None,
-            run_config=asdict(config),
-            resume_step=self.start_step,
-        )
+        self.metrics = run_metrics(self.config, enabled=enabled, resume_step=self.start_step)
 
     def resume(self, path: Path | None) -> int:
         """Load the checkpoint at `path`, if any, into both sides; returns its step."""
@@ -193,16 +182,7 @@ class RLTrainer:
 
     def export_hf(self, out: Path) -> None:
         """The current policy as an HF safetensors folder (every rank calls; rank 0 writes)."""
-        model = self.config.model
-        export_hf(
-            self.trainer.model.state_dict(),
-            self.trainer.spec,
-            model.hf_checkpoint,
-            model.tokenizer_dir,
-            out,
-        )
-        if self.rank == 0:
-            console.say(f"exported the policy to {out}")
+        export_policy(self.trainer, self.config.model, out)
 
     def train_step(self, step: int) -> dict[str, float]:
         self.hooks.before_step(step)

@@ -17,18 +17,17 @@ Shapes: B rows, T tokens.
 import dataclasses
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from torchtitan_rl import console, platform
+from torchtitan_rl import platform
 from torchtitan_rl.batch import RolloutBatch
-from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_hf, run_facts
+from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
 from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.evaluation import eval_due
-from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.tasks.dataset import epoch_order
 from torchtitan_rl.tasks.sft_data import Example, SFTData, open_sft_data, pack, sft_batch, split_to
 from torchtitan_rl.trainer.policy_trainer import LossScale, NonFiniteError, PolicyTrainer
@@ -67,16 +66,7 @@ class SFTTrainer:
         self.state = TrainState()
         self.checkpointer.attach(self.trainer, self.state)
         self.start_step = self.checkpointer.load(resume_path) if resume_path else 0
-        self.metrics = MetricsLogger(
-            config.job.dump_folder,
-            enabled=self.rank == 0,
-            total_steps=config.training.steps,
-            log_interval=config.metrics.log_interval,
-            tensorboard=config.metrics.enable_tensorboard,
-            wandb_project=config.metrics.wandb_project if config.metrics.enable_wandb else None,
-            run_config=asdict(config),
-            resume_step=self.start_step,
-        )
+        self.metrics = run_metrics(config, enabled=self.rank == 0, resume_step=self.start_step)
 
     def train(self) -> None:
         steps = self.config.training.steps
@@ -93,17 +83,8 @@ class SFTTrainer:
             self.checkpointer.poll()
         self.checkpointer.close()
         if self.config.checkpoint.export_hf_at_end:
-            out = Path(self.config.job.dump_folder) / "hf"
-            model = self.config.model
-            export_hf(
-                self.trainer.model.state_dict(),
-                self.trainer.spec,
-                model.hf_checkpoint,
-                model.tokenizer_dir,
-                out,
-            )
-            if self.rank == 0:
-                console.say(f"exported the policy to {out}")
+            hf = Path(self.config.job.dump_folder) / "hf"
+            export_policy(self.trainer, self.config.model, hf)
         self.metrics.close()
 
     def train_step(self, step: int) -> dict[str, float]:
