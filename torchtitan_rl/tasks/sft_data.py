@@ -29,20 +29,17 @@ class Example:
     tokens: list[int]
     prompt_len: int
     """The first prompt_len tokens are context; the rest are trained."""
-    source: str
-    """file:row, for errors."""
     prompt: Prompt
-    """The prompt it renders, for greedy samples."""
+    """The prompt it renders (its source names file:row), for greedy samples."""
     response: str
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
-def response_stop_id(renderer: Renderer, hf_checkpoint: str | None) -> int:
-    """The id that ends a response: the checkpoint's first stop id (generation_config.json),
-    else the tokenizer's eos token."""
-    stop_ids = checkpoint_stop_ids(hf_checkpoint) if hf_checkpoint else []
+def response_stop_id(renderer: Renderer, stop_ids: list[int]) -> int:
+    """The id that ends a response: the checkpoint's first stop id (`stop_ids`, from its
+    generation_config.json), else the tokenizer's eos token."""
     if stop_ids:
         return stop_ids[0]
     eos = renderer.tokenizer.eos_token_id
@@ -100,7 +97,7 @@ def read_examples(
                     f"{len(prompt_ids)}, response {len(response_ids) + 1}), more than "
                     f"sft.max_seq_len = {max_seq_len}: raise it or shorten the row"
                 )
-            examples.append(Example(tokens, len(prompt_ids), row.source, prompt, response))
+            examples.append(Example(tokens, len(prompt_ids), prompt, response))
     return examples
 
 
@@ -124,15 +121,16 @@ def open_sft_data(config: JobConfig) -> SFTData:
         answer_key=None if task.messages_key else task.answer_key,
     )
     renderer = build_renderer(task, config.model.tokenizer_dir, max_seq_len, "sft.max_seq_len")
-    stop_id = response_stop_id(renderer, config.model.hf_checkpoint)
+    hf_checkpoint = config.model.hf_checkpoint
+    checkpoint_stops = checkpoint_stop_ids(hf_checkpoint) if hf_checkpoint else []
+    stop_id = response_stop_id(renderer, checkpoint_stops)
     examples = read_examples(task.dataset_path, keys, renderer, stop_id, max_seq_len)
     held_out = []
     if config.eval.dataset_path is not None:
         held_out = read_examples(
             config.eval.dataset_path, keys, renderer, stop_id, max_seq_len, "eval.dataset_path"
         )
-    stop_ids = set(checkpoint_stop_ids(config.model.hf_checkpoint or "")) | {stop_id}
-    return SFTData(examples, held_out, renderer, stop_ids)
+    return SFTData(examples, held_out, renderer, set(checkpoint_stops) | {stop_id})
 
 
 def sft_batch(examples: list[Example], pad_id: int = 0) -> RolloutBatch:
