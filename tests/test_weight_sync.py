@@ -71,6 +71,7 @@ class FakeGenerator:
 
     policy_version = 0
     refreshed = 0
+    weights_dropped = False
 
     def refresh_after_weight_update(self):
         self.refreshed += 1

@@ -22,7 +22,7 @@ import re
 import shutil
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ from torchtitan_rl.config.job_config import (
     JobConfig,
     ModelSection,
 )
+from torchtitan_rl.trainer.lora import is_lora_key
 
 MANIFEST = "manifest.json"
 _NON_MODEL = ("optimizer", "lr_scheduler", "train_state")
@@ -109,6 +110,7 @@ def run_facts(config: JobConfig) -> dict:
         "tokenizer_dir": _absolute(config.model.tokenizer_dir),
         "seed": config.job.seed,
         "prompts_per_step": config.training.prompts_per_step,
+        "lora": asdict(config.lora) if config.lora.enable else None,
     }
 
 
@@ -263,6 +265,12 @@ class Checkpointer:
                 f"{saved['model']['flavor']}, but model.name/model.flavor are "
                 f"{ours['model']['name']}/{ours['model']['flavor']}: use another "
                 "job.dump_folder, or the model the checkpoint was saved from"
+            )
+        if saved.get("lora") != ours["lora"]:
+            raise ConfigError(
+                f"{path} holds a checkpoint with lora = {saved.get('lora')}, but this run has "
+                f"lora = {ours['lora']}: use another job.dump_folder, or the [lora] section the "
+                "checkpoint was saved with"
             )
         if saved["seed"] != ours["seed"] or saved["prompts_per_step"] != ours["prompts_per_step"]:
             warn(
@@ -436,8 +444,8 @@ def export_hf(
 def export_policy(trainer, model: ModelSection, out: Path) -> None:
     """`trainer`'s policy (a PolicyTrainer) as an HF safetensors folder at `out`, with the
     config and tokenizer files of `model`'s checkpoint (every rank calls; rank 0 writes)."""
-    export_hf(
-        trainer.model.state_dict(), trainer.spec, model.hf_checkpoint, model.tokenizer_dir, out
-    )
+    with trainer.merged():  # LoRA: the merged weights, without the adapters
+        state = {k: v for k, v in trainer.model.state_dict().items() if not is_lora_key(k)}
+        export_hf(state, trainer.spec, model.hf_checkpoint, model.tokenizer_dir, out)
     if dist.get_rank() == 0:
         console.say(f"exported the policy to {out}")

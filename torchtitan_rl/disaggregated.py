@@ -28,6 +28,7 @@ the step, so the regenerated rollouts sample the same prompts.
 """
 
 import hashlib
+import math
 import pickle
 import time
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from torchtitan_rl.evaluation import EvalShard
 from torchtitan_rl.generator.remote import RemoteGenerator
 from torchtitan_rl.rl_trainer import Hooks, RLTrainer
 from torchtitan_rl.rollouts import Rollouts
+from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.weight_sync import SyncStats
 
@@ -103,7 +105,7 @@ def _buckets(params: dict[str, torch.Tensor], bucket_mb: float) -> list[list[str
     compute the same buckets."""
     buckets, current, size = [], [], 0
     for name in sorted(params):
-        nbytes = params[name].numel() * 4
+        nbytes = math.prod(params[name].shape) * 4
         if current and size + nbytes > bucket_mb * 2**20:
             buckets.append(current)
             current, size = [], 0
@@ -134,10 +136,7 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
         dist.broadcast(torch.tensor([version]), topology.trainers[0], topology.transfer_group)
     for names in _buckets(params, bucket_mb):
         # Gathered in the generator's dtype: a bf16 generator moves half the fp32 bytes.
-        full = [
-            (p.to(dtype).full_tensor() if isinstance(p, DTensor) else p)
-            for p in map(params.get, names)
-        ]
+        full = [_whole(params[name], dtype) for name in names]
         if leader:
             flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in full])
             dist.broadcast(flat, topology.trainers[0], topology.transfer_group)
@@ -155,6 +154,14 @@ def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: i
         version=version,
     )
     return stats, (sha.hexdigest() if sha is not None and leader else None)
+
+
+def _whole(source, dtype: torch.dtype) -> torch.Tensor:
+    """A sync source whole, in `dtype` (gathers DTensors and merges LoRA weights: every trainer
+    rank calls it in the same order)."""
+    if isinstance(source, Merged):
+        return source.full(dtype)
+    return source.to(dtype).full_tensor() if isinstance(source, DTensor) else source
 
 
 def receive_weights(generator: RemoteGenerator, topology: Topology, bucket_mb: float) -> None:
@@ -284,7 +291,7 @@ class DisaggregatedTrainer(RLTrainer):
         self.trainer = self.policy(topology.trainer_group)
         self.reference = None
         if config.algorithm.kl_beta > 0:
-            self.reference = self.policy(topology.trainer_group)
+            self.reference = self.policy(topology.trainer_group, trained=False)
         self.loss = build_loss(config.algorithm, max_tokens=config.generator.sampling.max_tokens)
         self.state = TrainState()
         self.checkpointer.attach(self.trainer, self.state)
@@ -296,7 +303,7 @@ class DisaggregatedTrainer(RLTrainer):
 
     def send_weights(self, version: int) -> SyncStats:
         stats, digest = send_weights(
-            self.trainer.named_parameters(),
+            self.trainer.sync_sources(),
             self.dtype,
             self.topology,
             self.config.generator.weight_sync_bucket_mb,

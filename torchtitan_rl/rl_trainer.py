@@ -93,7 +93,7 @@ class RLTrainer:
         self.trainer = self.policy()
         # The frozen reference for the KL penalty: the starting policy, sharded like it, never
         # stepped (its optimizer state is never allocated). Built only when it is used.
-        self.reference = self.policy() if config.algorithm.kl_beta > 0 else None
+        self.reference = self.policy(trained=False) if config.algorithm.kl_beta > 0 else None
         self.generator = Generator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.rank
         )
@@ -110,8 +110,9 @@ class RLTrainer:
         self.start_step = self.resume(resume_path)
         self.build_metrics(enabled=self.rank == 0)
 
-    def policy(self, group: dist.ProcessGroup | None = None) -> PolicyTrainer:
-        """A policy sharded over `group` (default: the world), from the run's HF checkpoint."""
+    def policy(self, group: dist.ProcessGroup | None = None, trained: bool = True) -> PolicyTrainer:
+        """A policy sharded over `group` (default: the world), from the run's HF checkpoint;
+        with the run's LoRA adapters when it is `trained` (the KL reference has none)."""
         config = self.config
         return PolicyTrainer(
             model=config.model,
@@ -121,6 +122,7 @@ class RLTrainer:
             seed=config.job.seed,
             dump_folder=config.job.dump_folder,
             group=group,
+            lora=config.lora if trained else None,
         )
 
     def build_task(self) -> None:

@@ -59,6 +59,7 @@ class SFTTrainer:
             parallelism=config.parallelism,
             seed=config.job.seed,
             dump_folder=config.job.dump_folder,
+            lora=config.lora,
         )
         # torchtitan puts TP innermost: the ranks of a TP group share their rows.
         self.tp = config.parallelism.tp

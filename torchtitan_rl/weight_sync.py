@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_rl import platform
+from torchtitan_rl.trainer.lora import Merged
 
 
 class WeightSyncError(RuntimeError):
@@ -44,15 +45,20 @@ def _write(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source)  # casts to the generator's dtype
 
 
+def _placed(source):
+    """The tensor whose placement a source has (a merged LoRA weight: its base weight's)."""
+    return source.weight if isinstance(source, Merged) else source
+
+
 def _fsdp_sharded(bucket) -> bool:
     """Whether every source is an FSDP shard (Shard(0)) on one 1-D mesh, and every target has
     one dtype."""
-    first_source, first_target = bucket[0][1], bucket[0][2]
+    first_source, first_target = _placed(bucket[0][1]), bucket[0][2]
     return all(
-        isinstance(source, DTensor)
-        and source.placements == (Shard(0),)
-        and source.device_mesh is first_source.device_mesh
-        and source.device_mesh.ndim == 1
+        isinstance(_placed(source), DTensor)
+        and _placed(source).placements == (Shard(0),)
+        and _placed(source).device_mesh is first_source.device_mesh
+        and first_source.device_mesh.ndim == 1
         and target.dtype == first_target.dtype
         for _, source, target in bucket
     )
@@ -60,7 +66,7 @@ def _fsdp_sharded(bucket) -> bool:
 
 def _gathers_fsdp(bucket) -> bool:
     """Whether the bucket is FSDP shards over more than one rank: one all-gather serves it."""
-    return _fsdp_sharded(bucket) and bucket[0][1].device_mesh.size() > 1
+    return _fsdp_sharded(bucket) and _placed(bucket[0][1]).device_mesh.size() > 1
 
 
 def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None") -> int:
@@ -69,7 +75,10 @@ def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None
         return _copy_fsdp_bucket(bucket, verify, shared)
     peak = 0
     for name, source, target in bucket:
-        if isinstance(source, DTensor) and source.device_mesh.size() > 1:
+        if isinstance(source, Merged):
+            full = source.full(target.dtype)  # merged whole, in the generator's dtype
+            peak += full.numel() * full.element_size()
+        elif isinstance(source, DTensor) and source.device_mesh.size() > 1:
             # HSDP / TP layouts: DTensor gathers them, in the generator's dtype.
             full = source.to(target.dtype).full_tensor()
             peak += full.numel() * full.element_size()
@@ -84,7 +93,7 @@ def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None
 def _gather_layout(bucket) -> tuple[list[tuple[int, int, int]], int]:
     """Where each parameter's shard sits in a rank's gather buffer: per parameter (offset,
     rows per rank, row numel), and the buffer's numel."""
-    world = bucket[0][1].device_mesh.size()
+    world = _placed(bucket[0][1]).device_mesh.size()
     layout, total = [], 0
     for _, source, _ in bucket:
         rows_per_rank = math.ceil(source.shape[0] / world)
@@ -103,16 +112,18 @@ def _copy_fsdp_bucket(bucket, verify: bool, shared: "platform.HostSharedGather |
     (ranks on one host, CPU) each rank writes its shards straight into its slot of shared
     memory and reads the others' from there: no send buffer, no socket.
     """
-    mesh = bucket[0][1].device_mesh
+    mesh = _placed(bucket[0][1]).device_mesh
     world = mesh.size()
     layout, total = _gather_layout(bucket)
-    dtype, device = bucket[0][2].dtype, bucket[0][1].device
+    dtype, device = bucket[0][2].dtype, _placed(bucket[0][1]).device
     if shared is not None:
         send = shared.my_slot(total, dtype)
     else:
         send = torch.zeros(total, dtype=dtype, device=device)
     for (offset, _, _), (_, source, _) in zip(layout, bucket, strict=True):
-        local = source.to_local().reshape(-1)
+        # A merged LoRA weight: this rank's rows, merged in the generator's dtype.
+        local = source.local(dtype) if isinstance(source, Merged) else source.to_local()
+        local = local.reshape(-1)
         send[offset : offset + local.numel()].copy_(local)  # cast to the generator's dtype
     if shared is not None:
         received = shared.gather(total, dtype)
@@ -183,13 +194,22 @@ class WeightSync:
         self.verify = verify
         self.version = 0
         self.buckets = self._buckets(trainer_params, generator_params, bucket_mb * 2**20)
+        # What a step changes: trained parameters, merged LoRA weights. A LoRA policy's frozen
+        # weights (embeddings, norms, un-adapted linears) are copied by the first sync only.
+        changing = {
+            name: source
+            for name, source in trainer_params.items()
+            if isinstance(source, Merged) or source.requires_grad
+        }
+        self.update_buckets = self._buckets(changing, generator_params, bucket_mb * 2**20)
+        self.synced_all = False
         self.shared = self._shared_gather()
 
     @classmethod
     def between(cls, trainer, generator, *, bucket_mb: float, verify: bool) -> "WeightSync":
         """The sync from a PolicyTrainer to a Generator (their live parameters)."""
         return cls(
-            trainer.named_parameters(),
+            trainer.sync_sources(),
             generator.named_parameters(),
             bucket_mb=bucket_mb,
             verify=verify,
@@ -201,7 +221,8 @@ class WeightSync:
         if not gathered:
             return None
         slot_bytes = max(_gather_layout(b)[1] * b[0][2].element_size() for b in gathered)
-        return platform.host_shared_gather(gathered[0][0][1].device_mesh.get_group(), slot_bytes)
+        mesh = _placed(gathered[0][0][1]).device_mesh
+        return platform.host_shared_gather(mesh.get_group(), slot_bytes)
 
     @staticmethod
     def _buckets(trainer_params, generator_params, bucket_bytes: float):
@@ -221,19 +242,24 @@ class WeightSync:
         return buckets
 
     @torch.no_grad()
-    def copy(self) -> tuple[int, int]:
-        """Copy every parameter, bucket by bucket; returns (bytes written, peak extra bytes)."""
+    def copy(self, everything: bool = True) -> tuple[int, int]:
+        """Copy every parameter (or, not `everything`, those a step changes), bucket by bucket;
+        returns (bytes written, peak extra bytes)."""
         written, peak = 0, 0
-        for bucket in self.buckets:
+        for bucket in self.buckets if everything else self.update_buckets:
             peak = max(peak, _copy_bucket(bucket, self.verify, self.shared))
             written += sum(target.numel() * target.element_size() for _, _, target in bucket)
         return written, peak
 
     def sync(self, trainer, generator, version: int | None = None) -> SyncStats:
         """Copy the weights, refresh the generator, and set the policy version on both sides:
-        `version`, or the next one (a resumed run passes the version it restored)."""
+        `version`, or the next one (a resumed run passes the version it restored).
+
+        The first sync copies every weight; later ones what a step changes, unless the
+        generator dropped its weights meanwhile (`generator.weights_dropped`)."""
         start = time.perf_counter()
-        written, peak = self.copy()
+        written, peak = self.copy(everything=not self.synced_all or generator.weights_dropped)
+        self.synced_all = True
         generator.refresh_after_weight_update()
         seconds = time.perf_counter() - start
         self.version = self.version + 1 if version is None else version

@@ -679,6 +679,36 @@ class SFTSection:
         )
 
 
+@dataclass(kw_only=True, slots=True)
+class LoRASection:
+    """LoRA (torchtitan's LoRA converter): the policy trains low-rank adapters on its linear
+    layers, the base weights stay frozen and the optimizer holds only the adapters. The
+    generator runs the plain model; weight sync writes the merged W + (alpha/rank) B A of the
+    adapted linears, HF export writes merged weights."""
+
+    enable: bool = False
+    """Train LoRA adapters instead of every weight."""
+    rank: int = 8
+    """Rank r of each adapter (A: r x in, B: out x r; B starts at zero)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter adds (alpha / rank) B A to the weight."""
+    target: Literal["attention", "mlp", "all"] = "all"
+    """Linears that get adapters: attention (fused wqkv, wo), mlp (w1, w2, w3) or all. Never
+    the output layer (tied to the embedding in the small Qwen3 models)."""
+
+    def validate(self) -> None:
+        if not self.enable:
+            changed = _first_change(self, LoRASection(), "lora")
+            if changed is not None:
+                raise ConfigError(
+                    f"{changed[0]} = {changed[1]!r} does nothing while lora.enable = false: "
+                    "set lora.enable = true, or remove it"
+                )
+            return
+        _require(self.rank >= 1, f"lora.rank = {self.rank}: must be >= 1, e.g. 8")
+        _require(self.alpha > 0, f"lora.alpha = {self.alpha}: must be > 0, e.g. 2 * lora.rank")
+
+
 # Advantage estimators that compare samples within a prompt's group.
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 
@@ -705,6 +735,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    lora: LoRASection = field(default_factory=LoRASection)
 
     def _validate_placement(self, world_size: int) -> int:
         """The number of generator-only ranks: 0 when colocated."""
@@ -777,6 +808,7 @@ class JobConfig:
         self.checkpoint.validate()
         self.metrics.validate()
         self.sft.validate()
+        self.lora.validate()
         self._validate_heads()
         if entry == "sft":
             self._validate_sft(world_size)

@@ -235,6 +235,12 @@ class Generator:
         """Rebuild the packed GEMM copies of the weights (CPU); part of the refresh above."""
         self._wrapper().repack()
 
+    @property
+    def weights_dropped(self) -> bool:
+        """Whether `release_memory` drops the weights (CPU sleep mode), so that the next
+        weight sync must write all of them, not only those a step changed."""
+        return self.config.enable_sleep_mode and not platform.vllm_can_sleep()
+
     def release_memory(self) -> None:
         """With generator.enable_sleep_mode, free the weights' memory while the trainer trains,
         until `reclaim_memory()`; the weight sync that follows rewrites every weight. On GPU:

@@ -14,6 +14,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config.job_config import ConfigError, ModelSection
 from torchtitan_rl.models import model_spec
+from torchtitan_rl.trainer.lora import is_lora_key
 
 # HF tensors that carry no weights of ours (recomputed buffers).
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -78,7 +79,17 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) ->
     that load together (default: the world).
     """
     adapter = spec.state_dict_adapter(spec.model, None)
-    hf_state = adapter.to_hf(model.state_dict())
+    # LoRA adapters are not in an HF checkpoint: they keep their initial values (B = 0).
+    state = {k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
+    hf_state = adapter.to_hf(state)
     check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in hf_state.items()}, spec.flavor)
     dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(path), process_group=group)
-    set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=True))
+    loaded = set_model_state_dict(
+        model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False)
+    )
+    missing = [k for k in loaded.missing_keys if not is_lora_key(k)]
+    if missing or loaded.unexpected_keys:
+        raise ConfigError(
+            f"model.hf_checkpoint = {path!r} does not fill the model: missing "
+            f"{missing[:3]}, unexpected {loaded.unexpected_keys[:3]}"
+        )

@@ -7,6 +7,7 @@ its state-dict adapter with DCP's HF reader, and torchtitan's optimizer and LR-s
 containers. Shapes: B sequences, T tokens, V vocabulary.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,13 @@ from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.batch import RolloutBatch
-from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config.job_config import (
+    LoRASection,
+    ModelSection,
+    ParallelismSection,
+    TrainingSection,
+)
+from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer.logprobs import token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
@@ -112,8 +119,10 @@ class PolicyTrainer:
         seed: int = 0,
         dump_folder: str = "outputs",
         group: dist.ProcessGroup | None = None,
+        lora: LoRASection | None = None,
     ):
-        """`group`: the trainer's ranks, the first ones of the world (default: all of it)."""
+        """`group`: the trainer's ranks, the first ones of the world (default: all of it).
+        `lora` (when enabled): train LoRA adapters on a frozen model (trainer/lora.py)."""
         self.training = training
         self.temperature = temperature
         self.device = platform.device()
@@ -141,6 +150,9 @@ class PolicyTrainer:
             spmd_backend=spmd_backend,
         )
         self.spec = build_spec(model)
+        self.lora = lora if lora is not None and lora.enable else None
+        if self.lora is not None:
+            self.spec.model = lora_adapters.convert(self.spec.model, self.lora)
         # torchtitan's Trainer calls this hook before building: it fills every module's
         # sharding config (the TP plan). Without it parallelize_fn shards nothing for TP, yet
         # the embedding still does its vocab-parallel lookup on the TP group, so logits differ
@@ -151,6 +163,8 @@ class PolicyTrainer:
         if batch_invariant.uses_own_kernels():
             batch_invariant.check_kernels(self.spec.model, model.dtype)
             batch_invariant.make_linears_invariant(module)
+        if batch_invariant.is_enabled() and self.lora is not None:
+            lora_adapters.use_merged_forward(module)
         module = self.spec.parallelize_fn(
             module,
             parallel_dims=self.parallel_dims,
@@ -179,6 +193,7 @@ class PolicyTrainer:
         self._params = {
             name.replace(_AC_PREFIX, ""): param for name, param in module.named_parameters()
         }
+        self._adapted = lora_adapters.adapted_modules(module, _AC_PREFIX)
         self.tp_group = (
             self.parallel_dims.get_mesh("tp").get_group() if parallelism.tp > 1 else None
         )
@@ -210,6 +225,20 @@ class PolicyTrainer:
         Tied weights appear once (under the first name). This is what weight sync streams.
         """
         return dict(self._params)
+
+    def sync_sources(self) -> dict[str, "torch.Tensor | lora_adapters.Merged"]:
+        """What the generator's plain model gets, by FQN: the parameters, except that with
+        LoRA each adapted linear's weight is its `Merged` weight (adapters are not sent)."""
+        if self.lora is None:
+            return dict(self._params)
+        return lora_adapters.sync_sources(self._params, self._adapted)
+
+    def merged(self):
+        """Context in which the model's state dict is the plain model's (merged LoRA weights;
+        a no-op without LoRA). Every rank enters."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return lora_adapters.merged_in_place(self.sync_sources())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan's state dict (fused QKV split into wq/wk/wv, as the HF adapter expects).
