@@ -29,6 +29,7 @@ CONTRACT = [
     "time/generate_s",
     "time/train_s",
     "time/weight_sync_s",
+    "weight_sync/bytes",
     "time/step_s",
     "throughput/generated_tokens_per_s",
 ]

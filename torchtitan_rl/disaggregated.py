@@ -391,6 +391,7 @@ class DisaggregatedTrainer(RLTrainer):
             "time/weight_sync_s": synced - trained,
             "time/step_s": synced - start,
             "weight_sync/gb_per_s": stats.gb_per_s,
+            "weight_sync/bytes": float(stats.bytes),
         }
         if verified:
             metrics["weight_sync/verified"] = min(verified)

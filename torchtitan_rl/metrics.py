@@ -6,7 +6,7 @@ a reward curve, sampled rollouts (rollouts.jsonl), and the summary a finished ru
 metrics.jsonl holds one JSON object per step; later tools and benchmarks read its keys (the
 contract): step, reward/mean, reward/std, response_length/mean, loss, entropy, clip_fraction,
 logprob_diff/max, logprob_diff/mean, policy_version, time/generate_s, time/train_s,
-time/weight_sync_s, time/step_s, throughput/generated_tokens_per_s.
+time/weight_sync_s, weight_sync/bytes, time/step_s, throughput/generated_tokens_per_s.
 """
 
 import json

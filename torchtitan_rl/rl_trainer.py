@@ -212,6 +212,7 @@ class RLTrainer:
             "time/train_s": trained - generated,
             "time/weight_sync_s": synced - trained,
             "time/step_s": synced - start,
+            "weight_sync/bytes": float(sync_stats.bytes),
         }
         metrics["throughput/generated_tokens_per_s"] = (
             metrics["generated_tokens"] / metrics["time/generate_s"]
