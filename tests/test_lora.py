@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import kill_tree, run_dist, run_train, start_train, wait_for_step
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from torchtitan_rl.config.job_config import ConfigError, JobConfig, LoRASection
 
@@ -68,6 +69,7 @@ def test_the_export_is_the_merged_policy_and_the_weights_come_back(two_ranks):
         (LoRASection(rank=4), "lora.rank = 4 does nothing while lora.enable = false"),
         (LoRASection(enable=True, rank=0), "lora.rank = 0: must be >= 1"),
         (LoRASection(enable=True, alpha=0.0), "lora.alpha = 0.0: must be > 0"),
+        (LoRASection(enable=True), "model.hf_checkpoint is unset"),
     ],
 )
 def test_bad_lora_values_are_refused(section, message):
@@ -130,6 +132,11 @@ def test_sigkill_then_restart_matches_the_uninterrupted_run(uninterrupted, tmp_p
     result = run_train(*E2E_FLAGS, "--job.dump_folder", str(out), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'step-3'}" in result.stdout
+
+    # The checkpoint holds the adapters, optimizer and train state, not the frozen weights.
+    saved = FileSystemReader(out / "checkpoints" / "step-3").read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if not k.startswith(("optimizer", "lr_scheduler", "train"))]
+    assert len(model_keys) == 20 and all(".lora_" in k for k in model_keys), model_keys
 
     expected, resumed = metric_rows(uninterrupted), metric_rows(out)
     for step in (4, 5, 6):

@@ -192,7 +192,12 @@ class Checkpointer:
             "train_state": self.state,
         }
         # Model keys at the top level, as torchtitan's checkpoints keep them.
-        states.update(self.model_state.state_dict())
+        model_state = self.model_state.state_dict()
+        if self.trainer.lora is not None:
+            # LoRA: the frozen weights are model.hf_checkpoint's (the trainer loads them at
+            # start, resumed or not), so a checkpoint holds the adapters alone.
+            model_state = {k: v for k, v in model_state.items() if is_lora_key(k)}
+        states.update(model_state)
         return states
 
     # ---- finding checkpoints ----

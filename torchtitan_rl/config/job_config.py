@@ -809,6 +809,11 @@ class JobConfig:
         self.metrics.validate()
         self.sft.validate()
         self.lora.validate()
+        _require(
+            not self.lora.enable or self.model.hf_checkpoint is not None,
+            "lora.enable = true trains adapters on frozen weights, but model.hf_checkpoint is "
+            "unset (random weights): set model.hf_checkpoint to the model to adapt",
+        )
         self._validate_heads()
         if entry == "sft":
             self._validate_sft(world_size)
