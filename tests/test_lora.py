@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_tree, run_dist, run_train, start_train, wait_for_step
+from conftest import kill_tree, run_dist, run_script, run_train, start_train, wait_for_step
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError, JobConfig, LoRASection
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +150,18 @@ def test_sigkill_then_restart_matches_the_uninterrupted_run(uninterrupted, tmp_p
         assert torch.equal(final[name], tensor), name
 
 
+def test_the_export_script_merges_a_lora_checkpoint_as_the_run_did(uninterrupted, tmp_path):
+    checkpoint = uninterrupted / "checkpoints" / "step-6"
+    result = run_script("export_hf.py", str(checkpoint), "--out", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    written, reference = (
+        load_file(f / "model.safetensors") for f in (tmp_path / "hf", uninterrupted / "hf")
+    )
+    assert written.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(written[name], tensor), name
+
+
 def test_a_lora_checkpoint_does_not_resume_a_full_run(uninterrupted, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(uninterrupted, out)
@@ -162,3 +175,15 @@ def test_a_lora_checkpoint_does_not_resume_a_full_run(uninterrupted, tmp_path):
 def metric_rows(folder: Path) -> dict[int, dict]:
     lines = (folder / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row for row in map(json.loads, lines)}
+
+
+def test_the_lora_demo_config_parses():
+    config = parse_args(
+        [
+            *("--job.config_file", str(REPO / "run_configs" / "arith_lora_from_sft_cpu.toml")),
+            # The SFT stage's export, which this test does not produce: the tiny checkpoint.
+            *("--model.hf_checkpoint", str(REPO / "assets" / "tiny_qwen3")),
+        ],
+        world_size=2,
+    )
+    assert config.lora == LoRASection(enable=True, rank=8, alpha=16.0, target="all")

@@ -12,8 +12,8 @@ never stored beside the trainer's weights.
 In batch-invariant mode the trainer computes each adapted linear as x (W + s B A)^T, the
 generator's merged weight, instead of x W^T + s (x A^T) B^T: the two differ in the last bits,
 so only the merged form gives the generator's logprobs bit for bit. `merge` is the one
-definition both sides run; its B A is row-invariant there (ops.linear), so the rows a rank
-merges from its FSDP shard equal the same rows of the trainer's whole merge.
+definition every side runs; its B A is row-invariant (ops.linear), so the rows a rank merges
+from its FSDP shard equal the same rows of the trainer's whole merge.
 """
 
 import types
@@ -25,7 +25,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torchtitan_rl import batch_invariant
 from torchtitan_rl.batch_invariant import ops
 from torchtitan_rl.config.job_config import LoRASection
 
@@ -68,13 +67,10 @@ def merge(
 ) -> torch.Tensor:
     """W + scale * B A for weight [O, I], lora_a [r, I], lora_b [O, r], in their dtype.
 
-    Row o depends only on row o of W and B (batch-invariant mode: ops.linear), so a shard of
-    rows merges to the same bits as those rows of the whole."""
-    if batch_invariant.is_enabled():
-        delta = ops.linear(lora_b, lora_a.t())
-    else:
-        delta = lora_b @ lora_a
-    return weight + scale * delta
+    Row o depends only on row o of W and B (ops.linear, in any mode: the rows are padded, a
+    negligible cost at rank r), so a shard of rows merges to the same bits as those rows of
+    the whole, and a sync, an export and an offline export of a checkpoint agree bit for bit."""
+    return weight + scale * ops.linear(lora_b, lora_a.t())
 
 
 def _merged_forward(self, x):
