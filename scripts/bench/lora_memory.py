@@ -1,15 +1,16 @@
 """Peak memory per rank of the policy trainer with LoRA against full training, at a real shape.
 
-    .venv/bin/python scripts/bench/lora_memory.py --flavor 0.6B [--steps 2] [--seq 128]
+    .venv/bin/python scripts/bench/lora_memory.py --flavor 0.6B [--steps 1 --seq 64 --dtype float32]
 
 For each mode (full, then LoRA rank 8 on every attention and MLP linear) a 2-rank torchrun
 child builds PolicyTrainer for the Qwen3 flavor (torchtitan's random init; 0.6B has the real
-151,936-token vocabulary), FSDP over both ranks, bf16 compute, full activation checkpointing,
-and takes `--steps` policy-gradient steps on one sequence of `--seq` tokens per rank. One JSON
-line: per mode, each rank's peak RSS (ru_maxrss: the whole process, the host side of a GPU
-run), the bytes per rank of parameters, gradients and optimizer state (counted from the
-tensors), the trainable parameters, the median step time, and the bytes a weight sync writes
-into a bf16 generator after a step; then LoRA / full ratios of peak RSS and sync bytes.
+151,936-token vocabulary), FSDP over both ranks, `--dtype` compute (fp32 master weights; bf16
+GEMMs are slow on this CPU), full activation checkpointing, and takes `--steps` (the first
+allocates the optimizer state) policy-gradient steps on one sequence of `--seq` tokens per
+rank. One JSON line: per mode, each rank's peak RSS (ru_maxrss: the whole process, the host
+side of a GPU run), the bytes per rank of parameters, gradients and optimizer state (counted
+from the tensors), the trainable parameters, the median step time, and the bytes a weight sync
+writes into a bf16 generator after a step; then LoRA / full ratios of peak RSS and sync bytes.
 """
 
 import argparse
@@ -47,12 +48,12 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def measure(flavor: str, lora: bool, steps: int, seq: int) -> None:
+def measure(flavor: str, lora: bool, steps: int, seq: int, dtype: str) -> None:
     """A child rank: build, train, report (rank 0) the figures of every rank."""
     platform.patch_torchtitan()
     rank, _ = platform.init_distributed()
     trainer = PolicyTrainer(
-        model=ModelSection(flavor=flavor, tokenizer_path=TOKENIZER, dtype="bfloat16"),
+        model=ModelSection(flavor=flavor, tokenizer_path=TOKENIZER, dtype=dtype),
         training=TrainingSection(activation_checkpoint="full"),
         parallelism=ParallelismSection(),
         lora=LoRASection(enable=lora),
@@ -108,18 +109,20 @@ def measure(flavor: str, lora: bool, steps: int, seq: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="0.6B", help="qwen3 flavor: tiny, debugmodel, 0.6B")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128, help="tokens per rank and step")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=64, help="tokens per rank and step")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        measure(args.flavor, args.child == "lora", args.steps, args.seq)
+        measure(args.flavor, args.child == "lora", args.steps, args.seq, args.dtype)
         return 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     modes = {}
     for mode in ("full", "lora"):
         command = [*torchrun, "--nproc_per_node", "2", __file__, "--child", mode]
         command += ["--flavor", args.flavor, "--steps", str(args.steps), "--seq", str(args.seq)]
+        command += ["--dtype", args.dtype]
         modes[mode] = run_child(command)
     full, lora = modes["full"], modes["lora"]
 
@@ -130,6 +133,7 @@ def main() -> int:
         "bench": "lora_memory",
         "flavor": args.flavor,
         "seq": args.seq,
+        "dtype": args.dtype,
         **modes,
         "peak_rss_ratio": round(peak(lora) / peak(full), 3),
         "sync_bytes_ratio": round(lora["sync_bytes_per_step"] / full["sync_bytes_per_step"], 3),
