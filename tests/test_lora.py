@@ -187,3 +187,25 @@ def test_the_lora_demo_config_parses():
         world_size=2,
     )
     assert config.lora == LoRASection(enable=True, rank=8, alpha=16.0, target="all")
+
+
+@pytest.mark.parametrize(
+    ("target", "linears"),
+    [
+        ("attention", {"wqkv", "wo"}),
+        ("mlp", {"w1", "w2", "w3"}),
+        ("all", {"wqkv", "wo", "w1", "w2", "w3"}),
+    ],
+)
+def test_lora_target_picks_the_linears_that_train(target, linears):
+    from torchtitan_rl.trainer.lora import adapted_modules, convert
+    from torchtitan_rl.trainer.model import build_spec
+
+    spec = build_spec(JobConfig().model)
+    with torch.device("meta"):
+        model = convert(spec.model, LoRASection(enable=True, target=target)).build()
+    adapted = adapted_modules(model)
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == linears
+    assert len(adapted) == 2 * len(linears)  # the tiny model's 2 layers
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{m}.{ab}.weight" for m in adapted for ab in ("lora_a", "lora_b")}
