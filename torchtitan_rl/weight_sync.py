@@ -166,8 +166,9 @@ def _checksum(tensor: torch.Tensor) -> tuple[float, float]:
 class WeightSync:
     """Copies trainer parameters into generator parameters of the same torchtitan FQN.
 
-    `trainer_params` and `generator_params` map FQN -> parameter (tied weights once each).
-    Mismatching names or shapes are a WeightSyncError naming them, raised here, once.
+    `trainer_params` and `generator_params` map FQN -> parameter (tied weights once each); a
+    trainer source may be a LoRA policy's `Merged` weight. Mismatching names or shapes are a
+    WeightSyncError naming them, raised here, once.
     """
 
     def __init__(

@@ -222,7 +222,8 @@ class PolicyTrainer:
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """The model's parameters by torchtitan FQN: this rank's DTensors, not copies.
 
-        Tied weights appear once (under the first name). This is what weight sync streams.
+        Tied weights appear once (under the first name); LoRA adapters included. Weight sync
+        streams `sync_sources()`.
         """
         return dict(self._params)
 
