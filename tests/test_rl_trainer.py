@@ -12,6 +12,7 @@ import torch
 from conftest import run_dist, run_train
 
 from torchtitan_rl.batch import rollout_batch
+from torchtitan_rl.generator.engine import Sample
 from torchtitan_rl.tasks.toy import EchoDigitsTask
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,14 +154,37 @@ def test_hooks_fire_in_order_and_kl_grows_from_zero(placement, nproc, tmp_path):
 def test_rollout_batch_masks_sampled_tokens_and_aligns_logprobs():
     batch = rollout_batch(
         prompts=[[5, 6], [7]],
-        completions=[[[8, 1], [9]], [[10, 11, 1], [12]]],
-        generator_logprobs=[[[-0.1, -0.2], [-0.3]], [[-0.4, -0.5, -0.6], [-0.7]]],
+        samples=[
+            [Sample([8, 1], [-0.1, -0.2], "stop"), Sample([9], [-0.3], "length")],
+            # An episode: a sampled turn, the environment's reply (13, 14), a sampled turn.
+            [
+                Sample(
+                    [10, 1, 13, 14, 11, 1],
+                    [-0.4, -0.5, 0, 0, -0.6, -0.8],
+                    "stop",
+                    [1, 1, 0, 0, 1, 1],
+                ),
+                Sample([12], [-0.7], "length"),
+            ],
+        ],
         advantages_PN=torch.tensor([[1.0, -1.0], [0.5, -0.5]]),
         pad_id=0,
     )
-    assert batch.tokens_BT.tolist() == [[5, 6, 8, 1], [5, 6, 9, 0], [7, 10, 11, 1], [7, 12, 0, 0]]
-    assert batch.loss_mask_BT.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0]]
-    assert batch.generator_logprobs_BT[2].tolist() == pytest.approx([0.0, -0.4, -0.5, -0.6])
+    assert batch.tokens_BT.tolist() == [
+        [5, 6, 8, 1, 0, 0, 0],
+        [5, 6, 9, 0, 0, 0, 0],
+        [7, 10, 1, 13, 14, 11, 1],
+        [7, 12, 0, 0, 0, 0, 0],
+    ]
+    assert batch.loss_mask_BT.tolist() == [
+        [0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 1, 1],
+        [0, 1, 0, 0, 0, 0, 0],
+    ]
+    assert batch.generator_logprobs_BT[2].tolist() == pytest.approx(
+        [0.0, -0.4, -0.5, 0.0, 0.0, -0.6, -0.8]
+    )
     assert batch.advantages_B.tolist() == [1.0, -1.0, 0.5, -0.5]
 
 

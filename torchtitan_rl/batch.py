@@ -6,8 +6,12 @@ Shapes: B sequences, T tokens (prompt + completion, right-padded).
 """
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torchtitan_rl.generator.engine import Sample
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,22 +69,23 @@ class RolloutBatch:
 
 def rollout_batch(
     prompts: list[list[int]],
-    completions: list[list[list[int]]],
-    generator_logprobs: list[list[list[float]]],
+    samples: "list[list[Sample]]",
     advantages_PN: torch.Tensor,
     pad_id: int,
 ) -> RolloutBatch:
-    """Right-padded RolloutBatch of every (prompt, completion) pair, prompt-major.
+    """Right-padded RolloutBatch of every (prompt, sample) pair, prompt-major.
 
-    `completions[p][n]` and `generator_logprobs[p][n]` are the n-th sample of prompt p; the
-    loss mask covers exactly the sampled tokens (including a sampled stop token).
+    `samples[p][n]` is the n-th sample of prompt p (an episode: its turns and the environment's
+    replies between them); the loss mask covers exactly the sampled tokens (a sampled stop
+    token included, an environment's tokens not), with the generator's logprobs there.
     """
     rows, masks, logprobs, advantages = [], [], [], []
     for p, prompt in enumerate(prompts):
-        for n, completion in enumerate(completions[p]):
-            rows.append(prompt + completion)
-            masks.append([0.0] * len(prompt) + [1.0] * len(completion))
-            logprobs.append([0.0] * len(prompt) + list(generator_logprobs[p][n]))
+        for n, sample in enumerate(samples[p]):
+            sampled = sample.sampled_mask or [1] * len(sample.token_ids)
+            rows.append(prompt + sample.token_ids)
+            masks.append([0.0] * len(prompt) + [float(m) for m in sampled])
+            logprobs.append([0.0] * len(prompt) + list(sample.logprobs))
             advantages.append(float(advantages_PN[p, n]))
     width = max(len(r) for r in rows)
 

@@ -292,7 +292,7 @@ class DisaggregatedTrainer(RLTrainer):
         self.reference = None
         if config.algorithm.kl_beta > 0:
             self.reference = self.policy(topology.trainer_group, trained=False)
-        self.loss = build_loss(config.algorithm, max_tokens=config.generator.sampling.max_tokens)
+        self.loss = build_loss(config.algorithm, max_tokens=config.episode_tokens)
         self.state = TrainState()
         self.checkpointer.attach(self.trainer, self.state)
         self.start_step = self.checkpointer.load(resume_path) if resume_path else 0

@@ -17,10 +17,10 @@ import torch
 
 from torchtitan_rl import platform
 from torchtitan_rl.config.job_config import EvalSection, JobConfig
+from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.tasks import OpenTask, Prompt
 from torchtitan_rl.tasks.render import Renderer
-from torchtitan_rl.tasks.rewards import Scorer
 
 # Eval seeds: their own range, far from the training samples' (RLTrainer.sampling_seed).
 EVAL_SEED_BASE = 2**61
@@ -75,6 +75,7 @@ class EvalShard:
             "eval/reward": t["reward"] / samples,
             "eval/response_length": t["tokens"] / samples,
             "eval/truncated_fraction": t["truncated"] / samples,
+            "eval/tool_calls": t["tool_calls"] / samples,
             "eval/prompts": t["prompts"],
             "time/eval_s": self.seconds,
         }
@@ -92,21 +93,22 @@ def eval_due(section: EvalSection, step: int, last: int) -> bool:
 
 
 class Evaluator:
-    """Samples the eval prompts on a generator and scores them with the task's scorer."""
+    """Runs the eval prompts' episodes on a generator (the task's environment: one scored turn
+    for a single-turn task)."""
 
     def __init__(
         self,
         section: EvalSection,
         prompts: list[Prompt],
         renderer: Renderer,
-        scorer: Scorer,
+        episodes: Episodes,
         *,
         seed: int,
         max_tokens: int,
     ):
         """`max_tokens`: generator.sampling.max_tokens, used when eval.max_tokens is unset."""
-        self.section, self.prompts, self.renderer, self.scorer = section, prompts, renderer, scorer
-        self.prompt_ids = renderer.encode(prompts)  # once: the eval set does not change
+        self.section, self.prompts, self.renderer = section, prompts, renderer
+        self.episodes = episodes
         self.seed = EVAL_SEED_BASE + seed * 2**32
         self.max_tokens = section.max_tokens or max_tokens
 
@@ -121,27 +123,30 @@ class Evaluator:
         n = self.section.n
         first, end = shard * len(self.prompts) // shards, (shard + 1) * len(self.prompts) // shards
         prompts = self.prompts[first:end]
-        names = ["prompts", "samples", "correct", "reward", "tokens", "truncated"]
+        names = ["prompts", "samples", "correct", "reward", "tokens", "truncated", "tool_calls"]
         totals = dict.fromkeys(names + [f"pass@{k}" for k in pass_ks(n)], 0.0)
         samples = []
         if prompts:
-            completions = generator.generate(
-                self.prompt_ids[first:end],
+            scored = self.episodes.run(
+                generator,
+                prompts,
                 n=n,
                 temperature=self.section.temperature,
                 max_tokens=self.max_tokens,
                 seed=self.seed + first * n,  # request i takes seed + i * n: the prompt's own
             )
-            for prompt, group in zip(prompts, completions.samples, strict=True):
+            groups = zip(prompts, scored.completions.samples, scored.rewards_PN, strict=True)
+            for prompt, group, rewards_N in groups:
                 texts = [self.renderer.decode(s.token_ids) for s in group]
-                rewards = [self.scorer(prompt, text) for text in texts]
+                rewards = rewards_N.tolist()
                 correct = sum(r >= 1.0 for r in rewards)
                 totals["prompts"] += 1
                 totals["samples"] += n
                 totals["correct"] += correct
                 totals["reward"] += sum(rewards)
-                totals["tokens"] += sum(len(s.token_ids) for s in group)
+                totals["tokens"] += sum(s.sampled_tokens for s in group)
                 totals["truncated"] += sum(s.finish_reason == "length" for s in group)
+                totals["tool_calls"] += sum(s.tool_calls for s in group)
                 for k in pass_ks(n):
                     totals[f"pass@{k}"] += pass_at_k(n, correct, k)
                 if len(samples) < self.section.log_samples:
@@ -150,6 +155,7 @@ class Evaluator:
                             "prompt": self.renderer.text(prompt),
                             "answer": prompt.answer,
                             "completions": texts,
+                            "messages": [s.messages for s in group],
                             "rewards": rewards,
                             "token_ids": [list(s.token_ids) for s in group],
                         }
@@ -165,7 +171,7 @@ def build_evaluator(config: JobConfig, opened: OpenTask) -> Evaluator | None:
         config.eval,
         opened.eval_prompts,
         opened.renderer,
-        opened.scorer,
+        opened.episodes,
         seed=config.job.seed,
         max_tokens=config.generator.sampling.max_tokens,
     )

@@ -27,9 +27,10 @@ from torchtitan_rl.checkpoint import (
     export_policy,
     run_facts,
 )
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.evaluation import EvalShard, build_evaluator
-from torchtitan_rl.generator.engine import Completions, Generator
+from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.rollouts import Rollouts, fill_informative
 from torchtitan_rl.tasks import Prompt, open_task
@@ -68,6 +69,19 @@ class Hooks:
         pass
 
 
+def load_hooks(config: JobConfig) -> Hooks:
+    """The Hooks of job.hooks ('module:Class', built with the JobConfig), or the default."""
+    if config.job.hooks is None:
+        return Hooks()
+    cls = import_spec(config.job.hooks, "job.hooks", "class")
+    try:
+        return cls(config)
+    except Exception as e:  # the user's constructor: say which and how it failed
+        raise ConfigError(
+            f"job.hooks = {config.job.hooks!r}: {cls.__name__}(config) raised {e!r}"
+        ) from None
+
+
 class RLTrainer:
     """Owns the policy trainer, the generator, weight sync, the task and the metrics."""
 
@@ -81,7 +95,6 @@ class RLTrainer:
         if config.batch_invariant:
             batch_invariant.enable()  # before any model or engine is built
         torch.manual_seed(config.job.seed)
-        sampling = config.generator.sampling
         # First, so that a wrong checkpoint folder fails before anything is built.
         self.checkpointer = Checkpointer(
             config.checkpoint, config.job.dump_folder, run_facts(config)
@@ -103,7 +116,7 @@ class RLTrainer:
             bucket_mb=config.generator.weight_sync_bucket_mb,
             verify=config.generator.verify_weight_sync,
         )
-        self.loss = build_loss(config.algorithm, max_tokens=sampling.max_tokens)
+        self.loss = build_loss(config.algorithm, max_tokens=config.episode_tokens)
         self.state = TrainState()
         self.checkpointer.attach(self.trainer, self.state)
         # Before the first generation: the restored weights go to the generator too.
@@ -131,6 +144,7 @@ class RLTrainer:
         config = self.config
         opened = open_task(config)
         self.task, self.renderer, self.scorer = opened.task, opened.renderer, opened.scorer
+        self.episodes = opened.episodes
         # Padding follows every real token of a right-padded causal batch and is masked out of
         # the loss, so any valid id serves.
         self.pad_id = 0
@@ -207,8 +221,8 @@ class RLTrainer:
             **learned,
             "policy_version": float(self.generator.policy_version),
             "batch_invariant": float(batch_invariant.is_enabled()),
-            "time/generate_s": generated - start - rollouts.score_s,
-            "time/score_s": rollouts.score_s,
+            "time/generate_s": generated - start - rollouts.env_s,
+            "time/env_s": rollouts.env_s,
             "time/train_s": trained - generated,
             "time/weight_sync_s": synced - trained,
             "time/step_s": synced - start,
@@ -222,19 +236,25 @@ class RLTrainer:
         return metrics
 
     def rollouts(self, step: int) -> Rollouts:
-        """This rank's prompts of the step, sampled and scored. With dynamic sampling, further
-        rounds of prompts until the rank has as many groups with learning signal."""
+        """This rank's prompts of the step, their episodes run and scored (tasks.episodes; one
+        turn each for a single-turn task). With dynamic sampling, further rounds of prompts
+        until the rank has as many groups with learning signal."""
         algorithm = self.config.algorithm
+        sampling = self.config.generator.sampling
         rounds: list[Rollouts] = []
         for round in range(algorithm.max_generation_rounds):
             prompts = self.my_prompts(step, round)
-            completions = self.generator.generate(
-                self.renderer.encode(prompts), seed=self.sampling_seed(step, round)
+            scored = self.episodes.run(
+                self.generator,
+                prompts,
+                seed=self.sampling_seed(step, round),
+                n=sampling.n,
+                max_tokens=sampling.max_tokens,
             )
-            began = time.perf_counter()
-            rewards_PN = self.score(step, prompts, completions)
-            score_s = time.perf_counter() - began
-            rounds.append(Rollouts(prompts, completions, rewards_PN, score_s=score_s))
+            check_rewards(step, scored.rewards_PN)
+            rounds.append(
+                Rollouts(prompts, scored.completions, scored.rewards_PN, env_s=scored.env_s)
+            )
             if not algorithm.dynamic_sampling:
                 return rounds[0]
             informative = sum(int((~r.zero_variance_P()).sum()) for r in rounds)
@@ -253,19 +273,17 @@ class RLTrainer:
             rollouts = Rollouts.cat(shares)
         completions = rollouts.completions
         truncated_PN = rollouts.truncated_PN()
-        sampling = self.config.generator.sampling
         rewards_PN = overlong_rewards(
             rollouts.rewards_PN,
             rollouts.lengths_PN(),
             truncated_PN,
             algorithm.overlong,
-            sampling.max_tokens,
+            self.config.episode_tokens,
             algorithm.overlong_buffer,
         )
         batch = rollout_batch(
             completions.prompts,
-            [[s.token_ids for s in group] for group in completions.samples],
-            [[s.logprobs for s in group] for group in completions.samples],
+            completions.samples,
             torch.zeros_like(rewards_PN),
             self.pad_id,
         )
@@ -365,17 +383,6 @@ class RLTrainer:
         per_round = self.config.training.prompts_per_step // self.shards
         return (run * 2**20 + round * per_round * self.config.generator.sampling.n) % 2**62
 
-    def score(self, step: int, prompts: list[Prompt], completions: Completions) -> torch.Tensor:
-        """Rewards [P, N] of every sample; a NaN/inf reward stops the run."""
-        rewards = [
-            [self.scorer(prompt, self.renderer.decode(s.token_ids)) for s in group]
-            for prompt, group in zip(prompts, completions.samples, strict=True)
-        ]
-        rewards_PN = torch.tensor(rewards, dtype=torch.float32)
-        if not bool(torch.isfinite(rewards_PN).all()):
-            raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")
-        return rewards_PN
-
     def logprob_diff(
         self, step: int, batch: RolloutBatch, trainer_BT: torch.Tensor
     ) -> dict[str, float]:
@@ -436,8 +443,10 @@ class RLTrainer:
                 {
                     "prompt": self.renderer.text(prompt),
                     "completion": self.renderer.decode(sample.token_ids),
+                    "messages": sample.messages,
                     "reward": float(rollouts.rewards_PN[p, 0]),
                     "token_ids": sample.token_ids,
+                    "sampled_mask": sample.sampled_mask,
                     "generator_logprobs": sample.logprobs,
                     "logprob_diff": diffs.tolist(),
                 }
@@ -448,13 +457,13 @@ class RLTrainer:
         """Reward and length statistics over every rank's samples. `errors`: the reward-error
         count, when this rank's scorer does not hold it."""
         rewards_PN, completions = rollouts.rewards_PN, rollouts.completions
-        lengths = [len(s.token_ids) for group in completions.samples for s in group]
+        samples = [s for group in completions.samples for s in group]
         sums = torch.tensor(
             [
                 float(rewards_PN.sum()),
                 float((rewards_PN**2).sum()),
                 float(rewards_PN.numel()),
-                float(sum(lengths)),
+                float(completions.num_tokens),
                 float(rollouts.zero_variance_P().sum()),
                 float(rewards_PN.shape[0]),
                 float(self.scorer.errors if errors is None else errors),
@@ -463,12 +472,15 @@ class RLTrainer:
                 float(rollouts.generated_groups or len(rollouts)),
                 float(rollouts.short_groups),
                 float(rollouts.truncated_PN().sum()),
+                float(sum(s.turns for s in samples)),
+                float(sum(s.tool_calls for s in samples)),
+                float(sum(s.tool_errors for s in samples)),
             ],
             dtype=torch.float64,
         )
         platform.all_reduce_host(sums, group=self.group)
         reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
-        *rounds, truncated = rest
+        *rounds, truncated, turns, tool_calls, tool_errors = rest
         mean = reward_sum / samples
         if self.config.algorithm.dynamic_sampling:
             rounds_sum, parts, generated, short = rounds
@@ -487,4 +499,13 @@ class RLTrainer:
             "zero_variance_groups/fraction": flat_groups / groups,
             "reward/errors": errors,
             "generated_tokens": tokens,
+            "env/turns": turns / samples,
+            "env/tool_calls": tool_calls / samples,
+            "env/tool_error_rate": tool_errors / max(tool_calls, 1.0),
         }
+
+
+def check_rewards(step: int, rewards_PN: torch.Tensor) -> None:
+    """A NaN/inf reward stops the run."""
+    if not bool(torch.isfinite(rewards_PN).all()):
+        raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")

@@ -30,18 +30,19 @@ class Rollouts:
     """Groups generated over every round, kept or not (summed by `cat`); 0: len(prompts)."""
     short_groups: int = 0
     """Groups without learning signal kept because the rounds ran out (dynamic sampling)."""
-    score_s: float = 0.0
-    """Seconds spent computing its rewards (summed by `cat`)."""
+    env_s: float = 0.0
+    """Seconds spent in the environments (rewards included; summed by `cat`)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def lengths_PN(self) -> torch.Tensor:
-        """Tokens of each sample (a sampled stop token included)."""
-        return torch.tensor([[len(s.token_ids) for s in g] for g in self.completions.samples])
+        """Sampled tokens of each sample (stop tokens included, an environment's not)."""
+        return torch.tensor([[s.sampled_tokens for s in g] for g in self.completions.samples])
 
     def truncated_PN(self) -> torch.Tensor:
-        """True for each sample cut by max_tokens (finish_reason "length")."""
+        """True for each sample cut by max_tokens, or an episode by its limits (finish_reason
+        "length")."""
         samples = self.completions.samples
         return torch.tensor([[s.finish_reason == "length" for s in g] for g in samples])
 
@@ -75,7 +76,7 @@ class Rollouts:
             parts=sum(part.parts for part in parts),
             generated_groups=sum(part.generated_groups or len(part) for part in parts),
             short_groups=sum(part.short_groups for part in parts),
-            score_s=sum(part.score_s for part in parts),
+            env_s=sum(part.env_s for part in parts),
         )
 
 
@@ -93,5 +94,5 @@ def fill_informative(rounds: list[Rollouts], wanted: int) -> Rollouts:
     kept.rounds = len(rounds)
     kept.generated_groups = len(generated)
     kept.short_groups = max(0, wanted - int(informative_P.sum()))
-    kept.score_s = generated.score_s
+    kept.env_s = generated.env_s
     return kept

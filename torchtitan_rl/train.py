@@ -125,7 +125,7 @@ def run(config, entry: Literal["train", "sft"] = "train") -> int:
     stopped, each after one line on stderr)."""
     platform.patch_torchtitan()
     rank, world_size = platform.init_distributed()
-    from torchtitan_rl.rl_trainer import RLTrainer, StopRun
+    from torchtitan_rl.rl_trainer import RLTrainer, StopRun, load_hooks
 
     try:
         if rank == 0:
@@ -137,9 +137,9 @@ def run(config, entry: Literal["train", "sft"] = "train") -> int:
         elif config.generator.placement == "disaggregated":
             from torchtitan_rl import disaggregated
 
-            disaggregated.run(config)
+            disaggregated.run(config, load_hooks(config))
         else:
-            RLTrainer(config).train()
+            RLTrainer(config, load_hooks(config)).train()
     except ConfigError as e:
         # Every rank meets the same config error; torchrun collects the exit codes.
         console.error(f"error: {e}")

@@ -56,13 +56,13 @@ def measure(flags: list[str]) -> int:
         def median(key: str) -> float:
             return round(statistics.median(r[key] for r in timed), 4)
 
-        split = ("time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s")
+        split = ("time/generate_s", "time/env_s", "time/train_s", "time/weight_sync_s")
         other = [r["time/step_s"] - sum(r.get(k, 0.0) for k in split) for r in timed]
         report(
             {
                 "step_s": median("time/step_s"),
                 "generate_s": median("time/generate_s"),
-                "score_s": median("time/score_s") if "time/score_s" in timed[0] else None,
+                "env_s": median("time/env_s") if "time/env_s" in timed[0] else None,
                 "train_s": median("time/train_s"),
                 "weight_sync_s": median("time/weight_sync_s"),
                 "other_s": round(statistics.median(other), 4),

@@ -41,13 +41,7 @@ def max_diff(
     trainer| logprob over every sampled token (all ranks), and the first sample's logprobs."""
     ids = [run.renderer.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     completions = run.generator.generate(ids, n=n, max_tokens=max_tokens, seed=seed)
-    batch = rollout_batch(
-        ids,
-        [[s.token_ids for s in group] for group in completions.samples],
-        [[s.logprobs for s in group] for group in completions.samples],
-        torch.zeros(len(ids), n),
-        run.pad_id,
-    )
+    batch = rollout_batch(ids, completions.samples, torch.zeros(len(ids), n), run.pad_id)
     trainer_BT, _ = run.trainer.logprobs(batch.tokens_BT)
     diff = ((trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT).max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)

@@ -35,12 +35,19 @@ class JobSection:
     verbose: bool = False
     """Show library output (vLLM, torch, warnings) on the console too; by default it goes only
     to {dump_folder}/run.log and the console shows this project's lines and errors."""
+    hooks: str | None = None
+    """A class 'module:Class' of rl_trainer.Hooks (a scheduler, a logger), built with the
+    JobConfig and called before and after each step's stages; None: no hooks."""
 
     def validate(self) -> None:
         _require(self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0")
         _require(
             bool(self.dump_folder.strip()),
             "job.dump_folder is empty: set it to a folder for outputs, e.g. 'outputs/run'",
+        )
+        _require(
+            self.hooks is None or self.hooks.count(":") == 1,
+            f"job.hooks = {self.hooks!r}: write it as 'module:Class'",
         )
 
 
@@ -478,9 +485,10 @@ class AlgorithmSection:
 
 @dataclass(kw_only=True, slots=True)
 class TaskSection:
-    name: Literal["echo_digits", "reverse_digits", "dataset"] = "echo_digits"
-    """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'), or
-    dataset: the rows of task.dataset_path, scored by math-verify."""
+    name: Literal["echo_digits", "reverse_digits", "dataset", "env"] = "echo_digits"
+    """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'),
+    dataset: the rows of task.dataset_path, scored by math-verify, or env: episodes of the
+    environment task.env on the rows of task.dataset_path (multi-turn, tools)."""
     num_digits: int = 1
     """Digits per prompt (echo_digits, reverse_digits)."""
     dataset_path: str | None = None
@@ -510,6 +518,25 @@ class TaskSection:
     reward_timeout_s: float = 30.0
     """Longest one reward call may take before it counts as failed (reward_on_error); 0
     disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
+    env: str | None = None
+    """The environment class 'module:Class' (task.name = env), built per episode with
+    task.env_kwargs; torchtitan_rl.tasks.env:Calculator is the built-in example (a calc tool
+    on the arithmetic rows). See README 'Environments and tools'."""
+    env_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Keyword arguments of the environment class (a [task.env_kwargs] table)."""
+    max_turns: int | None = None
+    """Most assistant turns of an episode (task.name = env; unset: 4); an episode still going
+    after it ends as truncated."""
+    env_timeout_s: float = 30.0
+    """Longest one environment reset or step may take (an async step's await is cut); a step
+    that times out or raises scores as task.reward_on_error says. 0: no limit."""
+
+    @property
+    def turns(self) -> int:
+        """Most assistant turns of an episode (1: a single-turn task)."""
+        if self.name != "env":
+            return 1
+        return 4 if self.max_turns is None else self.max_turns
 
     def validate(self) -> None:
         """Values only; the dataset, its rows and the reward function are checked when the task
@@ -520,14 +547,47 @@ class TaskSection:
             f"task.reward_timeout_s = {self.reward_timeout_s}: must be >= 0 (0: no limit)",
         )
         _require(
-            self.name != "dataset" or self.dataset_path is not None,
-            "task.name = 'dataset' needs task.dataset_path: a JSONL, JSON or Parquet file (or "
-            'a folder of them) of {"prompt": ..., "answer": ...} rows',
+            self.name not in ("dataset", "env") or self.dataset_path is not None,
+            f"task.name = {self.name!r} needs task.dataset_path: a JSONL, JSON or Parquet file "
+            '(or a folder of them) of {"prompt": ..., "answer": ...} rows',
         )
         _require(
-            self.dataset_path is None or self.name == "dataset",
+            self.dataset_path is None or self.name in ("dataset", "env"),
             f"task.dataset_path is set but task.name = {self.name!r} does not read it: set "
             "task.name = 'dataset', or unset task.dataset_path",
+        )
+        _require(
+            self.name != "env" or self.env is not None,
+            "task.name = 'env' needs task.env = 'module:Class', e.g. "
+            "'torchtitan_rl.tasks.env:Calculator'",
+        )
+        for name in ("env", "max_turns"):
+            _require(
+                getattr(self, name) is None or self.name == "env",
+                f"task.{name} = {getattr(self, name)!r} but task.name = {self.name!r} runs "
+                "single-turn episodes: set task.name = 'env', or unset it",
+            )
+        _require(
+            not self.env_kwargs or self.name == "env",
+            f"task.env_kwargs = {self.env_kwargs!r} but task.name = {self.name!r} builds no "
+            "environment: set task.name = 'env', or remove the table",
+        )
+        _require(
+            self.env is None or self.env.count(":") == 1,
+            f"task.env = {self.env!r}: write it as 'module:Class'",
+        )
+        _require(
+            self.reward_fn is None or self.name != "env",
+            f"task.reward_fn = {self.reward_fn!r}: with task.name = 'env' the environment "
+            "gives the rewards (EnvStep.reward); unset task.reward_fn",
+        )
+        _require(
+            self.max_turns is None or self.max_turns >= 1,
+            f"task.max_turns = {self.max_turns}: must be >= 1",
+        )
+        _require(
+            self.env_timeout_s >= 0,
+            f"task.env_timeout_s = {self.env_timeout_s}: must be >= 0 (0: no limit)",
         )
         _require(
             self.dataset_path is None or os.path.exists(self.dataset_path),
@@ -797,6 +857,14 @@ class JobConfig:
             "do not reproduce bit for bit; use parallelism.tp = 1 (FSDP) in this mode",
         )
 
+    @property
+    def episode_tokens(self) -> int:
+        """Most tokens one sample can sample: generator.sampling.max_tokens per turn, over
+        task.max_turns turns within generator.max_model_len (the length the "constant" loss
+        normalizer and algorithm.overlong measure against)."""
+        most = self.task.turns * self.generator.sampling.max_tokens
+        return most if self.task.turns == 1 else min(most, self.generator.max_model_len)
+
     def validate(self, world_size: int = 1, entry: Literal["train", "sft"] = "train") -> None:
         """Check every section, then the rules that span sections, for `world_size` processes
         of the `entry` point (torchtitan_rl.train or torchtitan_rl.sft)."""
@@ -858,7 +926,7 @@ class JobConfig:
         generators = self._validate_placement(world_size)
         self.parallelism.validate(world_size - generators)
         self.generator.validate(generators or world_size)
-        self.algorithm.validate(self.generator.sampling.max_tokens)
+        self.algorithm.validate(self.episode_tokens)
         n = self.generator.sampling.n
         _require(
             self.algorithm.advantage not in GROUP_ADVANTAGES or n >= 2,
@@ -868,7 +936,7 @@ class JobConfig:
         if self.batch_invariant:
             self._validate_batch_invariant()
         _require(
-            self.eval.dataset_path is None or self.task.name == "dataset",
+            self.eval.dataset_path is None or self.task.name in ("dataset", "env"),
             f"eval.dataset_path is set but task.name = {self.task.name!r}: evaluation reads "
             "its rows like the task's dataset; set task.name = 'dataset', or unset it",
         )

@@ -36,6 +36,22 @@ DESCRIPTIONS = {
 }
 
 
+def import_spec(spec: str, field: str, kind: str) -> Any:
+    """The object named by 'package.module:name' (a `kind`: "function" or "class") that the
+    config `field` names; one ConfigError line if it does not import or is no such thing."""
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise ConfigError(f"{field} = {spec!r}: cannot import {module_name!r} ({e})") from None
+    found = getattr(module, name, None)
+    if not (isinstance(found, type) if kind == "class" else callable(found)):
+        raise ConfigError(f"{field} = {spec!r}: {module_name} has no {kind} {name!r}")
+    return found
+
+
 def load_toml(path: str) -> dict[str, Any]:
     """The parsed TOML file at `path`; a missing or malformed file is a ConfigError."""
     try:
@@ -83,6 +99,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return f"a table of {_type_name(typing.get_args(tp)[1])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -104,6 +122,10 @@ def _check_type(value: Any, tp: Any, dotted: str) -> Any:
         if isinstance(value, list):
             (item_type,) = typing.get_args(tp)
             return [_check_type(v, item_type, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            _, item_type = typing.get_args(tp)
+            return {k: _check_type(v, item_type, f"{dotted}.{k}") for k, v in value.items()}
     elif tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value

@@ -35,13 +35,30 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One completion of a prompt."""
+    """One completion of a prompt; for an episode (tasks.episodes), every token after the
+    first prompt: the sampled turns and the environment's replies between them."""
 
     token_ids: list[int]
     logprobs: list[float]
-    """Logprob of each sampled token under logits / temperature."""
+    """Logprob of each sampled token under logits / temperature (0.0 for an environment's)."""
     finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (max_tokens reached)."""
+    """"stop" (EOS or a stop token) or "length" (max_tokens reached; an episode: also cut by
+    task.max_turns or generator.max_model_len)."""
+    sampled_mask: list[int] | None = None
+    """1 for each token the model sampled, 0 for each the environment wrote; None: all sampled."""
+    messages: list[dict] | None = None
+    """An episode's chat messages, roles and all (the rollout log's record of it)."""
+    turns: int = 1
+    """Assistant turns of the episode."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Tool calls that were malformed or failed."""
+
+    @property
+    def sampled_tokens(self) -> int:
+        if self.sampled_mask is None:
+            return len(self.token_ids)
+        return sum(self.sampled_mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +70,8 @@ class Completions:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for group in self.samples for s in group)
+        """Sampled tokens (an environment's are not)."""
+        return sum(s.sampled_tokens for group in self.samples for s in group)
 
 
 def check_tokenizer_fits(model: ModelSection) -> None:
@@ -160,13 +178,15 @@ class Generator:
         *,
         n: int | None = None,
         temperature: float | None = None,
-        max_tokens: int | None = None,
-        seed: int | None = None,
+        max_tokens: int | Sequence[int] | None = None,
+        seed: int | Sequence[int] | None = None,
         progress: bool = False,
     ) -> Completions:
         """Sample `n` completions of each prompt (defaults from `generator.sampling`).
 
-        `seed` makes the samples of request i depend only on (seed, i), not on the batch.
+        `seed` makes the samples of request i depend only on (seed, i), not on the batch; a
+        sequence gives request i its own first seed, `seed[i]`. `max_tokens` likewise: one
+        limit for all, or one per request.
         """
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
@@ -184,12 +204,17 @@ class Generator:
                 )
         first = self._next_request
         self._next_request += len(prompt_token_ids)
+        count = len(prompt_token_ids)
+        limits = _each(max_tokens or sampling.max_tokens, count)
+        seeds = _each(seed, count)
         for i, prompt in enumerate(prompt_token_ids):
+            if isinstance(seed, int):
+                seeds[i] = seed + i * (n or sampling.n)
             params = SamplingParams(
                 n=n or sampling.n,
                 temperature=sampling.temperature if temperature is None else temperature,
                 top_p=sampling.top_p,
-                max_tokens=max_tokens or sampling.max_tokens,
+                max_tokens=limits[i],
                 logprobs=0,  # the sampled token's logprob only
                 stop_token_ids=self.stop_token_ids,
                 stop=sampling.stop or None,
@@ -201,7 +226,7 @@ class Generator:
                 flat_logprobs=True,
                 # vLLM seeds the n samples of a request seed, seed + 1, ...: request i takes
                 # seeds [seed + i * n, seed + (i + 1) * n), shared with no other sample.
-                seed=None if seed is None else seed + i * (n or sampling.n),
+                seed=seeds[i],
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
@@ -281,6 +306,15 @@ class Generator:
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The generator's parameters by torchtitan FQN (tied weights appear once)."""
         return dict(self.model().named_parameters())
+
+
+def _each(value, count: int) -> list:
+    """`value` for each of `count` requests: a sequence as it is, anything else repeated."""
+    if isinstance(value, Sequence):
+        if len(value) != count:
+            raise ValueError(f"{len(value)} values for {count} requests")
+        return list(value)
+    return [value] * count
 
 
 def _samples(output) -> list[Sample]:

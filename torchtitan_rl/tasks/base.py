@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from torchtitan_rl.config.job_config import ConfigError, JobConfig, TaskSection
 
 if TYPE_CHECKING:
+    from torchtitan_rl.episodes import Episodes
     from torchtitan_rl.tasks.render import Renderer
     from torchtitan_rl.tasks.rewards import Scorer
 
@@ -59,21 +60,23 @@ def build_task(task: TaskSection, seed: int) -> Task:
         return EchoDigitsTask(num_digits=task.num_digits, seed=seed)
     if task.name == "reverse_digits":
         return ReverseDigitsTask(num_digits=task.num_digits, seed=seed)
-    if task.name == "dataset":
+    if task.name in ("dataset", "env"):
         return DatasetTask(task.dataset_path, dataset_keys(task), seed=seed)
     raise ConfigError(
-        f"task.name = {task.name!r} is not a task: use echo_digits, reverse_digits or dataset"
+        f"task.name = {task.name!r} is not a task: use echo_digits, reverse_digits, dataset or env"
     )
 
 
 @dataclass(slots=True)
 class OpenTask:
     """What a run needs of its task section, opened and checked: the prompts' source, their
-    renderer, the scorer, and the held-out eval prompts (empty without eval.dataset_path)."""
+    renderer, the scorer, the episode runner, and the held-out eval prompts (empty without
+    eval.dataset_path)."""
 
     task: Task
     renderer: "Renderer"
     scorer: "Scorer"
+    episodes: "Episodes"
     eval_prompts: list[Prompt]
 
 
@@ -81,8 +84,10 @@ def open_task(config: JobConfig) -> OpenTask:
     """Open the task of `config`: read and check every dataset row (file:row), render every
     prompt (too long after the chat template?), import the reward function. Runs before any
     model or engine is built, so bad data fails in seconds with one line."""
+    from torchtitan_rl.episodes import Episodes
     from torchtitan_rl.tasks.dataset import read_rows
-    from torchtitan_rl.tasks.render import build_renderer
+    from torchtitan_rl.tasks.env import SingleTurn, load_env
+    from torchtitan_rl.tasks.render import build_renderer, checkpoint_stop_ids
     from torchtitan_rl.tasks.rewards import Scorer, load_reward_fn
 
     section = config.task
@@ -90,9 +95,22 @@ def open_task(config: JobConfig) -> OpenTask:
     renderer = build_renderer(section, config.model.tokenizer_dir, config.training.max_prompt_len)
     reward_fn = load_reward_fn(section.reward_fn) if section.reward_fn else None
     scorer = Scorer(task, reward_fn, section.reward_on_error, section.reward_timeout_s)
+    if section.name == "env":
+        make_env = load_env(section.env, section.env_kwargs)
+    else:
+        make_env = lambda: SingleTurn(scorer)  # noqa: E731
+    episodes = Episodes(
+        renderer,
+        make_env,
+        scorer,
+        stop_ids=checkpoint_stop_ids(config.model.hf_checkpoint or config.model.tokenizer_dir),
+        max_turns=section.turns,
+        max_model_len=config.generator.max_model_len,
+        timeout_s=section.env_timeout_s,
+    )
     eval_prompts = []
     if config.eval.dataset_path is not None:
         keys = dataset_keys(section)
         eval_prompts = read_rows(config.eval.dataset_path, keys, "eval.dataset_path")
     renderer.encode(task.every_prompt() + eval_prompts)  # each fits, or one line says which
-    return OpenTask(task, renderer, scorer, eval_prompts)
+    return OpenTask(task, renderer, scorer, episodes, eval_prompts)

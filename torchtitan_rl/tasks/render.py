@@ -25,6 +25,10 @@ def load_tokenizer(tokenizer_dir: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 
 
+# Stands for the sampled assistant turn when rendering what follows it (Renderer.reply_ids).
+_STAND_IN = "<<the sampled turn>>"
+
+
 def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
     """Every id that ends a completion for the checkpoint: the eos_token_id of its
     generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
@@ -67,19 +71,60 @@ class Renderer:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def text(self, prompt: Prompt) -> str:
+    def text(self, prompt: Prompt, tools: list[dict] | None = None) -> str:
         """What the model reads: the rendered chat with the generation prompt, or the text."""
         if not self.chat_template:
             return prompt.text
+        return self.chat(self.messages(prompt), tools, generation_prompt=True)
+
+    def chat(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        """`messages` (and `tools`, for templates that show them) through the chat template."""
         extra = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        if tools:
+            extra["tools"] = tools
         return self.tokenizer.apply_chat_template(
-            self.messages(prompt), tokenize=False, add_generation_prompt=True, **extra
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
         )
 
-    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
+    def reply_ids(
+        self,
+        history: list[dict],
+        replies: list[dict],
+        tools: list[dict] | None,
+        stop_id: int | None,
+    ) -> list[int]:
+        """The ids that follow an assistant turn the model ended with stop token `stop_id`
+        (None: with a stop string, the turn's closing text not sampled): the rest of the
+        turn's closing text, the environment's `replies`, and the next generation prompt.
+
+        The sampled turn is never re-encoded: the chat is rendered with a stand-in for it,
+        before and after `replies`, and only the text after the stand-in (and its stop token)
+        is encoded. That text starts right after a special token or the turn's own text,
+        where the sampled ids end, so it is encoded on its own.
+        """
+        turn = [{"role": "assistant", "content": _STAND_IN}]
+        before = self.chat(history + turn, tools, generation_prompt=False)
+        after = self.chat(history + turn + replies, tools, generation_prompt=True)
+        stop = "" if stop_id is None else self.tokenizer.decode([stop_id])
+        cut = before.find(stop, before.rfind(_STAND_IN) + len(_STAND_IN))
+        if not after.startswith(before) or cut < 0:
+            raise ConfigError(
+                f"{self.tokenizer_dir}: its chat template does not render a chat as the "
+                f"chat before it plus the new messages (or does not end an assistant turn "
+                f"with {stop!r}), so an episode cannot grow turn by turn without re-encoding "
+                "what the model sampled: use a template that appends (Qwen3's, Llama 3's), "
+                "or let the environment answer with tool messages rather than user ones"
+            )
+        return self.tokenizer.encode(
+            before[cut + len(stop) :] + after[len(before) :], add_special_tokens=False
+        )
+
+    def encode(self, prompts: list[Prompt], tools: list[dict] | None = None) -> list[list[int]]:
         """Token ids of each prompt; an empty or too long prompt is a ConfigError naming its
         source (file:row for dataset rows)."""
-        ids = [self.tokenizer.encode(self.text(p), add_special_tokens=False) for p in prompts]
+        ids = [
+            self.tokenizer.encode(self.text(p, tools), add_special_tokens=False) for p in prompts
+        ]
         for prompt, tokens in zip(prompts, ids, strict=True):
             where = f"{prompt.source}: " if prompt.source else ""
             if not tokens:
@@ -114,7 +159,13 @@ def build_renderer(
     has_template = bool(getattr(tokenizer, "chat_template", None))
     wanted = task.chat_template
     if wanted is None:
-        wanted = task.name == "dataset" and has_template
+        wanted = task.name in ("dataset", "env") and has_template
+    if task.name == "env" and not wanted:
+        raise ConfigError(
+            f"task.name = 'env' renders episodes turn by turn with the chat template, but "
+            f"{'task.chat_template = false' if has_template else f'{tokenizer_dir} has none'}: "
+            "use a checkpoint that ships a chat template, and leave task.chat_template unset"
+        )
     if wanted and not has_template:
         raise ConfigError(
             f"task.chat_template = true but {tokenizer_dir} has no chat template "

@@ -4,7 +4,6 @@
 """
 
 import functools
-import importlib
 import re
 import signal
 import threading
@@ -12,7 +11,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from torchtitan_rl import console
-from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.tasks.base import Prompt, Task
 
 # fn(prompt, completion, answer) -> reward
@@ -46,19 +45,7 @@ def _math_verify():
 
 def load_reward_fn(spec: str) -> RewardFn:
     """The function named by 'package.module:function'; a ConfigError if it does not import."""
-    module_name, _, function_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may fail in any way while importing
-        raise ConfigError(
-            f"task.reward_fn = {spec!r}: cannot import {module_name!r} ({e})"
-        ) from None
-    fn = getattr(module, function_name, None)
-    if not callable(fn):
-        raise ConfigError(
-            f"task.reward_fn = {spec!r}: {module_name} has no function {function_name!r}"
-        )
-    return fn
+    return import_spec(spec, "task.reward_fn", "function")
 
 
 class RewardError(RuntimeError):
@@ -109,10 +96,14 @@ class Scorer:
                 return float(self.task.reward(prompt, completion))
         except Exception as e:  # user code: any exception is the reward function's failure
             what = str(e) if isinstance(e, RewardTimeout) else f"raised {e!r}"
-            if self.on_error == "fail":
-                message = f"the reward function {what} on prompt {prompt.text!r}"
-                raise RewardError(message) from e
-            self.errors += 1
-            if self.errors == 1:
-                console.warn(f"warning: the reward function {what}; such samples get reward 0")
-            return 0.0
+            return self.failed(f"the reward function {what}", prompt, e)
+
+    def failed(self, what: str, prompt: Prompt, cause: BaseException | None = None) -> float:
+        """The reward of a sample whose scoring failed (`what` did): 0, counted and logged
+        once ("zero"), or a RewardError that stops the run ("fail")."""
+        if self.on_error == "fail":
+            raise RewardError(f"{what} on prompt {prompt.text!r}") from cause
+        self.errors += 1
+        if self.errors == 1:
+            console.warn(f"warning: {what}; such samples get reward 0")
+        return 0.0

@@ -1,0 +1,84 @@
+"""Environments and hooks that tests name in a config (task.env, job.hooks), as a user's own
+module would be: with tests/helpers on PYTHONPATH, no change to torchtitan_rl.
+
+They speak the protocol of torchtitan_rl/tasks/env.py by duck typing (no base class)."""
+
+import asyncio
+import json
+import os
+
+from torchtitan_rl.tasks.env import EnvStep
+
+
+class Chatter:
+    """Answers every assistant turn with a tool message until `turns` turns, so that even a
+    random model plays multi-turn episodes; the reward is the share of turns that sampled an
+    even number of characters (a signal that varies within a group)."""
+
+    def __init__(self, turns: int = 3, reply: str = "go on"):
+        self.turns, self.reply = turns, reply
+        self.seen: list[str] = []
+
+    async def reset(self, prompt):
+        return [{"role": "user", "content": prompt.text}], None
+
+    async def step(self, message):
+        self.seen.append(message["content"])
+        if len(self.seen) >= self.turns:
+            even = sum(len(text) % 2 == 0 for text in self.seen)
+            return EnvStep([], done=True, reward=even / len(self.seen))
+        return EnvStep([{"role": "tool", "content": f"{self.reply} {len(self.seen)}"}], done=False)
+
+
+class Flaky(Chatter):
+    """A Chatter whose step raises on rows with an odd answer (`fail`) or sleeps past any
+    timeout on them (`hang`)."""
+
+    def __init__(self, mode: str = "fail", **kwargs):
+        super().__init__(**kwargs)
+        self.mode = mode
+
+    async def reset(self, prompt):
+        self.odd = int(prompt.answer) % 2 == 1
+        return await super().reset(prompt)
+
+    async def step(self, message):
+        if self.odd and self.mode == "fail":
+            raise ValueError("odd rows fail")
+        if self.odd:
+            await asyncio.sleep(60)
+        return await super().step(message)
+
+
+class NeedsKwarg:
+    def __init__(self, *, level: int):
+        self.level = level
+
+    async def reset(self, prompt):
+        return [{"role": "user", "content": prompt.text}], None
+
+    async def step(self, message):
+        return EnvStep([], done=True)
+
+
+class RecordSteps:
+    """job.hooks: writes the steps it saw and the run's task.env to $HOOKS_RECORD."""
+
+    def __init__(self, config):
+        self.env, self.steps = config.task.env, []
+
+    def before_step(self, step):
+        pass
+
+    def after_train(self, step, metrics):
+        pass
+
+    def after_sync(self, step, stats):
+        pass
+
+    def after_step(self, step, metrics):
+        self.steps.append(step)
+        path = os.environ.get("HOOKS_RECORD")
+        if path:
+            with open(path, "w") as f:
+                json.dump({"env": self.env, "steps": self.steps}, f)

@@ -1,0 +1,247 @@
+"""Episodes: prompts -> environments -> turns of generation, token-exact, -> scored samples.
+
+    .venv/bin/python -m pytest tests/test_envs.py
+
+Every rollout is an episode (a single-turn task is the one-step case, `tasks.env.SingleTurn`).
+An episode's ids are never re-encoded: turn k+1's prompt is turn k's prompt, plus the ids the
+model sampled (its stop id included), plus the environment's reply rendered on its own with the
+chat template (`Renderer.reply_ids`). The training sequence is the whole episode: the first
+prompt, then `Sample.token_ids`, where `sampled_mask` marks what the model sampled (trained)
+and what the environment wrote (not). Decoding and re-encoding a turn could give other ids than
+the model sampled (tests/test_envs.py builds such a case); then the trainer would score tokens
+the generator never chose.
+
+The episodes of a step run together: one batched generate call per turn over the episodes
+still going, and their environments' steps concurrently (asyncio), each within
+task.env_timeout_s. A step that raises or times out scores like a failing reward function
+(task.reward_on_error). An episode ends when its environment says done, or as truncated
+(finish_reason "length") when a turn hits max_tokens, task.max_turns runs out, or the next
+turn would not fit generator.max_model_len.
+"""
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.generator.engine import Completions, Sample
+from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.env import Environment, EnvStep
+from torchtitan_rl.tasks.render import Renderer
+from torchtitan_rl.tasks.rewards import RewardError, Scorer
+
+
+@dataclass(slots=True)
+class Episode:
+    """One episode in progress."""
+
+    prompt: Prompt
+    env: Environment
+    messages: list[dict] = field(default_factory=list)
+    """Every message so far, the system prompt's and the opening ones included."""
+    tools: list[dict] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    """Every id after the first prompt: sampled turns and environment replies."""
+    logprobs: list[float] = field(default_factory=list)
+    sampled_mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+        """Append sampled ids (with their logprobs) or, without, the environment's."""
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+        self.sampled_mask += [int(logprobs is not None)] * len(ids)
+
+    def sample(self, finish_reason: str) -> Sample:
+        return Sample(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=finish_reason,
+            sampled_mask=self.sampled_mask,
+            messages=self.messages,
+            turns=self.turns,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """What `Episodes.run` gives: the samples (Completions of the first prompts' ids), their
+    rewards [P, N], and the seconds spent inside the environments."""
+
+    completions: Completions
+    rewards_PN: torch.Tensor
+    env_s: float
+
+
+class Episodes:
+    """Runs the episodes of a batch of prompts on a generator (see the module docstring)."""
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        make_env: Callable[[], Environment],
+        scorer: Scorer,
+        *,
+        stop_ids: list[int],
+        max_turns: int,
+        max_model_len: int,
+        timeout_s: float,
+    ):
+        """`stop_ids`: the checkpoint's stop tokens (a turn may also end on a stop string)."""
+        self.renderer, self.make_env, self.scorer = renderer, make_env, scorer
+        self.stop_ids = set(stop_ids)
+        self.max_turns, self.max_model_len, self.timeout_s = max_turns, max_model_len, timeout_s
+
+    def run(
+        self,
+        generator,
+        prompts: list[Prompt],
+        *,
+        seed: int,
+        n: int,
+        max_tokens: int,
+        temperature: float | None = None,
+    ) -> Scored:
+        """`n` episodes of each prompt on `generator` (a Generator or RemoteGenerator).
+        Sample j of prompt p: first turn as `generator.generate(seed=seed)` gives it, each
+        later turn t seeded by (seed + p * n + j, t), so it depends on nothing else."""
+        return asyncio.run(self._run(generator, prompts, seed, n, temperature, max_tokens))
+
+    async def _run(self, generator, prompts, seed, n, temperature, max_tokens) -> Scored:
+        env_s = 0.0
+        began = time.perf_counter()
+        groups = [[Episode(p, self.make_env()) for _ in range(n)] for p in prompts]
+        first_ids = await self._reset(groups)
+        env_s += time.perf_counter() - began
+        completions = generator.generate(
+            first_ids, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed
+        )
+        live = [
+            (episode, sample, first_ids[p], seed + p * n + j)
+            for p, (group, samples) in enumerate(zip(groups, completions.samples, strict=True))
+            for j, (episode, sample) in enumerate(zip(group, samples, strict=True))
+        ]
+        finish: dict[int, str] = {}
+        while live:
+            began = time.perf_counter()
+            steps = await asyncio.gather(*(self._step(episode, s) for episode, s, *_ in live))
+            env_s += time.perf_counter() - began
+            going = []
+            for (episode, sample, prompt_ids, episode_seed), step in zip(live, steps, strict=True):
+                ended = self._end(episode, sample, step, len(prompt_ids))
+                if ended is not None:
+                    finish[id(episode)] = ended
+                else:
+                    going.append((episode, prompt_ids, episode_seed))
+            if not going:
+                break
+            contexts = [prompt_ids + episode.token_ids for episode, prompt_ids, _ in going]
+            following = generator.generate(
+                contexts,
+                n=1,
+                temperature=temperature,
+                max_tokens=[min(max_tokens, self.max_model_len - len(c)) for c in contexts],
+                seed=[(s * 1_000_003 + e.turns) % 2**62 for e, _, s in going],
+            )
+            live = [
+                (episode, group[0], prompt_ids, episode_seed)
+                for (episode, prompt_ids, episode_seed), group in zip(
+                    going, following.samples, strict=True
+                )
+            ]
+        samples = [[e.sample(finish[id(e)]) for e in group] for group in groups]
+        rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
+        return Scored(Completions(first_ids, samples), rewards_PN, env_s)
+
+    async def _reset(self, groups: list[list[Episode]]) -> list[list[int]]:
+        """Open every episode; the first prompt's ids of each group."""
+        try:
+            opened = await asyncio.gather(
+                *(self._call(e.env.reset(e.prompt), "reset") for group in groups for e in group)
+            )
+        except _EnvFailed as e:
+            # Without its opening there is no prompt to sample: the run stops, naming it.
+            raise RewardError(f"task.env: {e}") from e.__cause__
+        first_ids = []
+        for p, group in enumerate(groups):
+            mine = opened[p * len(group) : (p + 1) * len(group)]
+            messages, tools = mine[0]
+            if any(other != mine[0] for other in mine[1:]):
+                raise ConfigError(
+                    f"task.env: reset() opened the episodes of one prompt differently "
+                    f"({group[0].prompt.source or group[0].prompt.text!r}); a group's episodes "
+                    "must start alike (GRPO compares them): make reset depend on the row only"
+                )
+            prompt = dataclasses.replace(group[0].prompt, messages=tuple(messages))
+            for episode in group:
+                episode.messages = self.renderer.messages(prompt)
+                episode.tools = tools
+            first_ids.append(self.renderer.encode([prompt], tools=tools)[0])
+        return first_ids
+
+    async def _call(self, coroutine, what: str):
+        """Await an environment's `what` (reset or step) within task.env_timeout_s."""
+        timeout = self.timeout_s if self.timeout_s > 0 else None
+        try:
+            return await asyncio.wait_for(coroutine, timeout)
+        except TimeoutError:
+            raise _EnvFailed(
+                f"the environment's {what} took longer than task.env_timeout_s = "
+                f"{self.timeout_s:g} s"
+            ) from None
+        except Exception as e:  # user code: any exception is the environment's failure
+            raise _EnvFailed(f"the environment's {what} raised {e!r}") from e
+
+    async def _step(self, episode: Episode, sample: Sample) -> EnvStep | None:
+        """Add the sampled turn to `episode` and give it to its environment; None when the
+        environment failed (scored by task.reward_on_error)."""
+        episode.add(sample.token_ids, sample.logprobs)
+        episode.turns += 1
+        message = {"role": "assistant", "content": self.renderer.decode(sample.token_ids)}
+        try:
+            step = await self._call(episode.env.step(message), "step")
+        except _EnvFailed as e:
+            episode.reward = self.scorer.failed(str(e), episode.prompt, e.__cause__)
+            step = None
+        episode.messages.append(message)
+        return step
+
+    def _end(
+        self, episode: Episode, sample: Sample, step: EnvStep | None, prompt_len: int
+    ) -> str | None:
+        """Take the environment's `step` into `episode`: how it ended ("stop" or "length"),
+        or None when it goes on (the reply's ids then added)."""
+        if step is None:
+            return sample.finish_reason
+        episode.reward += step.reward
+        episode.tool_calls += step.tool_calls
+        episode.tool_errors += step.tool_errors
+        if step.done:
+            return sample.finish_reason
+        if sample.finish_reason != "stop" or episode.turns >= self.max_turns:
+            return "length"
+        last = sample.token_ids[-1] if sample.token_ids else None
+        reply_ids = self.renderer.reply_ids(
+            episode.messages[:-1],
+            step.messages,
+            episode.tools,
+            stop_id=last if last in self.stop_ids else None,
+        )
+        if prompt_len + len(episode.token_ids) + len(reply_ids) >= self.max_model_len:
+            return "length"
+        episode.add(reply_ids)
+        episode.messages += step.messages
+        return None
+
+
+class _EnvFailed(Exception):
+    """An environment's reset or step raised or timed out."""
