@@ -75,11 +75,18 @@ def load_hooks(config: JobConfig) -> Hooks:
         return Hooks()
     cls = import_spec(config.job.hooks, "job.hooks", "class")
     try:
-        return cls(config)
+        hooks = cls(config)
     except Exception as e:  # the user's constructor: say which and how it failed
         raise ConfigError(
             f"job.hooks = {config.job.hooks!r}: {cls.__name__}(config) raised {e!r}"
         ) from None
+    missing = [name for name in vars(Hooks) if name[0] != "_" and not hasattr(hooks, name)]
+    if missing:
+        raise ConfigError(
+            f"job.hooks = {config.job.hooks!r}: {cls.__name__} has no {', '.join(missing)}; "
+            "subclass torchtitan_rl.rl_trainer.Hooks"
+        )
+    return hooks
 
 
 class RLTrainer:

@@ -94,30 +94,32 @@ class Renderer:
         stop_id: int | None,
     ) -> list[int]:
         """The ids that follow an assistant turn the model ended with stop token `stop_id`
-        (None: with a stop string, the turn's closing text not sampled): the rest of the
-        turn's closing text, the environment's `replies`, and the next generation prompt.
+        (None: on a stop string): the rest of the turn's closing text, the environment's
+        `replies`, and the next generation prompt.
 
         The sampled turn is never re-encoded: the chat is rendered with a stand-in for it,
-        before and after `replies`, and only the text after the stand-in (and its stop token)
-        is encoded. That text starts right after a special token or the turn's own text,
-        where the sampled ids end, so it is encoded on its own.
+        before and after `replies`, and only the text after the stand-in is encoded, less
+        the stop token when the template closes the turn with it (the model sampled it).
+        That text starts at a special token or right after one, so it encodes on its own as
+        it would within the whole chat. A turn that stopped otherwise (a stop string, another
+        stop id) gets the template's whole closing text.
         """
         turn = [{"role": "assistant", "content": _STAND_IN}]
         before = self.chat(history + turn, tools, generation_prompt=False)
         after = self.chat(history + turn + replies, tools, generation_prompt=True)
-        stop = "" if stop_id is None else self.tokenizer.decode([stop_id])
-        cut = before.find(stop, before.rfind(_STAND_IN) + len(_STAND_IN))
-        if not after.startswith(before) or cut < 0:
+        if not after.startswith(before) or _STAND_IN not in before:
             raise ConfigError(
-                f"{self.tokenizer_dir}: its chat template does not render a chat as the "
-                f"chat before it plus the new messages (or does not end an assistant turn "
-                f"with {stop!r}), so an episode cannot grow turn by turn without re-encoding "
-                "what the model sampled: use a template that appends (Qwen3's, Llama 3's), "
-                "or let the environment answer with tool messages rather than user ones"
+                f"{self.tokenizer_dir}: its chat template does not render a chat as the chat "
+                "before it plus the new messages, so an episode cannot grow turn by turn "
+                "without re-encoding what the model sampled: use a template that appends "
+                "(Qwen3's, Llama 3's), or let the environment answer with tool messages rather "
+                "than user ones"
             )
-        return self.tokenizer.encode(
-            before[cut + len(stop) :] + after[len(before) :], add_special_tokens=False
-        )
+        cut = before.rindex(_STAND_IN) + len(_STAND_IN)
+        stop = "" if stop_id is None else self.tokenizer.decode([stop_id])
+        if stop and before.startswith(stop, cut):
+            cut += len(stop)
+        return self.tokenizer.encode(before[cut:] + after[len(before) :], add_special_tokens=False)
 
     def encode(self, prompts: list[Prompt], tools: list[dict] | None = None) -> list[list[int]]:
         """Token ids of each prompt; an empty or too long prompt is a ConfigError naming its

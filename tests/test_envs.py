@@ -1,0 +1,447 @@
+"""Environments, tool calls and multi-turn episodes: token-exact, limited, failing cleanly.
+
+.venv/bin/python -m pytest tests/test_envs.py
+"""
+
+import asyncio
+import json
+import sys
+
+import pytest
+import torch
+from conftest import REPO, TINY, run_dist, run_train
+
+from torchtitan_rl.config import ConfigError, parse_args
+from torchtitan_rl.config.job_config import TaskSection
+from torchtitan_rl.episodes import Episodes
+from torchtitan_rl.generator.engine import Completions, Sample
+from torchtitan_rl.rl_trainer import load_hooks
+from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.env import Calculator, calc, load_env, parse_tool_calls
+from torchtitan_rl.tasks.render import build_renderer
+from torchtitan_rl.tasks.rewards import RewardError, Scorer
+
+HELPERS = str(REPO / "tests" / "helpers")
+sys.path.insert(0, HELPERS)
+
+from user_envs import Chatter, Flaky  # noqa: E402
+
+IM_END = 4
+CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def renderer():
+    task = TaskSection(name="env", env="user_envs:Chatter", dataset_path=str(REPO / "data"))
+    return build_renderer(task, TINY, max_prompt_len=32)
+
+
+def encode(renderer, text: str) -> list[int]:
+    return renderer.tokenizer.encode(text, add_special_tokens=False)
+
+
+# Tool calls and the calculator environment.
+
+
+def test_tool_calls_parse_in_the_hermes_format_and_malformed_ones_are_errors():
+    (call,) = parse_tool_calls(f"let me compute {CALL}")
+    assert (call.name, call.arguments, call.error) == ("calc", {"expression": "max(3,7)"}, None)
+    compact = '<tool_call>{"name":"calc","arguments":{"expression":"1+2"}}</tool_call>'
+    assert [c.name for c in parse_tool_calls(compact + compact)] == ["calc", "calc"]
+    assert parse_tool_calls("7") == []
+    errors = [
+        c.error
+        for c in parse_tool_calls(
+            '<tool_call>{"name": "calc"</tool_call><tool_call>{"arguments": {}}</tool_call>'
+            '<tool_call>{"name": "calc", "arguments": 3}</tool_call><tool_call>{"name": "c'
+        )
+    ]
+    assert errors == [
+        "the tool call is not JSON (Expecting ',' delimiter)",
+        'the tool call needs a "name"',
+        '"arguments" must be an object',
+        "the <tool_call> is not closed by </tool_call>",
+    ]
+
+
+def test_calc_evaluates_integer_arithmetic_and_nothing_else():
+    assert [calc(e) for e in ("max(3,7)", "min(3,7)", "12+30", "2*-3", "max(1,min(5,4))")] == [
+        "7",
+        "3",
+        "42",
+        "-6",
+        "4",
+    ]
+    for bad in ("__import__('os')", "2**99", "1/2", "x", "max()", "1" * 65):
+        with pytest.raises(ValueError):
+            calc(bad)
+
+
+def test_the_calculator_answers_calls_and_rewards_the_final_answer():
+    async def episode(turns: list[str]):
+        env = Calculator()
+        messages, tools = await env.reset(Prompt("max(3,7)=", "7"))
+        steps = [await env.step({"role": "assistant", "content": t}) for t in turns]
+        return messages, tools, steps
+
+    messages, tools, (call, answer) = asyncio.run(episode([CALL, "7"]))
+    assert messages == [{"role": "user", "content": "max(3,7)="}]
+    assert tools[0]["function"]["name"] == "calc"
+    assert (call.messages, call.done, call.tool_calls, call.tool_errors) == (
+        [{"role": "tool", "content": "7"}],
+        False,
+        1,
+        0,
+    )
+    assert (answer.done, answer.reward) == (True, 1.0)
+    _, _, (wrong,) = asyncio.run(episode(["3"]))
+    assert (wrong.done, wrong.reward) == (True, 0.0)
+    # The model's mistakes are replies, never exceptions.
+    bad = '<tool_call>{"name": "sqrt", "arguments": {"x": 2}}</tool_call><tool_call>{oops'
+    _, _, (step,) = asyncio.run(episode([bad]))
+    assert [m["content"] for m in step.messages] == [
+        "error: no tool 'sqrt'",
+        "error: the <tool_call> is not closed by </tool_call>",
+    ]
+    assert (step.done, step.tool_calls, step.tool_errors) == (False, 2, 2)
+
+
+# Rendering the environment's replies without re-encoding the sampled turn.
+
+
+def test_reply_ids_continue_the_sampled_ids_as_the_whole_chat_renders(renderer):
+    """prompt + sampled call (with <|im_end|>) + reply ids == the full chat, encoded at once:
+    what SFT on this trace trains on is what RL samples."""
+    user = [{"role": "user", "content": "max(3,7)="}]
+    tool = [{"role": "tool", "content": "7"}]
+    prompt = renderer.chat(user, None, generation_prompt=True)
+    sampled = encode(renderer, CALL) + [IM_END]
+    reply = renderer.reply_ids(user, tool, None, stop_id=IM_END)
+    assert (
+        renderer.tokenizer.decode(reply)
+        == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    )
+    whole = user + [{"role": "assistant", "content": CALL}] + tool
+    assert encode(renderer, prompt) + sampled + reply == encode(
+        renderer, renderer.chat(whole, None, generation_prompt=True)
+    )
+    # A turn that ended on a stop string, or on <|eos|> (which the template does not close
+    # turns with), has no <|im_end|>: the reply closes the turn.
+    assert renderer.reply_ids(user, tool, None, stop_id=None) == [IM_END] + reply
+    assert renderer.reply_ids(user, tool, None, stop_id=1) == [IM_END] + reply
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(renderer):
+    rewriting = (
+        "{% for m in messages %}{% if loop.last %}last {% endif %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    user = [{"role": "user", "content": "max(3,7)="}]
+    original = renderer.tokenizer.chat_template
+    renderer.tokenizer.chat_template = rewriting
+    try:
+        with pytest.raises(
+            ConfigError, match="does not render a chat as the chat before it plus the new messages"
+        ):
+            renderer.reply_ids(user, [{"role": "tool", "content": "7"}], None, stop_id=IM_END)
+    finally:
+        renderer.tokenizer.chat_template = original
+
+
+# Episodes with a scripted policy: the token bookkeeping, the limits and the failures.
+
+
+class Scripted:
+    """Stands for the generator where the test must choose what the policy samples (vLLM
+    samples from the model; no real engine can be told which ids to sample). Turn t of every
+    episode samples `turns[t]`; logprobs are -(position + 1) / 100."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.prompts = turns, []
+
+    def generate(self, prompts, *, n, max_tokens, seed, temperature=None):
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.turns[len(self.prompts) - 1]
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        samples = []
+        for limit in limits:
+            cut = ids[:limit]
+            sample = Sample(
+                cut, [-(i + 1) / 100 for i in range(len(cut))], "stop" if cut == ids else "length"
+            )
+            samples.append([sample] * n)
+        return Completions([list(p) for p in prompts], samples)
+
+
+def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):
+    scorer = Scorer(None, None, on_error)
+    runner = Episodes(
+        renderer,
+        make_env,
+        scorer,
+        stop_ids=[IM_END, 1],
+        max_turns=max_turns,
+        max_model_len=max_model_len,
+        timeout_s=timeout,
+    )
+    return runner, scorer
+
+
+def test_decoding_and_re_encoding_the_sampled_turn_would_change_the_trained_ids(renderer):
+    """The constructed case: the policy samples the seven characters of "<think>" one by one.
+    Decoded, they are the text "<think>", which encodes to one id: a loop that re-encodes turns
+    would train on an id the policy never sampled, with the wrong logprob."""
+    think = [renderer.tokenizer.convert_tokens_to_ids(c) for c in "<think>"]
+    assert encode(renderer, renderer.tokenizer.decode(think)) == [5] != think
+    scripted = Scripted([think + [IM_END], encode(renderer, "7") + [IM_END]])
+    runner, _ = episodes(renderer, lambda: Chatter(turns=2))
+    scored = runner.run(scripted, [Prompt("max(3,7)=", "7")], seed=0, n=1, max_tokens=16)
+    (sample,) = scored.completions.samples[0]
+    first = scored.completions.prompts[0]
+    reply = renderer.reply_ids(
+        sample.messages[:2], [{"role": "tool", "content": "go on 1"}], None, stop_id=IM_END
+    )
+    assert sample.token_ids == think + [IM_END] + reply + encode(renderer, "7") + [IM_END]
+    assert sample.sampled_mask == [1] * 8 + [0] * len(reply) + [1, 1]
+    # The second turn's prompt was the first turn's ids, extended: nothing re-encoded.
+    assert scripted.prompts[1] == [first + think + [IM_END] + reply]
+    # The generator's logprobs of every sampled token, 0 at the environment's.
+    assert sample.logprobs == [-0.01 * i for i in range(1, 9)] + [0.0] * len(reply) + [-0.01, -0.02]
+    assert [m["role"] for m in sample.messages] == ["user", "assistant", "tool", "assistant"]
+    assert (sample.turns, sample.finish_reason) == (2, "stop")
+    # Re-rendering the chat from its messages gives other ids than the episode trained on.
+    rerendered = encode(renderer, renderer.chat(sample.messages, None, generation_prompt=False))
+    assert first + sample.token_ids != rerendered[: len(first) + len(sample.token_ids)]
+
+
+def test_episodes_end_as_truncated_at_max_turns_and_max_model_len(renderer):
+    turn = encode(renderer, "12") + [IM_END]
+    runner, _ = episodes(renderer, lambda: Chatter(turns=10), max_turns=2)
+    scored = runner.run(Scripted([turn] * 3), [Prompt("max(3,7)=", "7")], seed=0, n=2, max_tokens=8)
+    for sample in scored.completions.samples[0]:
+        assert (sample.turns, sample.finish_reason, sum(sample.sampled_mask)) == (2, "length", 6)
+    # 28 prompt + 3 sampled + 27 reply ids = 58: no room for a second turn in 58; in 59, one
+    # token (the generator is asked for no more).
+    runner, _ = episodes(renderer, lambda: Chatter(turns=10), max_model_len=58)
+    scored = runner.run(Scripted([turn] * 3), [Prompt("max(3,7)=", "7")], seed=0, n=1, max_tokens=8)
+    (sample,) = scored.completions.samples[0]
+    assert (sample.turns, sample.finish_reason, sample.token_ids) == (1, "length", turn)
+    runner, _ = episodes(renderer, lambda: Chatter(turns=10), max_model_len=59)
+    scripted = Scripted([turn] * 3)
+    scored = runner.run(scripted, [Prompt("max(3,7)=", "7")], seed=0, n=1, max_tokens=8)
+    (sample,) = scored.completions.samples[0]
+    assert (sample.turns, sample.finish_reason, len(sample.token_ids)) == (2, "length", 31)
+    assert len(scripted.prompts[1][0]) == 58
+    # A turn cut by max_tokens ends the episode: no stop token to continue from.
+    runner, _ = episodes(renderer, lambda: Chatter(turns=10))
+    scored = runner.run(Scripted([turn]), [Prompt("max(3,7)=", "7")], seed=0, n=1, max_tokens=2)
+    assert scored.completions.samples[0][0].finish_reason == "length"
+
+
+def test_an_environment_that_raises_or_hangs_scores_as_a_reward_error(renderer):
+    turn = encode(renderer, "12") + [IM_END]
+    prompts = [Prompt("max(3,7)=", "7"), Prompt("max(3,8)=", "8")]
+    for mode in ("fail", "hang"):
+        runner, scorer = episodes(renderer, lambda m=mode: Flaky(m, turns=2), timeout=0.2)
+        scored = runner.run(Scripted([turn] * 2), prompts, seed=0, n=2, max_tokens=8)
+        assert scorer.errors == 2  # the odd row's two episodes
+        assert scored.rewards_PN[0].tolist() == [0.0, 0.0]
+        assert [s.turns for s in scored.completions.samples[0]] == [1, 1]
+        assert [s.turns for s in scored.completions.samples[1]] == [2, 2]
+    runner, _ = episodes(renderer, lambda: Flaky("fail"), on_error="fail")
+    with pytest.raises(RewardError, match="the environment's step raised ValueError"):
+        runner.run(Scripted([turn]), prompts, seed=0, n=1, max_tokens=8)
+
+
+def test_a_group_whose_episodes_open_differently_is_refused(renderer):
+    class Moody(Chatter):
+        count = 0
+
+        async def reset(self, prompt):
+            Moody.count += 1
+            return [{"role": "user", "content": f"{prompt.text} {Moody.count}"}], None
+
+    runner, _ = episodes(renderer, Moody)
+    with pytest.raises(ConfigError, match="opened the episodes of one prompt differently"):
+        runner.run(Scripted([[IM_END]]), [Prompt("max(3,7)=", "7")], seed=0, n=2, max_tokens=8)
+
+
+# Multi-turn episodes on the real vLLM engine.
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    out = tmp_path_factory.mktemp("episodes") / "episodes.json"
+    run_dist("episodes_run.py", str(out), nproc=0)
+    return json.loads(out.read_text())
+
+
+def test_real_episodes_train_on_exactly_the_sampled_and_rendered_ids(real, renderer):
+    result = real["episodes"]
+    assert max(e["turns"] for e in result["episodes"]) == 3
+    calls = iter(result["calls"][1:])
+    pending = {}
+    first_call = result["calls"][0]
+    # Replay the episodes from the recorded generate calls: turn 1 is the first call's samples
+    # (n = 3 per prompt); each later call's prompts are earlier ids plus the rendered reply.
+    for e, (sampled, logprobs, _) in zip(result["episodes"], first_call["samples"], strict=True):
+        pending[id(e)] = (e, [(sampled, logprobs)])
+    live = [e for e in result["episodes"] if e["turns"] > 1]
+    turn = 1
+    while live:
+        call = next(calls)
+        assert len(call["prompts"]) == len(live)
+        for e, prompt, (sampled, logprobs, _) in zip(
+            live, call["prompts"], call["samples"], strict=True
+        ):
+            turns = pending[id(e)][1]
+            so_far = e["first_ids"] + e["token_ids"][: len(prompt) - len(e["first_ids"])]
+            assert prompt == so_far  # the previous turn's exact ids, then the reply's
+            turns.append((sampled, logprobs))
+        turn += 1
+        live = [e for e in live if e["turns"] > turn]
+    for e, turns in pending.values():
+        mask, ids, lps = e["sampled_mask"], e["token_ids"], e["logprobs"]
+        sampled_ids = [t for t, m in zip(ids, mask, strict=True) if m]
+        sampled_lps = [lp for lp, m in zip(lps, mask, strict=True) if m]
+        assert sampled_ids == [t for s, _ in turns for t in s]
+        assert sampled_lps == [lp for _, s in turns for lp in s]
+        assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if not m)
+        # Each environment segment is the rendered reply to the turn before it.
+        messages = e["messages"]  # user, then (assistant, tool) per turn, the last assistant
+        start = 0
+        for t in range(e["turns"] - 1):
+            end = start + len(turns[t][0])
+            last = turns[t][0][-1]
+            reply = renderer.reply_ids(
+                messages[: 1 + 2 * t],
+                [messages[2 + 2 * t]],
+                None,
+                stop_id=last if last in (IM_END, 1) else None,
+            )
+            assert ids[end : end + len(reply)] == reply and not any(mask[end : end + len(reply)])
+            start = end + len(reply)
+    # The trainer's rows: first prompt + the episode's ids; the loss on sampled ids only.
+    for row, (mask_row, e) in enumerate(
+        zip(result["loss_mask_BT"], result["episodes"], strict=True)
+    ):
+        length = len(e["first_ids"]) + len(e["token_ids"])
+        assert result["tokens_BT"][row][:length] == e["first_ids"] + e["token_ids"]
+        assert mask_row[:length] == [0.0] * len(e["first_ids"]) + [
+            float(m) for m in e["sampled_mask"]
+        ]
+
+
+def test_real_episodes_stop_before_max_model_len(real):
+    short = real["short"]["episodes"]
+    assert max(e["turns"] for e in short) == 2
+    assert all(e["finish_reason"] == "length" for e in short)
+    assert all(len(e["first_ids"]) + len(e["token_ids"]) <= 72 for e in short)
+
+
+# Config: task.env, its kwargs table, job.hooks.
+
+
+def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        (REPO / "run_configs" / "debug_cpu.toml")
+        .read_text()
+        .replace(
+            'name = "echo_digits"',
+            'name = "env"\nenv = "user_envs:Chatter"\ndataset_path = "data/arith/train.jsonl"\n'
+            'max_turns = 3\n[task.env_kwargs]\nturns = 2\nreply = "again"',
+        )
+    )
+    config = parse_args(["--job.config_file", str(toml), "--task.env_kwargs.turns", "5"], 2)
+    assert (config.task.env_kwargs, config.task.turns) == ({"turns": 5, "reply": "again"}, 3)
+    env = load_env(config.task.env, config.task.env_kwargs)()
+    assert (env.turns, env.reply) == (5, "again")
+    assert config.episode_tokens == 3 * config.generator.sampling.max_tokens
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--task.env", "user_envs:Chatter"], "task.env = 'user_envs:Chatter' but task.name"),
+        (["--task.name", "env", "--task.dataset_path", "data/arith/train.jsonl"], "needs task.env"),
+        (["--task.max_turns", "2"], "task.max_turns = 2 but task.name = 'echo_digits'"),
+    ],
+)
+def test_env_fields_without_an_env_task_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--job.config_file", str(REPO / "run_configs" / "debug_cpu.toml"), *flags], 2)
+
+
+def test_a_bad_env_or_hooks_class_is_one_line_naming_the_field():
+    with pytest.raises(ConfigError, match="task.env = 'user_envs:Nope': user_envs has no class"):
+        load_env("user_envs:Nope", {})
+    with pytest.raises(ConfigError, match=r"NeedsKwarg\(\*\*task.env_kwargs\) raised TypeError"):
+        load_env("user_envs:NeedsKwarg", {"levl": 1})
+    config = parse_args(["--job.config_file", str(REPO / "run_configs" / "debug_cpu.toml")], 2)
+    config.job.hooks = "user_envs:NeedsKwarg"
+    with pytest.raises(ConfigError, match=r"'user_envs:NeedsKwarg': NeedsKwarg\(config\) raised"):
+        load_hooks(config)
+    config.job.hooks = "user_envs:Chatter"
+    with pytest.raises(ConfigError, match="Chatter has no before_step, after_train, after_sync"):
+        load_hooks(config)
+    config.job.hooks = "user_envs:RecordSteps"
+    assert load_hooks(config).env is None
+
+
+# The whole loop: a user environment and user hooks from the config, 2 ranks, bitwise.
+
+
+def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(tmp_path):
+    record = tmp_path / "hooks.json"
+    result = run_train(
+        "--job.config_file",
+        "run_configs/debug_cpu.toml",
+        "--batch_invariant",
+        "true",
+        "--training.steps",
+        "4",
+        "--training.prompts_per_step",
+        "8",
+        "--task.name",
+        "env",
+        "--task.env",
+        "user_envs:Chatter",
+        "--task.dataset_path",
+        "data/arith/train.jsonl",
+        "--task.max_turns",
+        "3",
+        "--job.hooks",
+        "user_envs:RecordSteps",
+        "--generator.sampling.max_tokens",
+        "6",
+        "--generator.sampling.stop",
+        *list("0123456789"),
+        "--metrics.rollout_log_interval",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        nproc=2,
+        env={"PYTHONPATH": HELPERS, "HOOKS_RECORD": str(record)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [row["logprob_diff/max"] for row in rows] == [0.0] * 4
+    assert all(row["env/turns"] > 1.5 for row in rows)
+    assert json.loads(record.read_text()) == {"env": "user_envs:Chatter", "steps": [1, 2, 3, 4]}
+    logged = [
+        json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+    ]
+    episode = max((s for row in logged for s in row["samples"]), key=lambda s: len(s["messages"]))
+    assert [m["role"] for m in episode["messages"]][:4] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    assert 0 in episode["sampled_mask"] and episode["logprob_diff"] == [0.0] * sum(
+        episode["sampled_mask"]
+    )
+    assert torch.tensor(episode["generator_logprobs"]).le(0).all()
