@@ -17,7 +17,7 @@ from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.generator.engine import Completions, Sample
 from torchtitan_rl.rl_trainer import load_hooks
 from torchtitan_rl.tasks import Prompt
-from torchtitan_rl.tasks.env import Calculator, calc, load_env, parse_tool_calls
+from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.render import build_renderer
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
 
@@ -248,6 +248,14 @@ def test_an_environment_that_raises_or_hangs_scores_as_a_reward_error(renderer):
         assert scored.rewards_PN[0].tolist() == [0.0, 0.0]
         assert [s.turns for s in scored.completions.samples[0]] == [1, 1]
         assert [s.turns for s in scored.completions.samples[1]] == [2, 2]
+
+    class Sloppy(Chatter):
+        async def step(self, message):
+            return EnvStep([{"role": "tool", "content": 42}], done=False)
+
+    runner, scorer = episodes(renderer, Sloppy)
+    scored = runner.run(Scripted([turn]), prompts[:1], seed=0, n=1, max_tokens=8)
+    assert (scorer.errors, scored.completions.samples[0][0].turns) == (1, 1)
     runner, _ = episodes(renderer, lambda: Flaky("fail"), on_error="fail")
     with pytest.raises(RewardError, match="the environment's step raised ValueError"):
         runner.run(Scripted([turn]), prompts, seed=0, n=1, max_tokens=8)
@@ -392,15 +400,18 @@ def test_a_bad_env_or_hooks_class_is_one_line_naming_the_field():
 # The whole loop: a user environment and user hooks from the config, 2 ranks, bitwise.
 
 
-def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(tmp_path):
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement, tmp_path):
     record = tmp_path / "hooks.json"
     result = run_train(
         "--job.config_file",
         "run_configs/debug_cpu.toml",
+        "--generator.placement",
+        placement,
         "--batch_invariant",
         "true",
         "--training.steps",
-        "4",
+        "3",
         "--training.prompts_per_step",
         "8",
         "--task.name",
@@ -428,9 +439,9 @@ def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(tmp_path)
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [row["logprob_diff/max"] for row in rows] == [0.0] * 4
+    assert [row["logprob_diff/max"] for row in rows] == [0.0] * 3
     assert all(row["env/turns"] > 1.5 for row in rows)
-    assert json.loads(record.read_text()) == {"env": "user_envs:Chatter", "steps": [1, 2, 3, 4]}
+    assert json.loads(record.read_text()) == {"env": "user_envs:Chatter", "steps": [1, 2, 3]}
     logged = [
         json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
     ]

@@ -33,14 +33,14 @@ def test_eval_metrics_from_merged_shards():
     a = EvalShard(
         3,
         {"prompts": 2, "samples": 8, "correct": 3, "reward": 3.5, "tokens": 16, "truncated": 1}
-        | {"pass@1": 0.75, "pass@4": 1.0},
+        | {"pass@1": 0.75, "pass@4": 1.0, "tool_calls": 6},
         samples=[{"prompt": "a"}],
         seconds=1.0,
     )
     b = EvalShard(
         3,
         {"prompts": 1, "samples": 4, "correct": 0, "reward": 0.0, "tokens": 4, "truncated": 0}
-        | {"pass@1": 0.0, "pass@4": 0.0},
+        | {"pass@1": 0.0, "pass@4": 0.0, "tool_calls": 0},
         samples=[{"prompt": "b"}],
         seconds=2.0,
     )
@@ -49,6 +49,7 @@ def test_eval_metrics_from_merged_shards():
     assert metrics["eval/pass@1"] == 0.25 and metrics["eval/pass@4"] == pytest.approx(1 / 3)
     assert metrics["eval/response_length"] == 20 / 12 and metrics["eval/prompts"] == 3
     assert metrics["eval/policy_version"] == 3 and metrics["time/eval_s"] == 2.0
+    assert metrics["eval/tool_calls"] == 6 / 12
 
 
 @pytest.mark.parametrize(

@@ -174,7 +174,11 @@ class Episodes:
         first_ids = []
         for p, group in enumerate(groups):
             mine = opened[p * len(group) : (p + 1) * len(group)]
-            messages, tools = mine[0]
+            try:
+                messages, tools = mine[0]
+                _check_messages(messages, "reset")
+            except (TypeError, ValueError, _EnvFailed) as e:
+                raise RewardError(f"task.env: reset() must return (messages, tools): {e}") from None
             if any(other != mine[0] for other in mine[1:]):
                 raise ConfigError(
                     f"task.env: reset() opened the episodes of one prompt differently "
@@ -209,6 +213,7 @@ class Episodes:
         message = {"role": "assistant", "content": self.renderer.decode(sample.token_ids)}
         try:
             step = await self._call(episode.env.step(message), "step")
+            _check_step(step)
         except _EnvFailed as e:
             episode.reward = self.scorer.failed(str(e), episode.prompt, e.__cause__)
             step = None
@@ -244,4 +249,25 @@ class Episodes:
 
 
 class _EnvFailed(Exception):
-    """An environment's reset or step raised or timed out."""
+    """An environment's reset or step raised, timed out or answered something malformed."""
+
+
+def _check_messages(messages, what: str) -> None:
+    """Chat messages as an environment must give them: a list of {"role": str, "content":
+    str} dicts."""
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not ok:
+        raise _EnvFailed(
+            f"the environment's {what} gave {messages!r:.80}, not a list of "
+            '{"role": str, "content": str} messages'
+        )
+
+
+def _check_step(step) -> None:
+    if not isinstance(step, EnvStep):
+        raise _EnvFailed(f"the environment's step returned {step!r:.80}, not an EnvStep")
+    if not step.done:
+        _check_messages(step.messages, "step")
