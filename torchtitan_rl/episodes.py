@@ -100,6 +100,7 @@ class Episodes:
         self.renderer, self.make_env, self.scorer = renderer, make_env, scorer
         self.stop_ids = set(stop_ids)
         self.max_turns, self.max_model_len, self.timeout_s = max_turns, max_model_len, timeout_s
+        self._loop: asyncio.Runner | None = None
 
     def run(
         self,
@@ -114,7 +115,11 @@ class Episodes:
         """`n` episodes of each prompt on `generator` (a Generator or RemoteGenerator).
         Sample j of prompt p: first turn as `generator.generate(seed=seed)` gives it, each
         later turn t seeded by (seed + p * n + j, t), so it depends on nothing else."""
-        return asyncio.run(self._run(generator, prompts, seed, n, temperature, max_tokens))
+        if self._loop is None:
+            # One event loop for the run's episodes: an environment may keep loop-bound
+            # clients (HTTP sessions, sandboxes) between steps and episodes.
+            self._loop = asyncio.Runner()
+        return self._loop.run(self._run(generator, prompts, seed, n, temperature, max_tokens))
 
     async def _run(self, generator, prompts, seed, n, temperature, max_tokens) -> Scored:
         env_s = 0.0
@@ -194,9 +199,10 @@ class Episodes:
 
     async def _call(self, coroutine, what: str):
         """Await an environment's `what` (reset or step) within task.env_timeout_s."""
-        timeout = self.timeout_s if self.timeout_s > 0 else None
         try:
-            return await asyncio.wait_for(coroutine, timeout)
+            # A deadline on this task (no task of its own per call, unlike wait_for).
+            async with asyncio.timeout(self.timeout_s if self.timeout_s > 0 else None):
+                return await coroutine
         except TimeoutError:
             raise _EnvFailed(
                 f"the environment's {what} took longer than task.env_timeout_s = "
