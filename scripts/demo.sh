@@ -4,6 +4,7 @@
 # minutes; extra flags go to the RL stage), or one RL config alone with CONFIG=..., e.g.
 #   CONFIG=run_configs/arith_cpu.toml ./scripts/demo.sh     # RL from random weights, ~6 minutes
 #   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh     # the 25-second echo demo
+#   TOOLS=1 ./scripts/demo.sh     # the calculator-tool demo: SFT on traces, then RL with the tool
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -14,6 +15,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 torchrun=(.venv/bin/torchrun --standalone --nproc_per_node 2)
 if [[ -n "${CONFIG:-}" ]]; then
     exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file "$CONFIG" "$@"
+fi
+if [[ -n "${TOOLS:-}" ]]; then
+    "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml
+    exec "${torchrun[@]}" -m torchtitan_rl.train \
+        --job.config_file run_configs/tools_rl_cpu.toml "$@"
 fi
 "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_arith_cpu.toml
 exec "${torchrun[@]}" -m torchtitan_rl.train \
