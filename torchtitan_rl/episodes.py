@@ -203,6 +203,8 @@ class Episodes:
             # A deadline on this task (no task of its own per call, unlike wait_for).
             async with asyncio.timeout(self.timeout_s if self.timeout_s > 0 else None):
                 return await coroutine
+        except RewardError:
+            raise  # the task's reward failed under reward_on_error = "fail": already one line
         except TimeoutError:
             raise _EnvFailed(
                 f"the environment's {what} took longer than task.env_timeout_s = "
