@@ -17,7 +17,7 @@ from torchtitan_rl.config.job_config import TaskSection
 from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.generator.engine import Completions, Sample
 from torchtitan_rl.rl_trainer import load_hooks
-from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks import Prompt, open_task
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.render import build_renderer
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
@@ -351,7 +351,7 @@ def test_real_episodes_stop_before_max_model_len(real):
 # Config: task.env, its kwargs table, job.hooks.
 
 
-def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_path):
+def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_path, repo_cwd):
     toml = tmp_path / "run.toml"
     toml.write_text(
         (REPO / "run_configs" / "debug_cpu.toml")
@@ -359,7 +359,7 @@ def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_pat
         .replace(
             'name = "echo_digits"',
             'name = "env"\nenv = "user_envs:Chatter"\ndataset_path = "data/arith/train.jsonl"\n'
-            'max_turns = 3\n[task.env_kwargs]\nturns = 2\nreply = "again"',
+            'max_turns = 3\nenv_timeout_s = 2.5\n[task.env_kwargs]\nturns = 2\nreply = "again"',
         )
     )
     config = parse_args(["--job.config_file", str(toml), "--task.env_kwargs.turns", "5"], 2)
@@ -367,6 +367,10 @@ def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_pat
     env = load_env(config.task.env, config.task.env_kwargs)()
     assert (env.turns, env.reply) == (5, "again")
     assert config.episode_tokens == 3 * config.generator.sampling.max_tokens
+    opened = open_task(config)  # what the run builds from them
+    episodes = opened.episodes
+    assert (episodes.max_turns, episodes.timeout_s, episodes.stop_ids) == (3, 2.5, {1, 4})
+    assert isinstance(episodes.make_env(), Chatter) and episodes.make_env().turns == 5
 
 
 @pytest.mark.parametrize(
