@@ -19,14 +19,12 @@ import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from torchtitan_rl.config.job_config import ConfigError
 from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.tasks.base import Prompt
-
-if TYPE_CHECKING:
-    from torchtitan_rl.tasks.rewards import Scorer
+from torchtitan_rl.tasks.rewards import Scorer, math_reward
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +58,7 @@ class Environment(Protocol):
 class SingleTurn:
     """A single-turn task as an environment: the prompt's messages, one answer, its reward."""
 
-    def __init__(self, scorer: "Scorer"):
+    def __init__(self, scorer: Scorer):
         self.scorer = scorer
 
     async def reset(self, prompt: Prompt) -> tuple[list[dict], None]:
@@ -225,6 +223,4 @@ class Calculator(ToolEnv):
     ]
 
     def reward(self, answer: str) -> float:
-        from torchtitan_rl.tasks.rewards import math_reward
-
         return math_reward(self.prompt.text, answer, self.prompt.answer)
