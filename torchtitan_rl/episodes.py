@@ -30,6 +30,7 @@ import torch
 from torchtitan_rl.config.job_config import ConfigError
 from torchtitan_rl.generator.engine import Completions, Sample
 from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.base import is_chat
 from torchtitan_rl.tasks.env import Environment, EnvStep
 from torchtitan_rl.tasks.render import Renderer
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
@@ -263,11 +264,7 @@ class _EnvFailed(Exception):
 def _check_messages(messages, what: str) -> None:
     """Chat messages as an environment must give them: a list of {"role": str, "content":
     str} dicts."""
-    ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
-    )
-    if not ok:
+    if not is_chat(messages):
         raise _EnvFailed(
             f"the environment's {what} gave {messages!r:.80}, not a list of "
             '{"role": str, "content": str} messages'

@@ -26,6 +26,14 @@ class Prompt:
     last user message's content."""
 
 
+def is_chat(messages) -> bool:
+    """Whether `messages` is a list of {"role": str, "content": str} chat messages."""
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+
+
 class Task(Protocol):
     def prompts(self, step: int, count: int, round: int = 0) -> list[Prompt]:
         """The `count` prompts of `step` (the same on every rank; each takes its shard).

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_rl.config.job_config import ConfigError
-from torchtitan_rl.tasks.base import Prompt
+from torchtitan_rl.tasks.base import Prompt, is_chat
 from torchtitan_rl.tasks.rewards import math_reward
 
 # Nothing is downloaded: local files only.
@@ -137,12 +137,7 @@ def _prompt(row: dict, keys: DatasetKeys, source: str) -> Prompt:
 
 
 def _messages(value, key: str, source: str) -> tuple[dict, ...]:
-    ok = isinstance(value, list) and value
-    ok = ok and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )
-    if not ok:
+    if not (value and is_chat(value)):
         raise ConfigError(
             f'{source}: "{key}" (task.messages_key) must be a non-empty list of '
             '{"role": ..., "content": ...} messages'
