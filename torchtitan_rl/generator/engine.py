@@ -206,10 +206,13 @@ class Generator:
         self._next_request += len(prompt_token_ids)
         count = len(prompt_token_ids)
         limits = _each(max_tokens or sampling.max_tokens, count)
-        seeds = _each(seed, count)
+        if isinstance(seed, int):
+            # vLLM seeds the n samples of a request seed, seed + 1, ...: request i takes
+            # seeds [seed + i * n, seed + (i + 1) * n), shared with no other sample.
+            seeds = [seed + i * (n or sampling.n) for i in range(count)]
+        else:
+            seeds = _each(seed, count)
         for i, prompt in enumerate(prompt_token_ids):
-            if isinstance(seed, int):
-                seeds[i] = seed + i * (n or sampling.n)
             params = SamplingParams(
                 n=n or sampling.n,
                 temperature=sampling.temperature if temperature is None else temperature,
@@ -224,8 +227,6 @@ class Generator:
                 # come as flat lists.
                 detokenize=bool(sampling.stop),
                 flat_logprobs=True,
-                # vLLM seeds the n samples of a request seed, seed + 1, ...: request i takes
-                # seeds [seed + i * n, seed + (i + 1) * n), shared with no other sample.
                 seed=seeds[i],
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
