@@ -14,19 +14,17 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
+from helpers.launch import REPO
+from helpers.user_envs import Chatter
 
-from user_envs import Chatter  # noqa: E402
-
-from torchtitan_rl import platform  # noqa: E402
-from torchtitan_rl.batch import rollout_batch  # noqa: E402
-from torchtitan_rl.config.job_config import GeneratorSection, ModelSection, TaskSection  # noqa: E402
-from torchtitan_rl.episodes import Episodes  # noqa: E402
-from torchtitan_rl.generator.engine import Generator  # noqa: E402
-from torchtitan_rl.tasks import Prompt  # noqa: E402
-from torchtitan_rl.tasks.render import build_renderer, checkpoint_stop_ids  # noqa: E402
-from torchtitan_rl.tasks.rewards import Scorer  # noqa: E402
+from torchtitan_rl import platform
+from torchtitan_rl.batch import rollout_batch
+from torchtitan_rl.config.job_config import GeneratorSection, ModelSection, TaskSection
+from torchtitan_rl.episodes import Episodes
+from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.render import build_renderer, checkpoint_stop_ids
+from torchtitan_rl.tasks.rewards import Scorer
 
 TINY = str(REPO / "assets" / "tiny_qwen3")
 

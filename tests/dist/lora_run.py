@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from policy_trainer_run import TINY, fixed_batch, pg_loss
+from helpers.batches import fixed_batch, pg_loss
+from helpers.launch import TINY
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import batch_invariant, platform

@@ -18,36 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from helpers.batches import fixed_batch, pg_loss
+from helpers.launch import TINY
+
 from torchtitan_rl import platform
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
-
-TINY = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_qwen3")
-
-
-def fixed_batch() -> RolloutBatch:
-    """8 right-padded sequences: a prompt of 4 tokens, completions of different lengths."""
-    g = torch.Generator().manual_seed(0)
-    B, T = 8, 12
-    tokens_BT = torch.randint(3, 64, (B, T), generator=g)
-    loss_mask_BT = torch.zeros(B, T)
-    for b in range(B):
-        end = 6 + b % 6
-        loss_mask_BT[b, 4:end] = 1.0
-        tokens_BT[b, end:] = 0  # padding
-    return RolloutBatch(
-        tokens_BT=tokens_BT,
-        loss_mask_BT=loss_mask_BT,
-        advantages_B=torch.linspace(-1.0, 1.0, B),
-        generator_logprobs_BT=torch.zeros(B, T),
-    )
-
-
-def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
-    """Token-mean policy gradient: -sum(A * logprob * mask) / global tokens."""
-    weighted_BT = batch.advantages_B[:, None] * logprobs_BT * batch.loss_mask_BT
-    return -weighted_BT.sum() / scale.tokens, {"masked_tokens": float(batch.loss_mask_BT.sum())}
 
 
 def main() -> None:
@@ -93,7 +70,8 @@ def main() -> None:
         for name, param in trainer.model.named_parameters()
     }
     params_are_views = all(
-        p is live[k] and type(p).__name__ == "DTensor" for k, p in trainer.named_parameters().items()
+        p is live[k] and type(p).__name__ == "DTensor"
+        for k, p in trainer.named_parameters().items()
     )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,16 @@
 """Batch-invariant CPU kernels: a row's result never depends on how many rows come with it.
 
-    .venv/bin/python -m pytest tests/test_batch_invariant.py
+    .venv/bin/python -m pytest tests/unit/test_batch_invariant.py
 
 Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; /work notes in the README):
 - fp32 GEMM: a row's result changes with the number of rows M for M < 12, and is the same for
   every M >= 12 that was tried (up to 4096) and at any position. `linear` pads the rows to a
   multiple of ROW_TILE and runs one GEMM; the backward is the plain one (gradients equal
   F.linear's bit for bit).
+- bf16 GEMM on CPUs with AMX (Sapphire Rapids and later) changes a row's result with M even
+  when M is padded to a multiple of ROW_TILE (1024-wide layers: 1 vs 40 rows differ). Its
+  products are exact in fp32, so `linear` multiplies bf16 inputs as fp32 (invariant wherever
+  fp32 is) and rounds the result to bf16 once; without AMX fp32 GEMM is also the faster one.
 - RMSNorm, log_softmax and logsumexp are row-invariant as they are.
 - SDPA is not: decoding one row alone differs from the same row in a causal forward. For P @ V
   the contraction length must not change (trailing zero keys are not neutral past ~144 keys),
@@ -32,7 +36,11 @@ class _Linear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         rows = x.reshape(-1, x.shape[-1])
         pad = -rows.shape[0] % ROW_TILE
-        y = F.linear(F.pad(rows, (0, 0, 0, pad)), weight, bias)[: rows.shape[0]]
+        y = F.linear(
+            F.pad(rows, (0, 0, 0, pad)).float(),
+            weight.float(),
+            None if bias is None else bias.float(),
+        )[: rows.shape[0]].to(x.dtype)
         # Not a view in autograd's eyes (as F.linear's own 3-D result): FSDP warns about views.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 

@@ -5,10 +5,10 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.launch import REPO
 from safetensors.torch import load_file, save_file
 
 from torchtitan_rl import platform
@@ -21,7 +21,7 @@ from torchtitan_rl.config.job_config import (
 )
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
 
-TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny_qwen3"
+TINY = REPO / "assets" / "tiny_qwen3"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,17 +8,8 @@ generator rank's child process, weights broadcast over gloo.
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
-import pytest
-import torch
-from conftest import run_train
-
-from torchtitan_rl import disaggregated
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.disaggregated import DisaggregatedTrainer, Rollout, StalenessError
-from torchtitan_rl.generator.engine import Completions
-from torchtitan_rl.rollouts import Rollouts
+from helpers.launch import run_train
 
 DISAGGREGATED = (
     "--job.config_file",
@@ -79,24 +70,6 @@ def test_synchronous_k0_then_resume_from_a_checkpoint(tmp_path):
     # The generator got the restored weights (version 4) before sampling step 5.
     assert [row["rollout_version/min"] for row in metrics[4:]] == [4.0, 5.0]
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
-
-
-def test_a_rollout_older_than_k_is_refused(monkeypatch):
-    config = parse_args(["--job.config_file", "run_configs/debug_cpu.toml"])
-    stale = Rollout(
-        step=7,
-        version=3,
-        weights_sha256=None,
-        rollouts=Rollouts([], Completions(prompts=[], samples=[]), torch.zeros(0, 2)),
-        reward_errors=0,
-        generate_s=0.0,
-        evaluations=[],
-    )
-    monkeypatch.setattr(disaggregated, "_receive", lambda src: stale)
-    trainer = SimpleNamespace(sources=[1], config=config, trainer=SimpleNamespace(policy_version=6))
-    message = "step 7: got the rollout of step 7, sampled with policy version 3, 3 versions old"
-    with pytest.raises(StalenessError, match=message):
-        DisaggregatedTrainer.receive(trainer, 7)
 
 
 def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_path):

@@ -9,18 +9,10 @@ Covered elsewhere, with the real run they need: a checkpoint of the wrong flavor
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, TINY, run_train, write_toml
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-
-from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.config.job_config import ModelSection
-from torchtitan_rl.generator.engine import check_tokenizer_fits
-from torchtitan_rl.tasks import open_task
-from torchtitan_rl.train import check_dump_folder, main
+from helpers.launch import DEBUG_TOML, run_train
 
 # run_configs name assets/ relative to the repo root, as the README's commands do.
 pytestmark = pytest.mark.usefixtures("repo_cwd")
@@ -233,37 +225,6 @@ def datasets(folder: Path) -> None:
     (folder / "blank.jsonl").write_text('{"prompt": "  ", "answer": "1"}\n')
 
 
-@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys, monkeypatch):
-    text, flags, words = BAD_INPUTS[name]
-    datasets(tmp_path)
-    text, words = (
-        text.replace("{tmp}", str(tmp_path)),
-        [w.replace("{tmp}", str(tmp_path)) for w in words],
-    )
-    path = write_toml(tmp_path, text)
-    world_size = 1
-    if flags[:1] == ["--world_size_for_test"]:
-        world_size, flags = int(flags[1]), flags[2:]
-        monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    if name != "missing checkpoint dir":
-        flags = ["--model.hf_checkpoint", TINY, *flags]
-    with pytest.raises(ConfigError):  # while parsing, or when the task is opened
-        open_task(parse_args(["--job.config_file", path, *flags], world_size))
-    assert main(["--job.config_file", path, *flags]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    for word in words:
-        assert word in err, f"{word!r} not in {err!r}"
-    if name == "malformed TOML":
-        assert path in err
-
-
-def test_missing_config_file(capsys):
-    assert main(["--job.config_file", "/no/such.toml"]) == 2
-    assert capsys.readouterr().err == "error: job.config_file = '/no/such.toml': no such file\n"
-
-
 def test_unwritable_dump_folder_refuses_to_start(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -273,16 +234,6 @@ def test_unwritable_dump_folder_refuses_to_start(tmp_path):
         f"error: job.dump_folder = '{blocker / 'run'}' is not writable (Not a directory): "
         "point it at a folder this user can write"
     ]
-
-
-def test_a_full_disk_refuses_to_start(tmp_path, monkeypatch):
-    config = parse_args(
-        ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
-    )
-    free = shutil.disk_usage(tmp_path)._replace(free=10 * 2**20)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: free)
-    with pytest.raises(ConfigError, match=r"has 10 MiB free, the run needs about \d+ MiB"):
-        check_dump_folder(config)
 
 
 def test_dump_folder_with_a_checkpoint_of_another_model(tmp_path):
@@ -301,36 +252,6 @@ def test_dump_folder_with_a_checkpoint_of_another_model(tmp_path):
         f"error: {step} holds a checkpoint of model llama3/tiny, but model.name/model.flavor "
         "are qwen3/tiny: use another job.dump_folder, or the model the checkpoint was saved from"
     )
-
-
-def test_prompt_with_no_tokens_is_named():
-    from transformers import PreTrainedTokenizerFast
-
-    from torchtitan_rl.tasks import Prompt
-    from torchtitan_rl.tasks.render import Renderer
-
-    # A tokenizer that drops 'x': the prompt "xxx" encodes to nothing.
-    tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.Replace("x", "")
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    renderer = Renderer(
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer),
-        "dir",
-        chat_template=False,
-        max_prompt_len=32,
-    )
-    with pytest.raises(ConfigError, match=r"prompt 'xxx' encodes to no tokens with .*tokenizer"):
-        renderer.encode([Prompt(text="a", answer=""), Prompt(text="xxx", answer="")])
-
-
-def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
-    shutil.copytree(TINY, tmp_path / "ckpt")
-    config = json.loads((Path(TINY) / "config.json").read_text())
-    config["vocab_size"] = 32
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="tokenizer has 68 tokens but the checkpoint's vocab"):
-        check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
-    check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits
 
 
 def test_a_prompt_over_max_prompt_len_is_found_when_the_dataset_is_read(tmp_path):

@@ -8,20 +8,20 @@ batch-invariant kernels, transformers on the export, and (end to end) the real v
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_tree, run_dist, run_script, run_train, start_train, wait_for_step
+from helpers.launch import (
+    kill_tree,
+    run_dist,
+    run_script,
+    run_train,
+    start_train,
+    wait_for_step,
+)
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
-
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.config.job_config import ConfigError, JobConfig, LoRASection
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "dist"))
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +62,6 @@ def test_the_export_is_the_merged_policy_and_the_weights_come_back(two_ranks):
     assert two_ranks["restored_after_export"]
     assert two_ranks["hf_greedy"] == two_ranks["trainer_greedy"]
     assert len(set(two_ranks["trainer_greedy"])) > 1  # not a constant the two could share
-
-
-@pytest.mark.parametrize(
-    ("section", "message"),
-    [
-        (LoRASection(rank=4), "lora.rank = 4 does nothing while lora.enable = false"),
-        (LoRASection(enable=True, rank=0), "lora.rank = 0: must be >= 1"),
-        (LoRASection(enable=True, alpha=0.0), "lora.alpha = 0.0: must be > 0"),
-        (LoRASection(enable=True), "model.hf_checkpoint is unset"),
-    ],
-)
-def test_bad_lora_values_are_refused(section, message):
-    config = JobConfig(lora=section)
-    config.model.tokenizer_path = str(REPO / "assets" / "tiny_qwen3")
-    with pytest.raises(ConfigError, match=message):
-        config.validate()
 
 
 # The echo demo with LoRA, batch-invariant, checkpoints at steps 3 and 6, merged export.
@@ -175,37 +159,3 @@ def test_a_lora_checkpoint_does_not_resume_a_full_run(uninterrupted, tmp_path):
 def metric_rows(folder: Path) -> dict[int, dict]:
     lines = (folder / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row for row in map(json.loads, lines)}
-
-
-def test_the_lora_demo_config_parses():
-    config = parse_args(
-        [
-            *("--job.config_file", str(REPO / "run_configs" / "arith_lora_from_sft_cpu.toml")),
-            # The SFT stage's export, which this test does not produce: the tiny checkpoint.
-            *("--model.hf_checkpoint", str(REPO / "assets" / "tiny_qwen3")),
-        ],
-        world_size=2,
-    )
-    assert config.lora == LoRASection(enable=True, rank=8, alpha=16.0, target="all")
-
-
-@pytest.mark.parametrize(
-    ("target", "linears"),
-    [
-        ("attention", {"wqkv", "wo"}),
-        ("mlp", {"w1", "w2", "w3"}),
-        ("all", {"wqkv", "wo", "w1", "w2", "w3"}),
-    ],
-)
-def test_lora_target_picks_the_linears_that_train(target, linears):
-    from torchtitan_rl.trainer.lora import adapted_modules, convert
-    from torchtitan_rl.trainer.model import build_spec
-
-    spec = build_spec(JobConfig().model)
-    with torch.device("meta"):
-        model = convert(spec.model, LoRASection(enable=True, target=target)).build()
-    adapted = adapted_modules(model)
-    assert {name.rsplit(".", 1)[-1] for name in adapted} == linears
-    assert len(adapted) == 2 * len(linears)  # the tiny model's 2 layers
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {f"{m}.{ab}.weight" for m in adapted for ab in ("lora_a", "lora_b")}

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import run_train
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers.launch import REPO, run_train
 
 
 @pytest.fixture(scope="module")

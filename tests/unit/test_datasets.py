@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.launch import REPO
 from jinja2 import Environment
 
 from torchtitan_rl.config import parse_args
@@ -16,7 +17,6 @@ from torchtitan_rl.tasks import Prompt, open_task
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
 from torchtitan_rl.tasks.render import build_renderer
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "assets" / "tiny_qwen3")
 ROWS = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)} for a in range(6)]
 

@@ -6,13 +6,10 @@ vLLM runs in torchrun subprocesses (one engine per rank, shared by every check o
 its CPU worker binds threads, which must not leak into the pytest process.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import run_dist
+from helpers.launch import REPO, run_dist
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny_qwen3"
 
 
@@ -102,13 +99,3 @@ def test_llama3_in_a_plain_process(tmp_path_factory):
     assert all(run["greedy_match"])
     assert run["generator_params"] == run["trainer_params"]
     assert "layers.1.attention.qkv_linear.wqkv.weight" in run["generator_params"]
-
-
-def test_plugin_entry_point_registers_the_architecture():
-    from vllm import ModelRegistry
-    from vllm.plugins import load_general_plugins
-
-    from torchtitan_rl.generator.plugin import ARCH
-
-    load_general_plugins()  # what every vLLM process does at start: no import of ours needed
-    assert ARCH in ModelRegistry.get_supported_archs()

@@ -3,17 +3,12 @@
 .venv/bin/python -m pytest tests/test_policy_trainer.py
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import run_dist
+from helpers.batches import fixed_batch
+from helpers.launch import REPO, run_dist
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny_qwen3"
-sys.path.insert(0, str(REPO / "tests" / "dist"))
-from policy_trainer_run import fixed_batch  # noqa: E402
 
 
 def run(

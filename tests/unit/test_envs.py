@@ -5,12 +5,10 @@
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
-import torch
-from conftest import REPO, TINY, run_dist, run_train
+from helpers.launch import REPO, TINY, run_dist
+from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.config.job_config import TaskSection
@@ -21,11 +19,6 @@ from torchtitan_rl.tasks import Prompt, open_task
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.render import build_renderer
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
-
-HELPERS = str(REPO / "tests" / "helpers")
-sys.path.insert(0, HELPERS)
-
-from user_envs import Chatter, Flaky  # noqa: E402
 
 IM_END = 4
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'
@@ -42,6 +35,67 @@ def encode(renderer, text: str) -> list[int]:
 
 
 # Tool calls and the calculator environment.
+
+
+# Rendering the environment's replies without re-encoding the sampled turn.
+
+
+# Episodes with a scripted policy: the token bookkeeping, the limits and the failures.
+
+
+class Scripted:
+    """Stands for the generator where the test must choose what the policy samples (vLLM
+    samples from the model; no real engine can be told which ids to sample). Turn t of every
+    episode samples `turns[t]`; logprobs are -(position + 1) / 100."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.prompts = turns, []
+
+    def generate(self, prompts, *, n, max_tokens, seed, temperature=None):
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.turns[len(self.prompts) - 1]
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        samples = []
+        for limit in limits:
+            cut = ids[:limit]
+            sample = Sample(
+                cut, [-(i + 1) / 100 for i in range(len(cut))], "stop" if cut == ids else "length"
+            )
+            samples.append([sample] * n)
+        return Completions([list(p) for p in prompts], samples)
+
+
+def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):
+    scorer = Scorer(None, None, on_error)
+    runner = Episodes(
+        renderer,
+        make_env,
+        scorer,
+        stop_ids=[IM_END, 1],
+        max_turns=max_turns,
+        max_model_len=max_model_len,
+        timeout_s=timeout,
+    )
+    return runner, scorer
+
+
+# Multi-turn episodes on the real vLLM engine.
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    out = tmp_path_factory.mktemp("episodes") / "episodes.json"
+    run_dist("episodes_run.py", str(out), nproc=0)
+    return json.loads(out.read_text())
+
+
+# Config: task.env, its kwargs table, job.hooks.
+
+
+# The whole loop: a user environment and user hooks from the config, 2 ranks, bitwise.
+
+
+# The calculator demo's data.
 
 
 def test_tool_calls_parse_in_the_hermes_format_and_malformed_ones_are_errors():
@@ -107,9 +161,6 @@ def test_the_calculator_answers_calls_and_rewards_the_final_answer():
     assert (step.done, step.tool_calls, step.tool_errors) == (False, 2, 2)
 
 
-# Rendering the environment's replies without re-encoding the sampled turn.
-
-
 def test_reply_ids_continue_the_sampled_ids_as_the_whole_chat_renders(renderer):
     """prompt + sampled call (with <|im_end|>) + reply ids == the full chat, encoded at once:
     what SFT on this trace trains on is what RL samples."""
@@ -147,45 +198,6 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(renderer):
             renderer.reply_ids(user, [{"role": "tool", "content": "7"}], None, stop_id=IM_END)
     finally:
         renderer.tokenizer.chat_template = original
-
-
-# Episodes with a scripted policy: the token bookkeeping, the limits and the failures.
-
-
-class Scripted:
-    """Stands for the generator where the test must choose what the policy samples (vLLM
-    samples from the model; no real engine can be told which ids to sample). Turn t of every
-    episode samples `turns[t]`; logprobs are -(position + 1) / 100."""
-
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.prompts = turns, []
-
-    def generate(self, prompts, *, n, max_tokens, seed, temperature=None):
-        self.prompts.append([list(p) for p in prompts])
-        ids = self.turns[len(self.prompts) - 1]
-        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        samples = []
-        for limit in limits:
-            cut = ids[:limit]
-            sample = Sample(
-                cut, [-(i + 1) / 100 for i in range(len(cut))], "stop" if cut == ids else "length"
-            )
-            samples.append([sample] * n)
-        return Completions([list(p) for p in prompts], samples)
-
-
-def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):
-    scorer = Scorer(None, None, on_error)
-    runner = Episodes(
-        renderer,
-        make_env,
-        scorer,
-        stop_ids=[IM_END, 1],
-        max_turns=max_turns,
-        max_model_len=max_model_len,
-        timeout_s=timeout,
-    )
-    return runner, scorer
 
 
 def test_decoding_and_re_encoding_the_sampled_turn_would_change_the_trained_ids(renderer):
@@ -275,82 +287,6 @@ def test_a_group_whose_episodes_open_differently_is_refused(renderer):
         runner.run(Scripted([[IM_END]]), [Prompt("max(3,7)=", "7")], seed=0, n=2, max_tokens=8)
 
 
-# Multi-turn episodes on the real vLLM engine.
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    out = tmp_path_factory.mktemp("episodes") / "episodes.json"
-    run_dist("episodes_run.py", str(out), nproc=0)
-    return json.loads(out.read_text())
-
-
-def test_real_episodes_train_on_exactly_the_sampled_and_rendered_ids(real, renderer):
-    result = real["episodes"]
-    assert max(e["turns"] for e in result["episodes"]) >= 2
-    calls = iter(result["calls"][1:])
-    pending = {}
-    first_call = result["calls"][0]
-    # Replay the episodes from the recorded generate calls: turn 1 is the first call's samples
-    # (n = 3 per prompt); each later call's prompts are earlier ids plus the rendered reply.
-    for e, (sampled, logprobs, _) in zip(result["episodes"], first_call["samples"], strict=True):
-        pending[id(e)] = (e, [(sampled, logprobs)])
-    live = [e for e in result["episodes"] if e["turns"] > 1]
-    turn = 1
-    while live:
-        call = next(calls)
-        assert len(call["prompts"]) == len(live)
-        for e, prompt, (sampled, logprobs, _) in zip(
-            live, call["prompts"], call["samples"], strict=True
-        ):
-            turns = pending[id(e)][1]
-            so_far = e["first_ids"] + e["token_ids"][: len(prompt) - len(e["first_ids"])]
-            assert prompt == so_far  # the previous turn's exact ids, then the reply's
-            turns.append((sampled, logprobs))
-        turn += 1
-        live = [e for e in live if e["turns"] > turn]
-    for e, turns in pending.values():
-        mask, ids, lps = e["sampled_mask"], e["token_ids"], e["logprobs"]
-        sampled_ids = [t for t, m in zip(ids, mask, strict=True) if m]
-        sampled_lps = [lp for lp, m in zip(lps, mask, strict=True) if m]
-        assert sampled_ids == [t for s, _ in turns for t in s]
-        assert sampled_lps == [lp for _, s in turns for lp in s]
-        assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if not m)
-        # Each environment segment is the rendered reply to the turn before it.
-        messages = e["messages"]  # user, then (assistant, tool) per turn, the last assistant
-        start = 0
-        for t in range(e["turns"] - 1):
-            end = start + len(turns[t][0])
-            last = turns[t][0][-1]
-            reply = renderer.reply_ids(
-                messages[: 1 + 2 * t],
-                [messages[2 + 2 * t]],
-                None,
-                stop_id=last if last in (IM_END, 1) else None,
-            )
-            assert ids[end : end + len(reply)] == reply and not any(mask[end : end + len(reply)])
-            start = end + len(reply)
-    # The trainer's rows: first prompt + the episode's ids; the loss on sampled ids only.
-    for row, (mask_row, e) in enumerate(
-        zip(result["loss_mask_BT"], result["episodes"], strict=True)
-    ):
-        length = len(e["first_ids"]) + len(e["token_ids"])
-        assert result["tokens_BT"][row][:length] == e["first_ids"] + e["token_ids"]
-        assert mask_row[:length] == [0.0] * len(e["first_ids"]) + [
-            float(m) for m in e["sampled_mask"]
-        ]
-
-
-def test_real_episodes_stop_before_max_model_len(real):
-    short = real["short"]["episodes"]
-    assert max(e["turns"] for e in short) == 2  # a third turn cannot fit in 72
-    assert all(e["finish_reason"] == "length" for e in short)
-    assert all(len(e["first_ids"]) + len(e["token_ids"]) <= 72 for e in short)
-
-
-# Config: task.env, its kwargs table, job.hooks.
-
-
 def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_path, repo_cwd):
     toml = tmp_path / "run.toml"
     toml.write_text(
@@ -400,92 +336,3 @@ def test_a_bad_env_or_hooks_class_is_one_line_naming_the_field():
         load_hooks(config)
     config.job.hooks = "user_envs:RecordSteps"
     assert load_hooks(config).env is None
-
-
-# The whole loop: a user environment and user hooks from the config, 2 ranks, bitwise.
-
-
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement, tmp_path):
-    record = tmp_path / "hooks.json"
-    result = run_train(
-        "--job.config_file",
-        "run_configs/debug_cpu.toml",
-        "--generator.placement",
-        placement,
-        "--batch_invariant",
-        "true",
-        "--training.steps",
-        "3",
-        "--training.prompts_per_step",
-        "8",
-        "--task.name",
-        "env",
-        "--task.env",
-        "user_envs:Chatter",
-        "--task.dataset_path",
-        "data/arith/train.jsonl",
-        "--task.max_turns",
-        "3",
-        "--job.hooks",
-        "user_envs:RecordSteps",
-        "--generator.sampling.max_tokens",
-        "6",
-        "--generator.sampling.stop",
-        *list("0123456789"),
-        "--metrics.rollout_log_interval",
-        "2",
-        "--job.dump_folder",
-        str(tmp_path / "run"),
-        nproc=2,
-        env={"PYTHONPATH": HELPERS, "HOOKS_RECORD": str(record)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert [row["logprob_diff/max"] for row in rows] == [0.0] * 3
-    assert all(row["env/turns"] > 1.5 for row in rows)
-    assert json.loads(record.read_text()) == {"env": "user_envs:Chatter", "steps": [1, 2, 3]}
-    logged = [
-        json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
-    ]
-    episode = max((s for row in logged for s in row["samples"]), key=lambda s: len(s["messages"]))
-    assert [m["role"] for m in episode["messages"]][:4] == [
-        "user",
-        "assistant",
-        "tool",
-        "assistant",
-    ]
-    assert 0 in episode["sampled_mask"] and episode["logprob_diff"] == [0.0] * sum(
-        episode["sampled_mask"]
-    )
-    assert torch.tensor(episode["generator_logprobs"]).le(0).all()
-
-
-# The calculator demo's data.
-
-
-def test_the_shipped_tool_data_is_what_its_script_makes_and_its_calls_compute_the_answers(
-    tmp_path,
-):
-    result = subprocess.run(
-        [sys.executable, "scripts/make_tool_data.py", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr
-    shipped = REPO / "data" / "arith_tools"
-    for name in ("train.jsonl", "sft.jsonl"):
-        assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
-    assert (tmp_path / "test.parquet").read_bytes() == (shipped / "test.parquet").read_bytes()
-    traces = [json.loads(line)["messages"] for line in (shipped / "sft.jsonl").open()]
-    with_tool = [t for t in traces if len(t) == 4]
-    assert len(with_tool) == len(traces) // 2
-    for user, call, tool, answer in with_tool:
-        (parsed,) = parse_tool_calls(call["content"])
-        assert calc(**parsed.arguments) == tool["content"] == answer["content"]
-        assert parsed.arguments["expression"] + "=" == user["content"]
-    train = {json.loads(line)["prompt"] for line in (shipped / "train.jsonl").open()}
-    assert len(train) == 512 and not train & {t[0]["content"] for t in traces[512:]}

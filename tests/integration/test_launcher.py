@@ -6,7 +6,7 @@
 import subprocess
 import tomllib
 
-from conftest import run_train
+from helpers.launch import run_train
 from test_console import CHATTER
 
 DEBUG_TOML = "run_configs/debug_cpu.toml"

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from conftest import run_dist
+from helpers.launch import run_dist
 
 
 @pytest.fixture(scope="module")

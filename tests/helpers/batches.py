@@ -1,0 +1,31 @@
+"""The fixed RolloutBatch and policy-gradient loss that the PolicyTrainer worlds
+(tests/dist/policy_trainer_run.py, lora_run.py) train on, and their tests replay."""
+
+import torch
+
+from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.trainer.policy_trainer import LossScale
+
+
+def fixed_batch() -> RolloutBatch:
+    """8 right-padded sequences: a prompt of 4 tokens, completions of different lengths."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 12
+    tokens_BT = torch.randint(3, 64, (B, T), generator=g)
+    loss_mask_BT = torch.zeros(B, T)
+    for b in range(B):
+        end = 6 + b % 6
+        loss_mask_BT[b, 4:end] = 1.0
+        tokens_BT[b, end:] = 0  # padding
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=loss_mask_BT,
+        advantages_B=torch.linspace(-1.0, 1.0, B),
+        generator_logprobs_BT=torch.zeros(B, T),
+    )
+
+
+def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
+    """Token-mean policy gradient: -sum(A * logprob * mask) / global tokens."""
+    weighted_BT = batch.advantages_B[:, None] * logprobs_BT * batch.loss_mask_BT
+    return -weighted_BT.sum() / scale.tokens, {"masked_tokens": float(batch.loss_mask_BT.sum())}

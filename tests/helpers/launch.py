@@ -1,0 +1,174 @@
+"""Launching what the integration tests run: the entry points, scripts/ and tests/dist/, as a
+plain process (a world of one, nproc = 0) or under `torchrun --standalone` with nproc ranks;
+reading what a run wrote; and killing a run with everything under it.
+
+Every launch runs from the repo root with OMP_NUM_THREADS=1 and tests/ on PYTHONPATH (so that
+tests/dist scripts import `helpers.*`), in a session of its own (a test signals it without
+signalling pytest).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+HELPERS = str(TESTS / "helpers")
+DEBUG_TOML = "run_configs/debug_cpu.toml"
+TINY = str(REPO / "assets" / "tiny_qwen3")
+# Wall-clock figures differ between runs; every other metric of a resumed run must not.
+TIMING = ("time/", "throughput/")
+
+
+def launcher(nproc: int) -> list[str]:
+    """The command prefix: python, or torchrun with `nproc` ranks on a free port."""
+    if not nproc:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+    ]
+
+
+def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """os.environ with one thread per rank, tests/ importable, and `env` on top (a PYTHONPATH
+    in `env` is put before tests/)."""
+    paths = [p for p in ((env or {}).get("PYTHONPATH"), str(TESTS)) if p]
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+        "PYTHONPATH": os.pathsep.join(paths),
+    }
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    """`text` as tmp_path/run.toml; returns its path."""
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def metric_rows(folder: Path, kind: str = "train") -> list[dict]:
+    """folder/metrics.jsonl rows of one kind: "train" (step rows), "eval" (rows with
+    eval/accuracy or eval/loss), or "all"."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    if kind == "all":
+        return rows
+    is_eval = ("eval/accuracy" in r or "eval/loss" in r for r in rows)
+    return [r for r, e in zip(rows, is_eval, strict=True) if e == (kind == "eval")]
+
+
+def logged_steps(folder: Path) -> set[int]:
+    """Steps in folder/metrics.jsonl so far (none yet, or a last line still being written)."""
+    steps = set()
+    path = folder / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            steps.add(json.loads(line)["step"])
+        except ValueError:
+            pass  # a line being written
+    return steps
+
+
+def wait_for_step(process: subprocess.Popen, folder: Path, step: int) -> None:
+    """Poll (every 5 ms) until the run in `folder` has logged `step`; fail if it ends first."""
+    deadline = time.monotonic() + 300
+    while step not in logged_steps(folder):
+        assert process.poll() is None, f"the run ended before step {step}"
+        assert time.monotonic() < deadline, f"the run did not reach step {step} in 300 s"
+        time.sleep(0.005)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it (torchrun puts each rank in a session
+    of its own, so signalling its group is not enough)."""
+    try:
+        root = psutil.Process(process.pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return  # already gone (its orphans, if any, are pytest's children: tests/conftest.py)
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+
+
+def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `command` from the repo root; the result, not checked. A command still running
+    after 600 s is killed with everything under it."""
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment(env),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)  # no rank outlives its test
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_train(
+    *flags: str,
+    nproc: int = 0,
+    env: dict[str, str] | None = None,
+    module: str = "torchtitan_rl.train",
+) -> subprocess.CompletedProcess:
+    """`python -m torchtitan_rl.train FLAGS` (or `module`); the result, not checked."""
+    return run([*launcher(nproc), "-m", module, *flags], env)
+
+
+def start_train(
+    *flags: str, nproc: int, module: str = "torchtitan_rl.train", stderr=subprocess.DEVNULL
+) -> subprocess.Popen:
+    """Start `python -m torchtitan_rl.train FLAGS` (or `module`) without waiting; stdout goes
+    to DEVNULL, stderr where asked."""
+    return subprocess.Popen(
+        [*launcher(nproc), "-m", module, *flags],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        text=True,
+        env=environment(),
+        start_new_session=True,
+    )
+
+
+def run_script(
+    script: str, *args: str, nproc: int = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run scripts/`script` with `args`; the result, not checked."""
+    return run([*launcher(nproc), str(REPO / "scripts" / script), *args], env)
+
+
+def run_dist(
+    script: str, *args: str, nproc: int, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run tests/dist/`script` with `args`; fails the test on a non-zero exit."""
+    result = run([*launcher(nproc), str(TESTS / "dist" / script), *args], env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def run_helper(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run tests/helpers/`script` with plain python; fails the test on a non-zero exit."""
+    result = run([sys.executable, str(TESTS / "helpers" / script), *args])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result

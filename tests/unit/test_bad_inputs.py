@@ -1,0 +1,304 @@
+"""Bad input: every way a user can get the config, the data or the model wrong ends in exit
+code 2 and one line naming the field or file and the fix, never a traceback.
+
+.venv/bin/python -m pytest tests/test_bad_inputs.py
+
+Covered elsewhere, with the real run they need: a checkpoint of the wrong flavor
+(test_model.py, test_launcher.py), degrees inconsistent with the torchrun world
+(test_launcher.py).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.launch import DEBUG_TOML, TINY, write_toml
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from torchtitan_rl.config import ConfigError, parse_args
+from torchtitan_rl.config.job_config import ModelSection
+from torchtitan_rl.generator.engine import check_tokenizer_fits
+from torchtitan_rl.tasks import open_task
+from torchtitan_rl.train import check_dump_folder, main
+
+# run_configs name assets/ relative to the repo root, as the README's commands do.
+pytestmark = pytest.mark.usefixtures("repo_cwd")
+
+
+# Each bad input: the TOML text and/or CLI flags, and words the one-line error must contain.
+BAD_INPUTS = {
+    "unknown section": ("[trainng]\nsteps = 3\n", [], ["'trainng'", "did you mean training"]),
+    "unknown key": ("[training]\nstep = 3\n", [], ["'training.step'", "did you mean steps"]),
+    "unknown nested key": (
+        "[generator.sampling]\ntemprature = 0.7\n",
+        [],
+        ["'generator.sampling.temprature'", "temperature"],
+    ),
+    "wrong type in TOML": (
+        '[training]\nsteps = "ten"\n',
+        [],
+        ["training.steps", "expected int", "'ten'"],
+    ),
+    "bool for int in TOML": ("[training]\nsteps = true\n", [], ["training.steps", "expected int"]),
+    "wrong literal in TOML": (
+        '[generator]\ndtype = "fp8"\n',
+        [],
+        ["generator.dtype", "'float32'", "'fp8'"],
+    ),
+    "value for a section": ("generator = 3\n", [], ["generator is a section"]),
+    "wrong type on CLI": ("", ["--training.steps", "ten"], ["--training.steps", "'ten'"]),
+    "wrong choice on CLI": ("", ["--generator.dtype", "fp8"], ["--generator.dtype", "fp8"]),
+    "unknown CLI flag": ("", ["--training.stepz", "3"], ["--training.stepz"]),
+    "negative steps": ("[training]\nsteps = -1\n", [], ["training.steps = -1", ">= 1"]),
+    "negative steps on CLI": ("", ["--training.steps=-5"], ["training.steps = -5"]),
+    "degrees vs world size": (
+        "[parallelism]\ndp_shard = 4\n",
+        [],
+        ["parallelism.dp_replicate * dp_shard * tp = 4", "world size is 1"],
+    ),
+    "tp not dividing world": (
+        "[parallelism]\ntp = 2\n",
+        [],
+        ["parallelism.dp_replicate * parallelism.tp = 2", "world size 1"],
+    ),
+    "generator tp vs world": (
+        "[generator.parallelism]\ntensor_parallel_degree = 3\n",
+        [],
+        ["generator.parallelism.tensor_parallel_degree = 3"],
+    ),
+    "generator tp unsupported": (
+        "[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        [],
+        ["generator.parallelism.tensor_parallel_degree = 2", "not supported yet"],
+    ),
+    "group size < 2 for GRPO": (
+        "[generator.sampling]\nn = 1\n",
+        [],
+        ["generator.sampling.n = 1", "'grpo'", "n >= 2"],
+    ),
+    "missing checkpoint dir": (
+        '[model]\nhf_checkpoint = "/no/such/checkpoint"\n',
+        [],
+        ["model.hf_checkpoint = '/no/such/checkpoint'", "no such directory"],
+    ),
+    "unknown flavor": ('[model]\nflavor = "huge"\n', [], ["model.flavor = 'huge'", "tiny"]),
+    "prompt + completion too long": (
+        "[generator]\nmax_model_len = 16\n",
+        [],
+        ["exceeds generator.max_model_len = 16"],
+    ),
+    "zero temperature": (
+        "[generator.sampling]\ntemperature = 0.0\n",
+        [],
+        ["generator.sampling.temperature = 0.0", "> 0"],
+    ),
+    "malformed TOML": ("[training]\nsteps = = 3\n", [], ["malformed TOML", "line 2"]),
+    "resume without checkpointing": (
+        "[checkpoint]\nresume_from = 3\n",
+        [],
+        ["checkpoint.resume_from = 3 needs checkpoint.enable = true"],
+    ),
+    "absolute checkpoint folder": (
+        '[checkpoint]\nfolder = "/ckpt"\n',
+        [],
+        ["checkpoint.folder = '/ckpt'", "relative to job.dump_folder"],
+    ),
+    "batch invariance with mixed dtypes": (
+        'batch_invariant = true\n[model]\ndtype = "bfloat16"\n',
+        [],
+        ["batch_invariant = true needs the same dtype", "generator.dtype = 'float32'"],
+    ),
+    "batch invariance with top_p": (
+        "[generator.sampling]\ntop_p = 0.9\n",
+        ["--batch_invariant", "true"],
+        ["generator.sampling.top_p = 0.9", "set top_p = 1.0"],
+    ),
+    "batch invariance with tensor parallelism": (
+        "batch_invariant = true\n[parallelism]\ntp = 2\n",
+        ["--world_size_for_test", "2"],
+        ["batch_invariant = true with parallelism.tp = 2", "use parallelism.tp = 1"],
+    ),
+    "tp not dividing the heads": (
+        "[parallelism]\ntp = 3\ndp_shard = 1\n",
+        ["--world_size_for_test", "3"],
+        ["parallelism.tp = 3 does not divide the 4 attention heads", "qwen3/tiny"],
+    ),
+    "disaggregated placement without a trainer rank": (
+        '[generator]\nplacement = "disaggregated"\n',
+        [],
+        ["generator.num_ranks = 1 in a world of 1", "at least one trainer and one generator"],
+    ),
+    "off-policy steps while colocated": (
+        "[algorithm]\nmax_offpolicy_steps = 2\n",
+        [],
+        ["algorithm.max_offpolicy_steps = 2 needs generator.placement = 'disaggregated'"],
+    ),
+    "missing dataset file": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/none.jsonl"\n',
+        [],
+        ["task.dataset_path = '{tmp}/none.jsonl': no such file or folder"],
+    ),
+    "empty dataset file": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/empty.jsonl"\n',
+        [],
+        ["task.dataset_path = '{tmp}/empty.jsonl' has no rows"],
+    ),
+    "malformed JSONL line": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/broken.jsonl"\n',
+        [],
+        ["{tmp}/broken.jsonl:2: not a JSON object", "one object per line"],
+    ),
+    "non-UTF-8 dataset": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/latin1.jsonl"\n',
+        [],
+        ["task.dataset_path: {tmp}/latin1.jsonl is not UTF-8 text"],
+    ),
+    "empty prompt in the dataset": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/blank.jsonl"\n',
+        [],
+        ["{tmp}/blank.jsonl:1: the prompt is empty"],
+    ),
+    "reward function that does not import": (
+        '[task]\nreward_fn = "no_such_module:score"\n',
+        [],
+        ["task.reward_fn = 'no_such_module:score': cannot import 'no_such_module'"],
+    ),
+    "model the generator cannot run": (
+        '[model]\nname = "deepseek_v3"\n',
+        [],
+        ["model.name = 'deepseek_v3' is not supported", "qwen3"],
+    ),
+    "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
+    "off-policy band without a correction": (
+        "[algorithm]\noffpolicy_ratio_max = 5.0\n",
+        [],
+        ["algorithm.offpolicy_ratio_max = 5.0 has no effect", "offpolicy_correction"],
+    ),
+    "off-policy band without 1": (
+        '[algorithm]\noffpolicy_correction = "mis"\noffpolicy_ratio_min = 1.5\n',
+        [],
+        ["algorithm.offpolicy_ratio_min = 1.5", "must contain 1"],
+    ),
+    "generation rounds without dynamic sampling": (
+        "[algorithm]\nmax_generation_rounds = 3\n",
+        [],
+        ["algorithm.max_generation_rounds = 3 has no effect", "dynamic_sampling = true"],
+    ),
+    "KL in reward without a KL": (
+        "[algorithm]\nkl_in_reward = true\n",
+        [],
+        ["algorithm.kl_in_reward = true with kl_beta = 0", "kl_beta > 0"],
+    ),
+    "dual clip inside the clip range": (
+        "[algorithm]\nclip_ratio_c = 1.1\n",
+        [],
+        ["algorithm.clip_ratio_c = 1.1", "above the upper clip 1 + clip_eps_high = 1.2"],
+    ),
+    "more mini-batches than samples": (
+        "[training]\nprompts_per_step = 2\nmini_batches = 40\n",
+        [],
+        ["training.mini_batches = 40", "trains on 16 samples per step"],
+    ),
+    "the removed tis_cap": ("[algorithm]\ntis_cap = 2.0\n", [], ["'algorithm.tis_cap'"]),
+    "overlong buffer without the soft penalty": (
+        "[algorithm]\noverlong_buffer = 4\n",
+        [],
+        ["algorithm.overlong_buffer = 4 has no effect", "overlong = 'soft_penalty'"],
+    ),
+    "empty stop string": (
+        '[generator.sampling]\nstop = ["a", ""]\n',
+        [],
+        ["generator.sampling.stop = ['a', '']", "an empty string would stop at once"],
+    ),
+    "system prompt with raw text prompts": (
+        '[task]\nsystem_prompt = "be brief"\n',
+        [],
+        ["task.system_prompt = 'be brief' needs a chat template", "task.chat_template = true"],
+    ),
+    "row without the answer key": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/broken.jsonl"\nanswer_key = "solution"\n',
+        [],
+        ['{tmp}/broken.jsonl:1: needs an "solution" (task.answer_key)'],
+    ),
+}
+
+
+def datasets(folder: Path) -> None:
+    (folder / "empty.jsonl").write_text("\n")
+    (folder / "broken.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": 3\n')
+    (folder / "latin1.jsonl").write_bytes(
+        '{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1")
+    )
+    (folder / "blank.jsonl").write_text('{"prompt": "  ", "answer": "1"}\n')
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys, monkeypatch):
+    text, flags, words = BAD_INPUTS[name]
+    datasets(tmp_path)
+    text, words = (
+        text.replace("{tmp}", str(tmp_path)),
+        [w.replace("{tmp}", str(tmp_path)) for w in words],
+    )
+    path = write_toml(tmp_path, text)
+    world_size = 1
+    if flags[:1] == ["--world_size_for_test"]:
+        world_size, flags = int(flags[1]), flags[2:]
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    if name != "missing checkpoint dir":
+        flags = ["--model.hf_checkpoint", TINY, *flags]
+    with pytest.raises(ConfigError):  # while parsing, or when the task is opened
+        open_task(parse_args(["--job.config_file", path, *flags], world_size))
+    assert main(["--job.config_file", path, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for word in words:
+        assert word in err, f"{word!r} not in {err!r}"
+    if name == "malformed TOML":
+        assert path in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["--job.config_file", "/no/such.toml"]) == 2
+    assert capsys.readouterr().err == "error: job.config_file = '/no/such.toml': no such file\n"
+
+
+def test_a_full_disk_refuses_to_start(tmp_path, monkeypatch):
+    config = parse_args(
+        ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    )
+    free = shutil.disk_usage(tmp_path)._replace(free=10 * 2**20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: free)
+    with pytest.raises(ConfigError, match=r"has 10 MiB free, the run needs about \d+ MiB"):
+        check_dump_folder(config)
+
+
+def test_prompt_with_no_tokens_is_named():
+    from transformers import PreTrainedTokenizerFast
+
+    from torchtitan_rl.tasks import Prompt
+    from torchtitan_rl.tasks.render import Renderer
+
+    # A tokenizer that drops 'x': the prompt "xxx" encodes to nothing.
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Replace("x", "")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    renderer = Renderer(
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+        "dir",
+        chat_template=False,
+        max_prompt_len=32,
+    )
+    with pytest.raises(ConfigError, match=r"prompt 'xxx' encodes to no tokens with .*tokenizer"):
+        renderer.encode([Prompt(text="a", answer=""), Prompt(text="xxx", answer="")])
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    shutil.copytree(TINY, tmp_path / "ckpt")
+    config = json.loads((Path(TINY) / "config.json").read_text())
+    config["vocab_size"] = 32
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="tokenizer has 68 tokens but the checkpoint's vocab"):
+        check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
+    check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits

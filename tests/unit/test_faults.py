@@ -1,0 +1,71 @@
+"""Faults: a rank killed mid-step, NaNs, a generator short of KV cache, long seeded steps.
+
+.venv/bin/python -m pytest tests/test_faults.py
+
+Real runs: torchrun with 2 ranks, SIGKILL, the real vLLM engine. A NaN/inf loss or gradient
+is tested in test_model.py (test_non_finite_step_stops_without_touching_weights).
+"""
+
+import time
+
+import pytest
+import torch
+from helpers.launch import HELPERS
+
+from torchtitan_rl.rl_trainer import check_finite
+from torchtitan_rl.tasks import Prompt
+from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn, math_reward, time_limit
+from torchtitan_rl.tasks.toy import EchoDigitsTask
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError
+
+RUN = (
+    "--job.config_file",
+    "run_configs/debug_cpu.toml",
+    "--training.steps",
+    "6",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+)
+
+
+def test_a_non_finite_logprob_is_named():
+    logprobs = torch.zeros(2, 5)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[:, 2:] = True
+    logprobs[0, 1] = float("nan")  # not a sampled token: ignored
+    check_finite(7, "generator", logprobs, mask)
+    logprobs[1, 3] = float("-inf")
+    with pytest.raises(
+        NonFiniteError, match="step 7: the generator logprob of sequence 1, token 3 is -inf"
+    ):
+        check_finite(7, "generator", logprobs, mask)
+
+
+def test_reward_errors_count_as_zero_or_stop_the_run(monkeypatch):
+    monkeypatch.syspath_prepend(HELPERS)
+    fn = load_reward_fn("user_rewards:raises_on_odd")
+    task = EchoDigitsTask()
+    odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
+    zero = Scorer(task, fn, on_error="zero")
+    assert [zero(odd, "3"), zero(even, "4"), zero(odd, "3")] == [0.0, 1.0, 0.0]
+    assert zero.errors == 2
+    with pytest.raises(RewardError, match=r"raised ValueError\(.*\) on prompt 'echo 3:'"):
+        Scorer(task, fn, on_error="fail")(odd, "3")
+
+
+def test_a_hanging_reward_times_out_and_counts_or_stops(monkeypatch):
+    monkeypatch.syspath_prepend(HELPERS)
+    fn = load_reward_fn("user_rewards:hangs_on_odd")
+    task = EchoDigitsTask()
+    odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
+    zero = Scorer(task, fn, on_error="zero", timeout_s=0.2)
+    start = time.monotonic()
+    assert [zero(odd, "3"), zero(even, "4")] == [0.0, 1.0]
+    assert zero.errors == 1 and time.monotonic() - start < 5
+    with pytest.raises(RewardError, match=r"took longer than task.reward_timeout_s = 0.2 s on"):
+        Scorer(task, fn, on_error="fail", timeout_s=0.2)(odd, "3")
+    # The built-in math reward runs under the same limit without math-verify's own alarms.
+    with time_limit(5.0):
+        assert math_reward("2 + 2?", "so \\boxed{4}", "4") == 1.0
