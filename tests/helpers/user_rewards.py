@@ -15,10 +15,6 @@ def raises_on_odd(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if completion.startswith(answer) else 0.0
 
 
-def not_a_number(prompt: str, completion: str, answer: str) -> float:
-    return float("nan")
-
-
 def hangs_on_odd(prompt: str, completion: str, answer: str) -> float:
     if int(answer) % 2:
         time.sleep(60)

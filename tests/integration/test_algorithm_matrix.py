@@ -1,7 +1,7 @@
 """Every advantage x loss x mini-batches x KL combination, and the off-policy corrections,
 through the real colocated loop (2 ranks, the tiny model, vLLM), three steps each.
 
-    .venv/bin/python -m pytest tests/test_algorithm_matrix.py
+    .venv/bin/python -m pytest tests/integration/test_algorithm_matrix.py
 """
 
 import json

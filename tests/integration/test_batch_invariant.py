@@ -1,6 +1,6 @@
 """Batch-invariant mode: kernels, then the real thing (vLLM engine + FSDP trainer, 2 ranks).
 
-.venv/bin/python -m pytest tests/test_batch_invariant.py
+.venv/bin/python -m pytest tests/integration/test_batch_invariant.py
 """
 
 import json

@@ -1,6 +1,6 @@
 """Disaggregated placement: 1 trainer rank + 1 generator rank under torchrun, k = 0 and 1.
 
-.venv/bin/python -m pytest tests/test_disaggregated.py
+.venv/bin/python -m pytest tests/integration/test_disaggregated.py
 
 Real runs: torchrun with 2 ranks, the trainer's FSDP mesh on rank 0, the vLLM engine in the
 generator rank's child process, weights broadcast over gloo.

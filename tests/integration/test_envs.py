@@ -1,6 +1,6 @@
 """Environments, tool calls and multi-turn episodes: token-exact, limited, failing cleanly.
 
-.venv/bin/python -m pytest tests/test_envs.py
+.venv/bin/python -m pytest tests/integration/test_envs.py
 """
 
 import json
@@ -13,13 +13,11 @@ from helpers.launch import HELPERS, REPO, TINY, run_dist, run_train
 
 from torchtitan_rl.config.job_config import TaskSection
 from torchtitan_rl.episodes import Episodes
-from torchtitan_rl.generator.engine import Completions, Sample
 from torchtitan_rl.tasks.env import calc, parse_tool_calls
 from torchtitan_rl.tasks.render import build_renderer
 from torchtitan_rl.tasks.rewards import Scorer
 
 IM_END = 4
-CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -39,28 +37,6 @@ def encode(renderer, text: str) -> list[int]:
 
 
 # Episodes with a scripted policy: the token bookkeeping, the limits and the failures.
-
-
-class Scripted:
-    """Stands for the generator where the test must choose what the policy samples (vLLM
-    samples from the model; no real engine can be told which ids to sample). Turn t of every
-    episode samples `turns[t]`; logprobs are -(position + 1) / 100."""
-
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.prompts = turns, []
-
-    def generate(self, prompts, *, n, max_tokens, seed, temperature=None):
-        self.prompts.append([list(p) for p in prompts])
-        ids = self.turns[len(self.prompts) - 1]
-        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        samples = []
-        for limit in limits:
-            cut = ids[:limit]
-            sample = Sample(
-                cut, [-(i + 1) / 100 for i in range(len(cut))], "stop" if cut == ids else "length"
-            )
-            samples.append([sample] * n)
-        return Completions([list(p) for p in prompts], samples)
 
 
 def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):

@@ -1,14 +1,12 @@
 """Evaluation: the unbiased pass@k, eval config checks, and eval metrics from summed totals.
 
-.venv/bin/python -m pytest tests/test_eval.py
+.venv/bin/python -m pytest tests/integration/test_eval.py
 """
 
 import json
 
 import pytest
 from helpers.launch import run_script, run_train
-
-TINY = "assets/tiny_qwen3"
 
 
 def test_the_run_evaluates_and_scripts_eval_reproduces_it_on_the_export(tmp_path):

@@ -1,6 +1,6 @@
 """Generator: the real vLLM engine serving our torchtitan model, checked against the trainer.
 
-    .venv/bin/python -m pytest tests/test_generator.py
+    .venv/bin/python -m pytest tests/integration/test_generator.py
 
 vLLM runs in torchrun subprocesses (one engine per rank, shared by every check of a run):
 its CPU worker binds threads, which must not leak into the pytest process.
@@ -8,9 +8,7 @@ its CPU worker binds threads, which must not leak into the pytest process.
 
 import pytest
 import torch
-from helpers.launch import REPO, run_dist
-
-TINY = REPO / "assets" / "tiny_qwen3"
+from helpers.launch import run_dist
 
 
 def launch(tmp_path_factory, nproc: int, model: str = "qwen3") -> list[dict]:

@@ -1,40 +1,51 @@
-"""The launcher under a real `torchrun --nproc_per_node 2` and as a plain process.
+"""The entry point under a real `torchrun --nproc_per_node 2` and as a plain process: the
+console shows this project's lines, library output goes to {job.dump_folder}/run.log.
 
-.venv/bin/python -m pytest tests/test_launcher.py
+    .venv/bin/python -m pytest tests/integration/test_launcher.py
+
+The torchrun case is the session's reference run (tests/integration/conftest.py).
 """
 
 import subprocess
+import sys
+import textwrap
 import tomllib
 
-from helpers.launch import run_train
-from test_console import CHATTER
+from helpers.launch import DEBUG_TOML, REPO, metric_rows, run_train
 
-DEBUG_TOML = "run_configs/debug_cpu.toml"
+# Seen on the console of a 2-rank CPU run before the redirect: torch's DTensor UserWarning,
+# vLLM's "(MainProcess pid=...) WARNING" lines, a FutureWarning from vLLM's Triton shim,
+# Triton's notice, the NUMA notice from C++ (fd 2), the tcmalloc hint, the shard-loading bar.
+CHATTER = (
+    "DTensor",
+    "WARNING",
+    "UserWarning",
+    "FutureWarning",
+    "Triton",
+    "NUMA",
+    "LD_PRELOAD",
+    "Loading safetensors",
+)
 
 
-def launch(nproc: int, *flags: str) -> subprocess.CompletedProcess:
-    return run_train("--job.config_file", DEBUG_TOML, *flags, nproc=nproc)
-
-
-def test_torchrun_two_ranks_train_and_write_the_config(tmp_path):
-    dump = tmp_path / "run"
-    result = launch(2, "--job.dump_folder", str(dump), "--training.steps", "3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step    3 | reward" in result.stdout
+def test_torchrun_two_ranks_train_and_write_the_config(reference_run):
+    dump, result = reference_run.folder, reference_run.result
+    steps = len(metric_rows(dump))
+    assert steps == 6 and f"step    {steps} | reward" in result.stdout
 
     # The console shows this project's lines and the summary; library output is in run.log.
     console = result.stdout + result.stderr
     assert [marker for marker in CHATTER if marker in console] == [], console
-    assert result.stderr == ""  # torchrun's own OMP_NUM_THREADS notice is off (conftest sets it)
+    assert result.stderr == ""  # torchrun's own OMP_NUM_THREADS notice is off (helpers.launch)
     lines = result.stdout.splitlines()
     assert lines[0] == (
         f"starting: library output goes to {dump / 'run.log'} (--job.verbose shows it here)"
     )
-    assert all(lines[s].startswith(f"step    {s} | reward") for s in (1, 2, 3)), lines
-    assert lines[4].startswith("done: trained to step 3 in "), lines
+    assert all(lines[s].startswith(f"step    {s} | reward") for s in range(1, steps + 1)), lines
+    assert lines[steps + 1].startswith(f"done: trained to step {steps} in "), lines
     assert f"metrics:     {dump / 'metrics.jsonl'}" in lines
     assert f"library log: {dump / 'run.log'} (other ranks: run.rank<N>.log)" in lines
-    assert len(lines) <= 11, lines
+    assert len(lines) <= 1 + steps + 7, lines  # the start, a line per step, the summary
     log = (dump / "run.log").read_text()
     assert "DTensor random operators" in log and ") WARNING " in log  # torch's, vLLM's
     assert "step    2 | reward" in log  # the console's lines too, in order with the rest
@@ -42,18 +53,30 @@ def test_torchrun_two_ranks_train_and_write_the_config(tmp_path):
 
     # The written config is the resolved one, and feeding it back reproduces it.
     written = (dump / "config.toml").read_text()
-    assert tomllib.loads(written)["training"]["steps"] == 3
+    assert tomllib.loads(written)["training"]["steps"] == steps
     again = run_train("--job.config_file", str(dump / "config.toml"), "--job.dry_run")
     assert again.returncode == 0, again.stderr
     assert again.stdout == written
 
 
-def test_plain_process_is_a_world_of_one(tmp_path):
-    result = launch(0, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2")
+def test_plain_process_is_a_world_of_one_and_verbose_shows_library_output(tmp_path):
+    dump = tmp_path / "run"
+    result = run_train(
+        *("--job.config_file", DEBUG_TOML, "--training.steps", "2", "--job.verbose"),
+        *("--job.dump_folder", str(dump)),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step    2 | reward" in result.stdout
-    assert (tmp_path / "run" / "config.toml").is_file()
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (dump / "config.toml").is_file()
+    assert [row["step"] for row in metric_rows(dump)] == [1, 2]
+    # --job.verbose: library output on the console, no run.log.
+    assert "DTensor random operators" in result.stderr
+    assert ") WARNING " in result.stdout  # vLLM logs to stdout
+    assert not (dump / "run.log").exists()
+
+
+def launch(nproc: int, *flags: str) -> subprocess.CompletedProcess:
+    return run_train("--job.config_file", DEBUG_TOML, *flags, nproc=nproc)
 
 
 def test_torchrun_world_size_mismatch_fails_on_every_rank(tmp_path):
@@ -77,3 +100,62 @@ def test_torchrun_wrong_flavor_for_the_checkpoint_names_the_tensor(tmp_path):
     )
     assert result.stderr.count(message) >= 1, result.stderr[-3000:]
     assert "torchtitan_rl/" not in result.stderr
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_redirect_sends_c_and_python_output_to_the_log_and_ours_to_both(tmp_path):
+    (tmp_path / "run.rank1.log").write_text("an earlier run\n")
+    result = run_python(f"""
+        import os, sys, warnings
+        from torchtitan_rl import console
+        print("before", flush=True)
+        console.redirect({str(tmp_path)!r}, rank=1)
+        os.write(2, b"from C on fd 2\\n")
+        os.write(1, b"from C on fd 1\\n")
+        print("python print")
+        warnings.warn("a library warning")
+        console.say("ours on stdout")
+        console.warn("warning: ours on stderr")
+        console.error("error: ours")
+        """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "before\nours on stdout\n"
+    assert result.stderr == "warning: ours on stderr\nerror: ours\n"
+    log = (tmp_path / "run.rank1.log").read_text().splitlines()
+    assert log[0] == "an earlier run"  # appended to, not replaced
+    assert log[1:3] == ["from C on fd 2", "from C on fd 1"]
+    assert log[3] == "python print"
+    assert "UserWarning: a library warning" in log[4]
+    assert log[-3:] == ["ours on stdout", "warning: ours on stderr", "error: ours"]
+    assert not (tmp_path / "run.log").exists()
+
+
+def test_an_unexpected_error_shows_its_traceback_and_points_at_the_log(tmp_path):
+    # The failure is injected in place of the run (which would take a model and an engine).
+    result = run_python(f"""
+        import sys
+        from torchtitan_rl import train
+
+        def run(config, entry):
+            raise RuntimeError("boom")
+
+        train.run = run
+        sys.exit(train.main(["--job.config_file", {DEBUG_TOML!r},
+                             "--job.dump_folder", {str(tmp_path)!r}]))
+        """)
+    assert result.returncode == 1
+    assert result.stdout.startswith("starting: library output goes to")
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert "RuntimeError: boom" in lines
+    assert lines[-1] == f"see {tmp_path / 'run.log'} for library output"
+    assert "RuntimeError: boom" in (tmp_path / "run.log").read_text()

@@ -1,6 +1,6 @@
 """PolicyTrainer under real torchrun: FSDP=2 matches one process, micro-batching matches one batch.
 
-.venv/bin/python -m pytest tests/test_policy_trainer.py
+.venv/bin/python -m pytest tests/integration/test_policy_trainer.py
 """
 
 import pytest

@@ -1,13 +1,14 @@
 """The GRPO loop end to end (torchrun, real vLLM, real FSDP) and its building blocks.
 
-.venv/bin/python -m pytest tests/test_rl_trainer.py
+.venv/bin/python -m pytest tests/integration/test_rl_trainer.py
 """
 
 import json
 import math
 
 import pytest
-from helpers.launch import run_dist, run_train
+from helpers import runs
+from helpers.launch import metric_rows, run_dist, run_train
 
 CONTRACT = [
     "step",
@@ -29,26 +30,24 @@ CONTRACT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("demo")
-    result = run_train(
-        "--job.config_file",
-        "run_configs/debug_cpu.toml",
-        "--training.steps",
-        "5",
-        "--job.dump_folder",
-        str(dump),
-        nproc=2,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return dump, rows, result.stdout
+@pytest.fixture
+def demo(reference_run):
+    """The session's reference run: its dump folder, metric rows and console."""
+    folder = reference_run.folder
+    return folder, metric_rows(folder), reference_run.result.stdout
+
+
+# The reference run's numerics for 2 steps, without its checkpoints and export.
+TWO_STEPS = (
+    *runs.REFERENCE,
+    *("--training.steps", "2", "--checkpoint.enable", "false"),
+    *("--checkpoint.export_hf_at_end", "false"),
+)
 
 
 def test_metrics_follow_the_contract(demo):
     _, rows, _ = demo
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for row in rows:
         assert set(CONTRACT) <= set(row), set(CONTRACT) - set(row)
         assert all(math.isfinite(row[k]) for k in CONTRACT)
@@ -59,7 +58,7 @@ def test_metrics_follow_the_contract(demo):
 
 def test_policy_version_increments_every_step(demo):
     _, rows, _ = demo
-    assert [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
 def test_generator_and_trainer_agree_before_each_update(demo):
@@ -72,7 +71,7 @@ def test_tensor_parallel_loop_takes_the_same_steps_as_fsdp(demo, tmp_path):
     the TP group trains on their union, and weight sync gathers the TP shards. Same prompts,
     seeds and starting weights as the FSDP=2 demo, so the same samples and the same update."""
     result = run_train(
-        *("--job.config_file", "run_configs/debug_cpu.toml", "--training.steps", "2"),
+        *TWO_STEPS,
         *("--parallelism.tp", "2", "--job.dump_folder", str(tmp_path)),
         nproc=2,
     )
@@ -96,7 +95,7 @@ def test_sleep_mode_changes_no_figure_of_the_run(demo, tmp_path):
     """Freeing the generator's weights during training and re-allocating them for the sync
     leaves the run exactly as it was: same rewards, losses and generator/trainer agreement."""
     result = run_train(
-        *("--job.config_file", "run_configs/debug_cpu.toml", "--training.steps", "2"),
+        *TWO_STEPS,
         *("--generator.enable_sleep_mode", "true", "--job.dump_folder", str(tmp_path)),
         nproc=2,
     )
@@ -113,8 +112,8 @@ def test_run_writes_its_files_and_a_line_per_step(demo):
     assert (dump / "config.toml").is_file()
     assert (dump / "reward_curve.png").stat().st_size > 1000
     lines = stdout.splitlines()
-    assert sum(line.startswith("step ") for line in lines) == 5 and "reward " in stdout
-    assert any(line.startswith("done: trained to step 5 in ") for line in lines)
+    assert sum(line.startswith("step ") for line in lines) == 6 and "reward " in stdout
+    assert any(line.startswith("done: trained to step 6 in ") for line in lines)
 
 
 @pytest.mark.parametrize(

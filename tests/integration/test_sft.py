@@ -1,10 +1,11 @@
-"""SFT warm start: the loss mask, token-budget micro-batches, exact resume, and an export that
-the RL run and vLLM load and that answers as the SFT trainer did.
+"""SFT warm start: token-budget micro-batches, the session's SFT run (held-out loss, logs), and
+an export that the RL run and vLLM load and that answers as the SFT trainer did. The loss
+mask and bad rows: tests/unit/test_sft.py; killed and resumed: test_resume.py.
 
-.venv/bin/python -m pytest tests/test_sft.py
+    .venv/bin/python -m pytest tests/integration/test_sft.py
 
-Real runs: torchrun with 2 ranks, the tiny Qwen3 checkpoint and its chat template, DCP files,
-SIGKILL, and the real vLLM engine in the RL run that starts from the SFT export.
+Real runs: torchrun with 2 ranks, the tiny Qwen3 checkpoint and its chat template, and the
+real vLLM engine in the RL run that starts from the SFT export.
 """
 
 import json
@@ -12,29 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, kill_tree, run_dist, run_train, start_train, wait_for_step
-from safetensors.torch import load_file
+from helpers.launch import run_dist, run_train
 
-from torchtitan_rl.config import parse_args
-
-TINY = str(REPO / "assets" / "tiny_qwen3")
 IM_END = 4  # the tiny checkpoint's <|im_end|>, its first stop id
-SFT = ("--job.config_file", "run_configs/sft_arith_cpu.toml")
-# 30 steps of 16 rows in micro-batches of 2 rows; checkpoints at 10, 20 and 30.
-FLAGS = (
-    *SFT,
-    *("--training.steps", "30", "--sft.micro_batch_tokens", "64"),
-    *("--checkpoint.enable", "true", "--checkpoint.interval", "10"),
-    *("--eval.interval", "10", "--eval.log_samples", "36"),
-)
-TIMING = ("time/", "throughput/")
-
-
-def sft_config(tmp_path: Path, rows: list[dict], *flags: str):
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    argv = ["--model.hf_checkpoint", TINY, "--task.name", "dataset", "--task.dataset_path"]
-    return parse_args([*argv, str(data), *flags], entry="sft")
 
 
 def rows_by_step(folder: Path) -> dict[tuple[int, str], dict]:
@@ -67,16 +48,6 @@ def test_token_budget_micro_batches_give_the_one_batch_gradient(tmp_path):
         torch.testing.assert_close(cut["grads"][name], grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> Path:
-    """30 uninterrupted SFT steps on the arithmetic demonstrations, with their export."""
-    out = tmp_path_factory.mktemp("sft")
-    result = run_train(*FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft")
-    assert result.returncode == 0, result.stderr[-3000:]
-    (out / "console.txt").write_text(result.stdout)
-    return out
-
-
 def test_sft_lowers_the_held_out_loss_and_logs_what_it_did(sft_run):
     rows = rows_by_step(sft_run)
     assert sorted(step for step, kind in rows if kind == "eval") == [0, 10, 20, 30]
@@ -88,36 +59,6 @@ def test_sft_lowers_the_held_out_loss_and_logs_what_it_did(sft_run):
     console = (sft_run / "console.txt").read_text()
     assert "done: trained to step 30" in console and "eval/loss" in console
     assert f"HF export:   {sft_run / 'hf'}" in console
-
-
-def test_sigkill_then_restart_matches_the_uninterrupted_run(sft_run, tmp_path):
-    out = tmp_path / "killed"
-    process = start_train(
-        *FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft"
-    )
-    try:
-        wait_for_step(process, out, 12)
-    finally:
-        kill_tree(process)
-    checkpoints = out / "checkpoints"
-    assert (checkpoints / "step-10").is_dir()
-    assert not (checkpoints / "step-30").exists(), "killed too late: the run finished"
-    result = run_train(*FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout
-    expected, resumed = rows_by_step(sft_run), rows_by_step(out)
-    assert sorted(resumed) == sorted(expected)
-    for key in expected:
-        if key[0] > 10:
-            for name, value in expected[key].items():
-                if not name.startswith(TIMING):
-                    assert resumed[key][name] == value, (key, name)
-    final, reference = (
-        load_file(out / "hf" / "model.safetensors"),
-        load_file(sft_run / "hf" / "model.safetensors"),
-    )
-    for name, tensor in reference.items():
-        assert torch.equal(final[name], tensor), name
 
 
 def test_the_rl_run_loads_the_export_and_vllm_answers_as_the_sft_trainer(sft_run, tmp_path):

@@ -1,6 +1,6 @@
 """The tiny HF checkpoint: deterministic, and loaded alike by torchtitan, transformers and vLLM.
 
-.venv/bin/python -m pytest tests/test_tiny_checkpoint.py
+.venv/bin/python -m pytest tests/integration/test_tiny_checkpoint.py
 """
 
 import json

@@ -1,6 +1,6 @@
 """WeightSync: bitwise in-place copies, fresh logprobs, no stale KV, clear errors, bounded buckets.
 
-    .venv/bin/python -m pytest tests/test_weight_sync.py
+    .venv/bin/python -m pytest tests/integration/test_weight_sync.py
 
 The end-to-end checks run tests/dist/weight_sync_run.py (real FSDP trainer, real vLLM engine per
 rank) under torchrun with 2 processes and as a plain process; the rest are unit tests.
@@ -61,21 +61,6 @@ def test_sync_stats(ranks):
 def params(**shapes) -> dict[str, nn.Parameter]:
     g = torch.Generator().manual_seed(len(shapes))
     return {k: nn.Parameter(torch.randn(*s, generator=g)) for k, s in shapes.items()}
-
-
-class FakeGenerator:
-    """Stands in for Generator's refresh hook in unit tests of the copy logic alone."""
-
-    policy_version = 0
-    refreshed = 0
-    weights_dropped = False
-
-    def refresh_after_weight_update(self):
-        self.refreshed += 1
-
-
-class FakeTrainer:
-    policy_version = 0
 
 
 def test_a_bf16_generator_gathers_bf16_bytes(tmp_path):

@@ -1,6 +1,6 @@
 """Advantages and losses against small hand-computed examples.
 
-.venv/bin/python -m pytest tests/test_algorithms.py
+.venv/bin/python -m pytest tests/unit/test_algorithms.py
 """
 
 import math

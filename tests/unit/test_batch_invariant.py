@@ -1,6 +1,6 @@
 """Batch-invariant mode: kernels, then the real thing (vLLM engine + FSDP trainer, 2 ranks).
 
-.venv/bin/python -m pytest tests/test_batch_invariant.py
+.venv/bin/python -m pytest tests/unit/test_batch_invariant.py
 """
 
 import pytest
@@ -10,21 +10,6 @@ import torch.nn.functional as F
 from torchtitan_rl.batch_invariant import ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-PROBE_FLAGS = (
-    "--job.config_file",
-    "run_configs/debug_cpu.toml",
-    "--training.steps",
-    "3",
-    "--training.lr",
-    "1e-2",
-    # Prompts up to 206 tokens: longer than vLLM's 128-token CPU KV block.
-    "--generator.max_model_len",
-    "320",
-    "--training.max_prompt_len",
-    "256",
-)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

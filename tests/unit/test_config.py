@@ -1,6 +1,6 @@
 """JobConfig: defaults < TOML < CLI, type checks, validation errors, TOML round trip.
 
-.venv/bin/python -m pytest tests/test_config.py
+.venv/bin/python -m pytest tests/unit/test_config.py
 """
 
 import dataclasses

@@ -1,43 +1,12 @@
 """The console shows this project's lines; library output goes to {job.dump_folder}/run.log.
 
-.venv/bin/python -m pytest tests/test_console.py
+.venv/bin/python -m pytest tests/unit/test_console.py
 """
 
 import json
-import subprocess
-import sys
-import textwrap
-
-from helpers.launch import REPO
 
 from torchtitan_rl import console
 from torchtitan_rl.metrics import summary
-
-DEBUG_TOML = "run_configs/debug_cpu.toml"
-
-# Seen on the console of a 2-rank CPU run before the redirect: torch's DTensor UserWarning,
-# vLLM's "(MainProcess pid=...) WARNING" lines, a FutureWarning from vLLM's Triton shim,
-# Triton's notice, the NUMA notice from C++ (fd 2), the tcmalloc hint, the shard-loading bar.
-CHATTER = (
-    "DTensor",
-    "WARNING",
-    "UserWarning",
-    "FutureWarning",
-    "Triton",
-    "NUMA",
-    "LD_PRELOAD",
-    "Loading safetensors",
-)
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_without_a_redirect_lines_go_to_sys_stdout_and_stderr(capsys):

@@ -1,7 +1,7 @@
 """Datasets and prompt rendering: JSONL/JSON/Parquet through `datasets`, keys, GSM8K answers,
 bad rows named file:row, and prompts rendered by the checkpoint's own chat template.
 
-.venv/bin/python -m pytest tests/test_datasets.py
+.venv/bin/python -m pytest tests/unit/test_datasets.py
 """
 
 import json

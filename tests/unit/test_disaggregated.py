@@ -1,13 +1,11 @@
 """Disaggregated placement: 1 trainer rank + 1 generator rank under torchrun, k = 0 and 1.
 
-.venv/bin/python -m pytest tests/test_disaggregated.py
+.venv/bin/python -m pytest tests/unit/test_disaggregated.py
 
 Real runs: torchrun with 2 ranks, the trainer's FSDP mesh on rank 0, the vLLM engine in the
 generator rank's child process, weights broadcast over gloo.
 """
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,21 +16,6 @@ from torchtitan_rl.config import parse_args
 from torchtitan_rl.disaggregated import DisaggregatedTrainer, Rollout, StalenessError
 from torchtitan_rl.generator.engine import Completions
 from torchtitan_rl.rollouts import Rollouts
-
-DISAGGREGATED = (
-    "--job.config_file",
-    "run_configs/debug_cpu.toml",
-    "--generator.placement",
-    "disaggregated",
-    "--generator.verify_weight_sync",
-    "true",
-)
-
-
-def rows(folder: Path, eval: bool = False) -> list[dict]:
-    """The step rows of metrics.jsonl (eval = True: its evaluation rows)."""
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if ("eval/accuracy" in r) == eval]
 
 
 def test_a_rollout_older_than_k_is_refused(monkeypatch):

@@ -1,13 +1,12 @@
 """Environments, tool calls and multi-turn episodes: token-exact, limited, failing cleanly.
 
-.venv/bin/python -m pytest tests/test_envs.py
+.venv/bin/python -m pytest tests/unit/test_envs.py
 """
 
 import asyncio
-import json
 
 import pytest
-from helpers.launch import REPO, TINY, run_dist
+from helpers.launch import REPO, TINY
 from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
@@ -80,13 +79,6 @@ def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="ze
 
 
 # Multi-turn episodes on the real vLLM engine.
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    out = tmp_path_factory.mktemp("episodes") / "episodes.json"
-    run_dist("episodes_run.py", str(out), nproc=0)
-    return json.loads(out.read_text())
 
 
 # Config: task.env, its kwargs table, job.hooks.

@@ -1,6 +1,6 @@
 """Evaluation: the unbiased pass@k, eval config checks, and eval metrics from summed totals.
 
-.venv/bin/python -m pytest tests/test_eval.py
+.venv/bin/python -m pytest tests/unit/test_eval.py
 """
 
 import math

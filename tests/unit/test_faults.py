@@ -1,6 +1,6 @@
 """Faults: a rank killed mid-step, NaNs, a generator short of KV cache, long seeded steps.
 
-.venv/bin/python -m pytest tests/test_faults.py
+.venv/bin/python -m pytest tests/unit/test_faults.py
 
 Real runs: torchrun with 2 ranks, SIGKILL, the real vLLM engine. A NaN/inf loss or gradient
 is tested in test_model.py (test_non_finite_step_stops_without_touching_weights).
@@ -17,17 +17,6 @@ from torchtitan_rl.tasks import Prompt
 from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn, math_reward, time_limit
 from torchtitan_rl.tasks.toy import EchoDigitsTask
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
-
-RUN = (
-    "--job.config_file",
-    "run_configs/debug_cpu.toml",
-    "--training.steps",
-    "6",
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "2",
-)
 
 
 def test_a_non_finite_logprob_is_named():

@@ -1,16 +1,13 @@
 """Generator: the real vLLM engine serving our torchtitan model, checked against the trainer.
 
-    .venv/bin/python -m pytest tests/test_generator.py
+    .venv/bin/python -m pytest tests/unit/test_generator.py
 
 vLLM runs in torchrun subprocesses (one engine per rank, shared by every check of a run):
 its CPU worker binds threads, which must not leak into the pytest process.
 """
 
-import pytest
 import torch
-from helpers.launch import REPO, run_dist
-
-TINY = REPO / "assets" / "tiny_qwen3"
+from helpers.launch import run_dist
 
 
 def launch(tmp_path_factory, nproc: int, model: str = "qwen3") -> list[dict]:
@@ -18,11 +15,6 @@ def launch(tmp_path_factory, nproc: int, model: str = "qwen3") -> list[dict]:
     out = tmp_path_factory.mktemp(f"generator_{model}_w{nproc}")
     run_dist("generator_run.py", str(out), model, nproc=nproc)
     return [torch.load(out / f"rank{r}.pt") for r in range(max(nproc, 1))]
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch(tmp_path_factory, 2)
 
 
 def test_plugin_entry_point_registers_the_architecture():

@@ -1,6 +1,6 @@
 """token_logprobs: next-token shift, temperature, chunking, gradients, entropy; RolloutBatch.
 
-.venv/bin/python -m pytest tests/test_logprobs.py
+.venv/bin/python -m pytest tests/unit/test_logprobs.py
 """
 
 import pytest

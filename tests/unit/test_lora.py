@@ -1,67 +1,17 @@
 """LoRA RL: adapters train on a frozen policy, the generator gets merged weights in place.
 
-    .venv/bin/python -m pytest tests/test_lora.py
+    .venv/bin/python -m pytest tests/unit/test_lora.py
 
 Real parts: torchtitan's LoRA converter on the tiny Qwen3, FSDP over 2 torchrun ranks, the
 batch-invariant kernels, transformers on the export, and (end to end) the real vLLM engine.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from helpers.launch import REPO, run_dist, run_train
+from helpers.launch import REPO
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError, JobConfig, LoRASection
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("lora")
-    run_dist("lora_run.py", str(out), nproc=2)
-    return torch.load(out / "result.pt")
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_a." in name or ".lora_b." in name
-
-
-# The echo demo with LoRA, batch-invariant, checkpoints at steps 3 and 6, merged export.
-E2E_FLAGS = (
-    "--job.config_file",
-    "run_configs/debug_cpu.toml",
-    "--training.steps",
-    "6",
-    "--training.lr",
-    "1e-2",
-    "--lora.enable",
-    "true",
-    "--batch_invariant",
-    "true",
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "3",
-    "--checkpoint.export_hf_at_end",
-    "true",
-)
-# The HF names of the linears LoRA adapts ("all": attention and MLP).
-ADAPTED_HF = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora_e2e")
-    result = run_train(*E2E_FLAGS, "--job.dump_folder", str(out), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
-
-
-def metric_rows(folder: Path) -> dict[int, dict]:
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return {row["step"]: row for row in map(json.loads, lines)}
 
 
 @pytest.mark.parametrize(

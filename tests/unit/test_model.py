@@ -1,6 +1,6 @@
 """PolicyTrainer in a one-process world: HF loading, errors, non-finite steps, LR schedule.
 
-.venv/bin/python -m pytest tests/test_model.py
+.venv/bin/python -m pytest tests/unit/test_model.py
 """
 
 import json

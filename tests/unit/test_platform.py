@@ -1,6 +1,6 @@
 """CPU platform choices: device, backend, torchtitan device patch, SDPA attention.
 
-.venv/bin/python -m pytest tests/test_platform.py
+.venv/bin/python -m pytest tests/unit/test_platform.py
 """
 
 import pytest

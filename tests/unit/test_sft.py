@@ -1,7 +1,7 @@
 """SFT warm start: the loss mask, token-budget micro-batches, exact resume, and an export that
 the RL run and vLLM load and that answers as the SFT trainer did.
 
-.venv/bin/python -m pytest tests/test_sft.py
+.venv/bin/python -m pytest tests/unit/test_sft.py
 
 Real runs: torchrun with 2 ranks, the tiny Qwen3 checkpoint and its chat template, DCP files,
 SIGKILL, and the real vLLM engine in the RL run that starts from the SFT export.
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.launch import REPO, run_train
+from helpers.launch import REPO
 
 from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.tasks.render import load_tokenizer
@@ -20,14 +20,6 @@ from torchtitan_rl.tasks.sft_data import open_sft_data, sft_batch
 TINY = str(REPO / "assets" / "tiny_qwen3")
 IM_END = 4  # the tiny checkpoint's <|im_end|>, its first stop id
 SFT = ("--job.config_file", "run_configs/sft_arith_cpu.toml")
-# 30 steps of 16 rows in micro-batches of 2 rows; checkpoints at 10, 20 and 30.
-FLAGS = (
-    *SFT,
-    *("--training.steps", "30", "--sft.micro_batch_tokens", "64"),
-    *("--checkpoint.enable", "true", "--checkpoint.interval", "10"),
-    *("--eval.interval", "10", "--eval.log_samples", "36"),
-)
-TIMING = ("time/", "throughput/")
 
 
 def sft_config(tmp_path: Path, rows: list[dict], *flags: str):
@@ -35,25 +27,6 @@ def sft_config(tmp_path: Path, rows: list[dict], *flags: str):
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     argv = ["--model.hf_checkpoint", TINY, "--task.name", "dataset", "--task.dataset_path"]
     return parse_args([*argv, str(data), *flags], entry="sft")
-
-
-def rows_by_step(folder: Path) -> dict[tuple[int, str], dict]:
-    """metrics.jsonl rows keyed by (step, "train" or "eval")."""
-    rows = {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"], "eval" if "eval/loss" in row else "train"] = row
-    return rows
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> Path:
-    """30 uninterrupted SFT steps on the arithmetic demonstrations, with their export."""
-    out = tmp_path_factory.mktemp("sft")
-    result = run_train(*FLAGS, "--job.dump_folder", str(out), nproc=2, module="torchtitan_rl.sft")
-    assert result.returncode == 0, result.stderr[-3000:]
-    (out / "console.txt").write_text(result.stdout)
-    return out
 
 
 def test_only_the_assistant_tokens_are_trained(tmp_path):

@@ -1,13 +1,12 @@
 """Tasks and rewards: dataset prompts, math-verify, user reward functions, the error policy.
 
-.venv/bin/python -m pytest tests/test_tasks.py
+.venv/bin/python -m pytest tests/unit/test_tasks.py
 """
 
 import json
-import subprocess
 
 import pytest
-from helpers.launch import HELPERS, REPO, run_train
+from helpers.launch import HELPERS, REPO
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError
@@ -26,17 +25,6 @@ def dataset(tmp_path) -> str:
     rows = [{"prompt": f"what is {i}+1?", "answer": str(i + 1)} for i in range(5)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return str(path)
-
-
-def train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    return run_train(
-        "--job.config_file",
-        "run_configs/debug_cpu.toml",
-        "--job.dump_folder",
-        str(tmp_path / "run"),
-        *flags,
-        env={"PYTHONPATH": HELPERS},
-    )
 
 
 def test_a_dataset_cycles_every_row_once_per_epoch_in_seeded_order(dataset):

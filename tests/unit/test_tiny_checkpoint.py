@@ -1,12 +1,9 @@
 """The tiny HF checkpoint: deterministic, and loaded alike by torchtitan, transformers and vLLM.
 
-.venv/bin/python -m pytest tests/test_tiny_checkpoint.py
+.venv/bin/python -m pytest tests/unit/test_tiny_checkpoint.py
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from helpers.launch import REPO
@@ -17,21 +14,6 @@ from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 TINY = REPO / "assets" / "tiny_qwen3"
 PROMPT = "echo 123: 123"
-
-
-def make(out: Path, seed: int = 0) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "make_tiny_checkpoint.py"),
-            "--out",
-            str(out),
-            "--seed",
-            str(seed),
-        ],
-        check=True,
-        capture_output=True,
-    )
 
 
 def torchtitan_logits(ids: list[int]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The policy loss against TRL's GRPOTrainer loss on identical random inputs.
 
-    .venv/bin/python -m pytest tests/test_trl_parity.py
+    .venv/bin/python -m pytest tests/unit/test_trl_parity.py
 
 TRL's loss lives in `GRPOTrainer._compute_loss(self, model, inputs)`, which reads its options
 from `self` and gets the per-token logprobs from a model forward. The test calls that very

@@ -1,6 +1,6 @@
 """WeightSync: bitwise in-place copies, fresh logprobs, no stale KV, clear errors, bounded buckets.
 
-    .venv/bin/python -m pytest tests/test_weight_sync.py
+    .venv/bin/python -m pytest tests/unit/test_weight_sync.py
 
 The end-to-end checks run tests/dist/weight_sync_run.py (real FSDP trainer, real vLLM engine per
 rank) under torchrun with 2 processes and as a plain process; the rest are unit tests.
@@ -19,11 +19,6 @@ def launch(tmp_path_factory, nproc: int) -> list[dict]:
     out = tmp_path_factory.mktemp(f"weight_sync_w{nproc}")
     run_dist("weight_sync_run.py", str(out), nproc=nproc)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
-
-
-@pytest.fixture(scope="module", params=[2, 0], ids=["torchrun-2", "plain"])
-def ranks(request, tmp_path_factory):
-    return launch(tmp_path_factory, request.param)
 
 
 def params(**shapes) -> dict[str, nn.Parameter]:

@@ -1,0 +1,37 @@
+"""The flags of the runs several integration tests share (tests/integration/conftest.py starts
+each once per session) and of the runs that repeat them (killed and resumed, other layouts)."""
+
+from helpers.launch import DEBUG_TOML
+
+# The echo demo on 2 ranks: 6 steps at a learning rate that moves the policy, a KL penalty
+# (so a reference model and a "kl" figure), checkpoints at steps 3 and 6, an HF export, every
+# step's rollouts logged, TensorBoard. The session's reference run adds W&B (offline).
+REFERENCE = (
+    *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
+    *("--algorithm.kl_beta", "0.05"),
+    *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
+    *("--checkpoint.export_hf_at_end", "true"),
+    *("--metrics.enable_tensorboard", "true", "--metrics.rollout_log_interval", "1"),
+)
+WANDB = ("--metrics.enable_wandb", "true")
+# The real wandb package, writing locally: nothing here can reach W&B's servers.
+WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+# What the reference run's generator, holding the final weights, completes greedily.
+GREEDY_PROMPT, GREEDY_TOKENS = "echo 123:", 8
+
+# The echo demo with LoRA, batch-invariant, checkpoints at steps 3 and 6, merged export.
+LORA = (
+    *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
+    *("--lora.enable", "true", "--batch_invariant", "true"),
+    *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
+    *("--checkpoint.export_hf_at_end", "true"),
+)
+
+# SFT on the arithmetic demonstrations: 30 steps of 16 rows in micro-batches of 2 rows;
+# checkpoints and evaluations at 10, 20 and 30.
+SFT = (
+    *("--job.config_file", "run_configs/sft_arith_cpu.toml"),
+    *("--training.steps", "30", "--sft.micro_batch_tokens", "64"),
+    *("--checkpoint.enable", "true", "--checkpoint.interval", "10"),
+    *("--eval.interval", "10", "--eval.log_samples", "36"),
+)

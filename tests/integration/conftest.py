@@ -1,0 +1,56 @@
+"""The runs that integration tests share, each started once per session: the RL reference
+run (checkpoints, export, metrics files, console), the LoRA run and the SFT run. A test that
+needs one names its fixture; tests/helpers/runs.py holds their flags."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from helpers import runs
+from helpers.launch import TESTS, launcher, run, run_train
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> SimpleNamespace:
+    """The echo demo (runs.REFERENCE + W&B) under torchrun with 2 ranks through the train
+    entry point, then its generator's greedy tokens: `folder` (the dump folder), `result`
+    (the launcher's exit code, stdout and stderr)."""
+    folder = tmp_path_factory.mktemp("reference")
+    command = [
+        *launcher(2),
+        str(TESTS / "dist" / "reference_run.py"),
+        runs.GREEDY_PROMPT,
+        str(runs.GREEDY_TOKENS),
+        *runs.REFERENCE,
+        *runs.WANDB,
+        *("--job.dump_folder", str(folder)),
+    ]
+    result = run(command, env=runs.WANDB_ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # wandb's service process (wandb-core) outlives the run by a moment, and this session
+    # adopts it (tests/conftest.py: a subreaper): let it exit before the no-process-left check.
+    psutil.wait_procs(psutil.Process().children(recursive=True), timeout=60)
+    return SimpleNamespace(folder=folder, result=result)
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory) -> Path:
+    """runs.LORA, uninterrupted, under torchrun with 2 ranks: its dump folder."""
+    folder = tmp_path_factory.mktemp("lora_e2e")
+    result = run_train(*runs.LORA, "--job.dump_folder", str(folder), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory) -> Path:
+    """runs.SFT, uninterrupted, under torchrun with 2 ranks, with its export: its dump folder
+    (console.txt holds its console)."""
+    folder = tmp_path_factory.mktemp("sft")
+    result = run_train(
+        *runs.SFT, "--job.dump_folder", str(folder), nproc=2, module="torchtitan_rl.sft"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (folder / "console.txt").write_text(result.stdout)
+    return folder

@@ -1,0 +1,138 @@
+"""Kill a run mid-way, launch the same command again: it resumes from the last complete
+checkpoint and ends as the uninterrupted run of the session did, row for row and bit for bit.
+
+    .venv/bin/python -m pytest tests/integration/test_resume.py
+
+One harness, three runs: RL (one rank SIGKILLed: the launcher stops the other quickly, and a
+torn and an unfinished checkpoint are skipped on resume), LoRA RL and SFT (the launcher and
+every rank SIGKILLed). Real torchrun with 2 ranks, DCP files, the real vLLM engine.
+"""
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from helpers import runs
+from helpers.launch import TIMING, kill_tree, run_train, start_train, wait_for_step
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from torchtitan_rl.checkpoint import invalid_reason
+
+
+@dataclass(frozen=True)
+class Case:
+    reference: str  # the session fixture of the uninterrupted run
+    flags: tuple[str, ...]
+    module: str
+    kill_after: int  # the step whose row is logged before the kill
+    resumed_from: int  # the last complete checkpoint then
+    last_step: int
+    kill_one_rank: bool  # True: SIGKILL rank 1 alone; False: the launcher and every rank
+    exact: bool  # rows equal exactly (else within 1e-6)
+
+
+CASES = {
+    "rl": Case("reference_run", runs.REFERENCE, "torchtitan_rl.train", 4, 3, 6, True, False),
+    "lora": Case("lora_run", runs.LORA, "torchtitan_rl.train", 4, 3, 6, False, False),
+    "sft": Case("sft_run", runs.SFT, "torchtitan_rl.sft", 12, 10, 30, False, True),
+}
+
+
+def rows_by_step(folder: Path) -> list[tuple[tuple[int, str], dict]]:
+    """metrics.jsonl rows in file order, each keyed by (step, "train" or "eval")."""
+    rows = []
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        is_eval = "eval/loss" in row or "eval/accuracy" in row
+        rows.append(((row["step"], "eval" if is_eval else "train"), row))
+    return rows
+
+
+def kill_one_rank(process, out: Path, step: int) -> None:
+    """SIGKILL rank 1 once `step` is logged: the launcher must stop rank 0 and exit non-zero
+    within 60 s, leaving no rank behind."""
+    try:
+        wait_for_step(process, out, step)
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        rank_1 = next(p for p in ranks if p.environ().get("LOCAL_RANK") == "1")
+        killed_at = time.monotonic()
+        rank_1.kill()
+        process.wait(timeout=120)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        kill_tree(process)
+    assert process.returncode != 0
+    assert ended_after < 60, f"the surviving rank took {ended_after:.0f} s to stop"
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def tear(checkpoints: Path, complete: int, torn: int, unfinished: int) -> None:
+    """A save torn by a crash (step `torn`: a truncated shard) and one that never finished
+    (step `unfinished`: a .tmp folder)."""
+    shutil.copytree(checkpoints / f"step-{complete}", checkpoints / f"step-{torn}")
+    shard = checkpoints / f"step-{torn}" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (checkpoints / f"step-{unfinished}.tmp").mkdir(exist_ok=True)
+    (checkpoints / f"step-{unfinished}.tmp" / "__0_0.distcp").write_bytes(b"partial")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_killed_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
+    case = CASES[name]
+    reference = request.getfixturevalue(case.reference)
+    reference = getattr(reference, "folder", reference)
+    out = tmp_path / "killed"
+    flags = (*case.flags, "--job.dump_folder", str(out))
+    process = start_train(*flags, nproc=2, module=case.module)
+    if case.kill_one_rank:
+        kill_one_rank(process, out, case.kill_after)
+    else:
+        try:
+            wait_for_step(process, out, case.kill_after)
+        finally:
+            kill_tree(process)
+    checkpoints = out / "checkpoints"
+    assert invalid_reason(checkpoints / f"step-{case.resumed_from}") is None
+    assert not (checkpoints / f"step-{case.last_step}").exists(), "killed too late"
+    if name == "rl":
+        tear(checkpoints, case.resumed_from, torn=5, unfinished=6)
+
+    result = run_train(*flags, nproc=2, module=case.module)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {checkpoints / f'step-{case.resumed_from}'}" in result.stdout
+    if name == "rl":
+        assert f"skipping checkpoint {checkpoints / 'step-5'}: __1_0.distcp has" in result.stderr
+        assert f"removing {checkpoints / 'step-6.tmp'}" in result.stderr
+    if name == "lora":
+        # The checkpoint holds the adapters, optimizer and train state, not the frozen weights.
+        saved = FileSystemReader(checkpoints / "step-3").read_metadata().state_dict_metadata
+        model_keys = [k for k in saved if not k.startswith(("optimizer", "lr_scheduler", "train"))]
+        assert len(model_keys) == 20 and all(".lora_" in k for k in model_keys), model_keys
+
+    expected, resumed = rows_by_step(reference), rows_by_step(out)
+    # The killed run's rows after the checkpoint were replaced: none is missing or doubled.
+    assert [key for key, _ in resumed] == [key for key, _ in expected]
+    resumed = dict(resumed)
+    for key, row in expected:
+        if key[0] <= case.resumed_from:
+            continue
+        for metric, value in row.items():
+            if metric.startswith(TIMING):
+                continue
+            if case.exact:
+                assert resumed[key][metric] == value, (key, metric)
+            else:
+                assert resumed[key][metric] == pytest.approx(value, rel=1e-6, abs=1e-7), (
+                    key,
+                    metric,
+                )
+    final, uninterrupted = (load_file(f / "hf" / "model.safetensors") for f in (out, reference))
+    assert final.keys() == uninterrupted.keys()
+    for tensor_name, tensor in uninterrupted.items():
+        assert torch.equal(final[tensor_name], tensor), tensor_name
