@@ -1,12 +1,14 @@
-"""Build a PolicyTrainer on this torchrun world, score a fixed batch, take one step, save results.
+"""For each layout, build a PolicyTrainer on this torchrun world, score a fixed batch, take
+one step, save results: several layouts share one launch.
 
-    torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR MICRO_BATCHES \
-        [ACTIVATION_CHECKPOINT [TP]]
+    torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR \
+        MICRO_BATCHES,ACTIVATION_CHECKPOINT,TP [MICRO_BATCHES,ACTIVATION_CHECKPOINT,TP ...]
 
-Each data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
+Each layout's results go to OUT_DIR/{MICRO_BATCHES}_{ACTIVATION_CHECKPOINT}_tp{TP}.pt. Each
+data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
 of a TP group on the same share). Rank 0 saves the logprobs of the whole batch (before the
 step), the pre-update logprobs the step itself reports for its share, the number of model
-forwards the step ran, and the full parameters after it, so tests can compare world sizes,
+forwards the step ran, and the full parameters before and after it, so tests can compare world sizes,
 micro-batch counts, parallelisms and activation checkpointing. It also saves the gradients the
 optimizer applied.
 """
@@ -28,11 +30,20 @@ from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
 
 
 def main() -> None:
-    out, micro_batches = Path(sys.argv[1]), int(sys.argv[2])
-    checkpointing = sys.argv[3] if len(sys.argv) > 3 else "none"
-    tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    out = Path(sys.argv[1])
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
+    for layout in sys.argv[2:]:
+        micro_batches, checkpointing, tp = layout.split(",")
+        result = step(int(micro_batches), checkpointing, int(tp), rank, world)
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(result, out / f"{micro_batches}_{checkpointing}_tp{tp}.pt")
+    platform.shutdown_distributed()
+
+
+def step(micro_batches: int, checkpointing: str, tp: int, rank: int, world: int) -> dict:
+    """One layout's trainer: score, one step; what rank 0 saves (every rank must call it)."""
     trainer = PolicyTrainer(
         model=ModelSection(hf_checkpoint=TINY),
         training=TrainingSection(
@@ -61,6 +72,7 @@ def main() -> None:
         return optimizer_step(*args, **kwargs)
 
     trainer.optimizers.step = record_grads_then_step
+    before = {k: v.full_tensor().clone() for k, v in trainer.state_dict().items()}
     result = trainer.train_step(local, pg_loss)
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}
@@ -73,27 +85,25 @@ def main() -> None:
         p is live[k] and type(p).__name__ == "DTensor"
         for k, p in trainer.named_parameters().items()
     )
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {
-                "logprobs_BT": logprobs_BT,
-                "entropy_BT": entropy_BT,
-                "params": params,
-                "grads": grads,
-                "metrics": result.metrics,
-                "step_logprobs_BT": result.logprobs_BT,
-                "share": (dp_rank, dp_size),
-                "forwards": len(forwards),
-                "checkpointed_blocks": sum(
-                    isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
-                ),
-                "local_shapes": local_shapes,
-                "params_are_views": params_are_views,
-            },
-            out / "result.pt",
-        )
-    platform.shutdown_distributed()
+    return {
+        "logprobs_BT": logprobs_BT,
+        "entropy_BT": entropy_BT,
+        "params_before": before,
+        "params": params,
+        "grads": grads,
+        "metrics": result.metrics,
+        "step_logprobs_BT": result.logprobs_BT,
+        "share": (dp_rank, dp_size),
+        "forwards": len(forwards),
+        "checkpointed_blocks": sum(
+            isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
+        ),
+        "local_shapes": local_shapes,
+        "params_are_views": params_are_views,
+    }
+    
+
+
 
 
 if __name__ == "__main__":

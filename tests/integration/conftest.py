@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+import torch
 from helpers import runs
-from helpers.launch import TESTS, launcher, run, run_train
+from helpers.launch import TESTS, launcher, run, run_dist, run_train
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +55,23 @@ def sft_run(tmp_path_factory) -> Path:
     assert result.returncode == 0, result.stderr[-3000:]
     (folder / "console.txt").write_text(result.stdout)
     return folder
+
+
+def engine_world(tmp_path_factory, nproc: int, model: str) -> list[dict]:
+    """tests/dist/engine_run.py (the generator's and the weight sync's checks on one engine
+    per rank) with `nproc` ranks (0: a plain process): what each rank measured."""
+    out = tmp_path_factory.mktemp(f"engine_{model}_w{nproc}")
+    run_dist("engine_run.py", str(out), model, nproc=nproc)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
+
+
+@pytest.fixture(scope="session")
+def engine_two_ranks(tmp_path_factory) -> list[dict]:
+    """The tiny Qwen3 on 2 torchrun ranks: each rank's {"generator": ..., "weight_sync": ...}."""
+    return engine_world(tmp_path_factory, 2, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def engine_plain(tmp_path_factory) -> list[dict]:
+    """The tiny Llama3 in a plain process (a world of one): [{"generator": ..., ...}]."""
+    return engine_world(tmp_path_factory, 0, "llama3")

@@ -2,25 +2,18 @@
 
     .venv/bin/python -m pytest tests/integration/test_generator.py
 
-vLLM runs in torchrun subprocesses (one engine per rank, shared by every check of a run):
-its CPU worker binds threads, which must not leak into the pytest process.
+vLLM runs in torchrun subprocesses (one engine per rank, shared by every check of a run and
+by test_weight_sync.py: tests/integration/conftest.py): its CPU worker binds threads, which
+must not leak into the pytest process.
 """
 
 import pytest
-import torch
-from helpers.launch import run_dist
 
 
-def launch(tmp_path_factory, nproc: int, model: str = "qwen3") -> list[dict]:
-    """Run tests/dist/generator_run.py under torchrun, or as a plain process for nproc = 0."""
-    out = tmp_path_factory.mktemp(f"generator_{model}_w{nproc}")
-    run_dist("generator_run.py", str(out), model, nproc=nproc)
-    return [torch.load(out / f"rank{r}.pt") for r in range(max(nproc, 1))]
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch(tmp_path_factory, 2)
+@pytest.fixture
+def ranks(engine_two_ranks) -> list[dict]:
+    """What each of 2 torchrun ranks measured with the tiny Qwen3 (tests/dist/engine_run.py)."""
+    return [r["generator"] for r in engine_two_ranks]
 
 
 def test_one_replica_per_rank_under_torchrun(ranks):
@@ -90,8 +83,8 @@ def test_bad_prompts_are_named(ranks):
     assert errors["empty"] == "prompt 0 has no tokens"
 
 
-def test_llama3_in_a_plain_process(tmp_path_factory):
-    (run,) = launch(tmp_path_factory, 0, "llama3")
+def test_llama3_in_a_plain_process(engine_plain):
+    run = engine_plain[0]["generator"]
     assert run["world"] == 1 and run["torch_distributed_usable"]
     assert max(run["logprob_diffs"]) <= 1e-5, run["logprob_diffs"]
     assert all(run["greedy_match"])

@@ -2,8 +2,9 @@
 
     .venv/bin/python -m pytest tests/integration/test_weight_sync.py
 
-The end-to-end checks run tests/dist/weight_sync_run.py (real FSDP trainer, real vLLM engine per
-rank) under torchrun with 2 processes and as a plain process; the rest are unit tests.
+The end-to-end checks run tests/dist/engine_run.py (real FSDP trainer, real vLLM engine per
+rank) under torchrun with 2 processes (tiny Qwen3) and as a plain process (tiny Llama3); the
+unit tests of the copy logic are in tests/unit/test_weight_sync.py.
 """
 
 import pytest
@@ -12,20 +13,20 @@ import torch.nn as nn
 from helpers.launch import run_dist
 
 
-def launch(tmp_path_factory, nproc: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"weight_sync_w{nproc}")
-    run_dist("weight_sync_run.py", str(out), nproc=nproc)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
+@pytest.fixture(params=["engine_two_ranks", "engine_plain"], ids=["torchrun-2", "plain"])
+def ranks(request) -> list[dict]:
+    """What each rank measured: the tiny Qwen3 on 2 torchrun ranks, the tiny Llama3 in a plain
+    process (tests/dist/engine_run.py, whose engines test_generator.py shares)."""
+    return [r["weight_sync"] for r in request.getfixturevalue(request.param)]
 
 
-@pytest.fixture(scope="module", params=[2, 0], ids=["torchrun-2", "plain"])
-def ranks(request, tmp_path_factory):
-    return launch(tmp_path_factory, request.param)
+# Parameters of each tiny model (Qwen3 adds a q and a k norm per layer); the step changes all.
+PARAMETERS = {"qwen3": 20, "llama3": 16}
 
 
 def test_every_parameter_is_bitwise_the_trainers_after_sync(ranks):
     for r in ranks:
-        assert r["stale_params_before_sync"] == r["num_params"] == 20  # the step changed all
+        assert r["stale_params_before_sync"] == r["num_params"] == PARAMETERS[r["model"]]
         assert r["mismatched_after_sync"] == []
         assert r["versions"] == (1, 1)
 
@@ -46,7 +47,9 @@ def test_prefix_cache_would_serve_stale_kv_without_the_reset(ranks):
 def test_sync_stats(ranks):
     for r in ranks:
         stats = r["stats"]
-        assert stats.bytes == 1217536  # every fp32 parameter once (tied embedding once)
+        # Every fp32 parameter once (a tied embedding once).
+        assert stats.bytes == r["generator_bytes"]
+        assert r["model"] != "qwen3" or stats.bytes == 1217536
         assert stats.seconds > 0 and stats.gb_per_s > 0
         assert stats.version == 1
         # 0.1 MiB buckets, or one larger parameter (256 x 128 fp32 = 128 KiB) alone. Two ranks

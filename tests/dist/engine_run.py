@@ -1,0 +1,229 @@
+"""One vLLM replica per rank next to FSDP PolicyTrainers, shared by the generator's and the
+weight sync's checks (one engine start per rank for both).
+
+    torchrun --standalone --nproc_per_node 2 tests/dist/engine_run.py OUT_DIR [MODEL]
+    python tests/dist/engine_run.py OUT_DIR llama3      (a world of one, no torchrun)
+
+Generator: each rank samples its own prompts (one short, one longer than a 128-token KV
+block), then a trainer recomputes the logprobs of every sampled token; a greedy pass is
+replayed through the trainer's argmax; stop ids, stop strings, seeds, bad prompts.
+
+Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
+reset (to show the stale KV a 150-token prompt keeps), then synced properly.
+
+Each rank saves {"generator": ..., "weight_sync": ...} to OUT_DIR/rank{r}.pt for the tests.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from helpers.launch import REPO
+
+from torchtitan_rl import platform
+from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.config.job_config import (
+    GeneratorSection,
+    ModelSection,
+    ParallelismSection,
+    TrainingSection,
+)
+from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
+from torchtitan_rl.weight_sync import WeightSync
+
+TEMPERATURE = 0.7  # the generator checks'
+SYNC_TEMPERATURE = 0.8  # the weight sync checks'
+
+
+def prompts_for(rank: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    short = torch.randint(3, 64, (9,), generator=g).tolist()
+    long = torch.randint(3, 64, (150,), generator=g).tolist()  # > one 128-token KV block
+    return [short, long]
+
+
+def trainer_logprobs(trainer: PolicyTrainer, prompt: list[int], tokens: list[int]):
+    """Trainer logprobs of `tokens` after `prompt`, and its argmax prediction at each step."""
+    tokens_BT = torch.tensor([prompt + tokens])
+    logprobs_BT, _ = trainer.logprobs(tokens_BT)
+    positions_BT = torch.arange(tokens_BT.shape[1])[None]
+    with torch.no_grad():
+        logits_BTV = trainer.model(tokens_BT, positions_BT, None)
+    argmax_T = logits_BTV[0, len(prompt) - 1 : -1].argmax(-1)
+    return logprobs_BT[0, len(prompt) :], argmax_T
+
+
+def generator_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+    trainer = PolicyTrainer(
+        model=model,
+        training=TrainingSection(),
+        parallelism=ParallelismSection(),
+        temperature=TEMPERATURE,
+    )
+    prompts = prompts_for(rank)
+
+    sampled = generator.generate(prompts, n=3, temperature=TEMPERATURE, max_tokens=12, seed=7)
+    diffs, lengths = [], []
+    for prompt, group in zip(prompts, sampled.samples, strict=True):
+        for sample in group:
+            recomputed, _ = trainer_logprobs(trainer, prompt, sample.token_ids)
+            reported = torch.tensor(sample.logprobs)
+            diffs.append(float((recomputed - reported).abs().max()))
+            lengths.append(len(sample.token_ids))
+
+    # Greedy: vLLM reports log_softmax(logits) when temperature is 0 (no scaling).
+    greedy = generator.generate(prompts, n=1, temperature=0.0, max_tokens=12)
+    greedy_match = []
+    for prompt, (sample,) in zip(prompts, greedy.samples, strict=True):
+        _, argmax_T = trainer_logprobs(trainer, prompt, sample.token_ids)
+        greedy_match.append(argmax_T.tolist() == sample.token_ids)
+
+    errors = {}
+    for name, bad in {"too_long": [[5] * 256], "empty": [[]]}.items():
+        try:
+            generator.generate(bad)
+        except ValueError as e:
+            errors[name] = str(e)
+
+    generator_params = {k: tuple(v.shape) for k, v in generator.named_parameters().items()}
+    trainer_params = {k: tuple(v.shape) for k, v in trainer.named_parameters().items()}
+    generator.reset_prefix_cache()
+    again = generator.generate(prompts[:1], n=3, temperature=TEMPERATURE, max_tokens=12, seed=7)
+    # The random tiny model emits each of its 68 ids at about the same rate: over 128 samples
+    # of 24 tokens both stop ids of generation_config.json come up.
+    stopping = generator.generate(prompts, n=64, temperature=1.5, max_tokens=24, seed=11)
+    # A stop string (generator.sampling.stop) ends a completion too; the id "5" encodes to.
+    generator.config.sampling.stop = ["5"]
+    five = generator.generate(prompts, n=32, temperature=1.5, max_tokens=24, seed=12)
+    generator.config.sampling.stop = []
+
+    return {
+        "world": world,
+        "prompts": prompts,
+        "sampled": [[s.token_ids for s in group] for group in sampled.samples],
+        "finish_reasons": [s.finish_reason for group in sampled.samples for s in group],
+        "logprob_diffs": diffs,
+        "lengths": lengths,
+        "greedy_match": greedy_match,
+        "errors": errors,
+        "generator_params": generator_params,
+        "trainer_params": trainer_params,
+        "seeded_repeat": [s.token_ids for s in again.samples[0]],
+        "stop_token_ids": generator.stop_token_ids,
+        "stopping": [(s.token_ids, s.finish_reason) for g in stopping.samples for s in g],
+        "five_id": generator.engine.get_tokenizer().convert_tokens_to_ids("5"),
+        "stopped_at_five": [(s.token_ids, s.finish_reason) for g in five.samples for s in g],
+        "torch_distributed_usable": dist.is_initialized() and dist.get_world_size() == world,
+    }
+
+
+def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
+    weighted_BT = batch.advantages_B[:, None] * logprobs_BT * batch.loss_mask_BT
+    return -weighted_BT.sum() / scale.tokens, {}
+
+
+def max_logprob_diff(trainer, prompt, completions) -> float:
+    """Largest |generator - trainer| logprob over the sampled tokens of `completions`."""
+    worst = 0.0
+    for sample in completions.samples[0]:
+        tokens_BT = torch.tensor([prompt + sample.token_ids])
+        logprobs_BT, _ = trainer.logprobs(tokens_BT)
+        recomputed = logprobs_BT[0, len(prompt) :]
+        worst = max(worst, float((recomputed - torch.tensor(sample.logprobs)).abs().max()))
+    return worst
+
+
+def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+    trainer = PolicyTrainer(
+        model=model,
+        training=TrainingSection(lr=2e-2, max_grad_norm=0.0),
+        parallelism=ParallelismSection(),
+        temperature=SYNC_TEMPERATURE,
+    )
+    sync = WeightSync.between(trainer, generator, bucket_mb=0.1, verify=True)
+
+    g = torch.Generator().manual_seed(rank)
+    long_prompt = torch.randint(3, 64, (150,), generator=g).tolist()
+    short_prompt = torch.randint(3, 64, (7,), generator=g).tolist()
+
+    def sample(prompt):
+        return generator.generate(
+            [prompt], n=4, temperature=SYNC_TEMPERATURE, max_tokens=10, seed=3
+        )
+
+    before = sample(long_prompt)  # fills the prefix cache with old-weight KV
+    diff_before_step = max_logprob_diff(trainer, long_prompt, before)
+
+    # One real optimizer step on a batch of the generator's own samples.
+    tokens = [long_prompt[-20:] + s.token_ids for s in before.samples[0]]
+    width = max(len(t) for t in tokens)
+    tokens_BT = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
+    mask_BT = torch.zeros(tokens_BT.shape)
+    for b, t in enumerate(tokens):
+        mask_BT[b, 20 : len(t)] = 1.0
+    batch = RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        generator_logprobs_BT=torch.zeros(tokens_BT.shape),
+    )
+    trainer.train_step(batch, pg_loss)
+    stale_params = sum(
+        not torch.equal(generator.named_parameters()[k], p.full_tensor())
+        for k, p in trainer.named_parameters().items()
+    )
+
+    # Copy without resetting the prefix cache: the cached block still holds old-weight KV.
+    sync.copy()
+    generator.repack_weights()
+    diff_stale_cache = max_logprob_diff(trainer, long_prompt, sample(long_prompt))
+
+    stats = sync.sync(trainer, generator)
+    mismatched = [
+        name
+        for name, param in trainer.named_parameters().items()
+        if not torch.equal(generator.named_parameters()[name], param.full_tensor())
+    ]
+    diff_long = max_logprob_diff(trainer, long_prompt, sample(long_prompt))
+    diff_short = max_logprob_diff(trainer, short_prompt, sample(short_prompt))
+    return {
+        "world": world,
+        "model": model.name,
+        "generator_bytes": sum(
+            p.numel() * p.element_size() for p in generator.named_parameters().values()
+        ),
+        "diff_before_step": diff_before_step,
+        "stale_params_before_sync": stale_params,
+        "diff_stale_cache": diff_stale_cache,
+        "diff_long": diff_long,
+        "diff_short": diff_short,
+        "mismatched_after_sync": mismatched,
+        "num_params": len(trainer.named_parameters()),
+        "stats": stats,
+        "num_buckets": len(sync.buckets),
+        "versions": (trainer.policy_version, generator.policy_version),
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    name = sys.argv[2] if len(sys.argv) > 2 else "qwen3"
+    platform.patch_torchtitan()
+    rank, world = platform.init_distributed()
+    model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
+    generator = Generator(generator=GeneratorSection(max_model_len=256), model=model, seed=rank)
+    torch.save(
+        {
+            "generator": generator_checks(model, generator, rank, world),
+            "weight_sync": weight_sync_checks(model, generator, rank, world),
+        },
+        out / f"rank{rank}.pt",
+    )
+    platform.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
+    platform.exit_process(0)  # also skips vLLM's slow teardown
