@@ -56,8 +56,14 @@ def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_w
     assert sum(r["reward/mean"] for r in last) / 10 > 0.8
 
 
-def test_synchronous_k0_then_resume_from_a_checkpoint(tmp_path):
-    flags = (*DISAGGREGATED, "--checkpoint.enable", "true", "--checkpoint.interval", "2")
+def test_synchronous_k0_dapo_then_resume_from_a_checkpoint(tmp_path):
+    """k = 0 with DAPO: dynamic sampling runs on the generator rank (the same
+    RLTrainer.rollouts): flat groups are replaced by further rounds of prompts, and the trainer
+    logs what it took. Then a second launch resumes from the step-4 checkpoint."""
+    flags = (
+        *DISAGGREGATED,
+        *("--algorithm.loss", "dapo", "--checkpoint.enable", "true", "--checkpoint.interval", "2"),
+    )
     first = run_train(*flags, "--training.steps", "4", "--job.dump_folder", str(tmp_path), nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
     assert [row["policy_age/max"] for row in rows(tmp_path)] == [0.0] * 4
@@ -70,6 +76,10 @@ def test_synchronous_k0_then_resume_from_a_checkpoint(tmp_path):
     # The generator got the restored weights (version 4) before sampling step 5.
     assert [row["rollout_version/min"] for row in metrics[4:]] == [4.0, 5.0]
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
+    for row in metrics:
+        # The tiny model starts near reward 0: most groups are flat, so it takes more rounds.
+        assert 1 < row["dynamic_sampling/rounds"] <= 4
+        assert row["dynamic_sampling/generated_groups"] > 32
 
 
 def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_path):
@@ -106,21 +116,3 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_p
     logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     # The samples of the generator that sends to trainer rank 0, which logs.
     assert [len(r["samples"]) for r in logged] == [4, 4, 4]
-
-
-def test_generator_ranks_sample_dynamically_for_dapo(tmp_path):
-    """Dynamic sampling runs on the generator ranks (the same RLTrainer.rollouts): flat groups
-    are replaced by further rounds of prompts, and the trainer logs what it took."""
-    result = run_train(
-        *DISAGGREGATED,
-        *("--algorithm.loss", "dapo", "--training.steps", "3"),
-        *("--job.dump_folder", str(tmp_path)),
-        nproc=2,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = rows(tmp_path)
-    assert [row["step"] for row in metrics] == [1, 2, 3]
-    for row in metrics:
-        # The tiny model starts near reward 0: most groups are flat, so it takes more rounds.
-        assert 1 < row["dynamic_sampling/rounds"] <= 4
-        assert row["dynamic_sampling/generated_groups"] > 32
