@@ -1,6 +1,6 @@
 """Typed batches passed between generation, scoring and training.
 
-    .venv/bin/python -m pytest tests/test_logprobs.py
+    .venv/bin/python -m pytest tests/unit/test_logprobs.py
 
 Shapes: B sequences, T tokens (prompt + completion, right-padded).
 """

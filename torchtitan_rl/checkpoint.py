@@ -1,6 +1,6 @@
 """Checkpoints a run can resume from exactly, written atomically, and HF safetensors export.
 
-    .venv/bin/python -m pytest tests/test_checkpoint.py
+    .venv/bin/python -m pytest tests/*/test_checkpoint.py
 
 Layout: {job.dump_folder}/{checkpoint.folder}/step-{N}/ holds DCP shards of the model,
 optimizer, LR schedule and train state (step, policy version, reward-error count, every rank's

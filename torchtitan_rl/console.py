@@ -1,7 +1,7 @@
 """The console a user watches: this project's lines, warnings and errors. Library output (vLLM,
 torch, Python warnings, C/C++ code writing straight to fd 2) goes to {job.dump_folder}/run.log.
 
-    .venv/bin/python -m pytest tests/test_console.py
+    .venv/bin/python -m pytest tests/unit/test_console.py tests/integration/test_launcher.py
 
 `redirect(folder, rank)` points this process's file descriptors 1 and 2 at the log (rank 0:
 run.log, rank N: run.rank{N}.log, appended to), keeping copies of what they pointed at before.

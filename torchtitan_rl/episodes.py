@@ -1,6 +1,6 @@
 """Episodes: prompts -> environments -> turns of generation, token-exact, -> scored samples.
 
-    .venv/bin/python -m pytest tests/test_envs.py
+    .venv/bin/python -m pytest tests/*/test_envs.py
 
 Every rollout is an episode (a single-turn task is the one-step case, `tasks.env.SingleTurn`).
 An episode's ids are never re-encoded: turn k+1's prompt is turn k's prompt, plus the ids the
@@ -8,7 +8,7 @@ model sampled (its stop id included), plus the environment's reply rendered on i
 chat template (`Renderer.reply_ids`). The training sequence is the whole episode: the first
 prompt, then `Sample.token_ids`, where `sampled_mask` marks what the model sampled (trained)
 and what the environment wrote (not). Decoding and re-encoding a turn could give other ids than
-the model sampled (tests/test_envs.py builds such a case); then the trainer would score tokens
+the model sampled (tests/unit/test_envs.py builds such a case); then the trainer would score tokens
 the generator never chose.
 
 The episodes of a step run together: one batched generate call per turn over the episodes

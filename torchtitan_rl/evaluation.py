@@ -1,6 +1,6 @@
 """Held-out evaluation on the generator: accuracy (mean@n), unbiased pass@k, response length.
 
-    .venv/bin/python -m pytest tests/test_eval.py
+    .venv/bin/python -m pytest tests/*/test_eval.py
 
 Every rank evaluates a contiguous shard of the eval prompts and the shards' totals are summed.
 A sample is correct when its reward is at least 1 (math-verify's 1.0; a custom reward_fn

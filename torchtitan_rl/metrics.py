@@ -1,7 +1,7 @@
 """Per-step metrics: metrics.jsonl (rank 0), TensorBoard, a console line, a progress bar,
 a reward curve, sampled rollouts (rollouts.jsonl), and the summary a finished run ends with.
 
-    .venv/bin/python -m pytest tests/test_rl_trainer.py
+    .venv/bin/python -m pytest tests/*/test_rl_trainer.py
 
 metrics.jsonl holds one JSON object per step; later tools and benchmarks read its keys (the
 contract): step, reward/mean, reward/std, response_length/mean, loss, entropy, clip_fraction,

@@ -1,6 +1,6 @@
 """Every CPU/CUDA difference and torchtitan workaround lives here, each with the reason.
 
-    .venv/bin/python -m pytest tests/test_platform.py
+    .venv/bin/python -m pytest tests/unit/test_platform.py
 
 Everything else asks this module which device, process-group backend and attention to use.
 The rule the CPU and CUDA runs share: the tensors of a step (tokens, logits, logprobs,

@@ -1,6 +1,6 @@
 """Rollouts: one rank's scored samples of a step, as they travel from generation to training.
 
-    .venv/bin/python -m pytest tests/test_algorithms.py
+    .venv/bin/python -m pytest tests/unit/test_algorithms.py
 
 Shapes: P prompts, N samples per prompt.
 """

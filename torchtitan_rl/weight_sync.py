@@ -1,6 +1,6 @@
 """WeightSync: the trainer's sharded parameters copied in place into the generator, every step.
 
-    .venv/bin/python -m pytest tests/test_weight_sync.py
+    .venv/bin/python -m pytest tests/*/test_weight_sync.py
 
 The generator runs the trainer's torchtitan model class, so both sides name and shape their
 parameters alike (fused QKV included) and a sync is: for each bucket of parameters, all-gather

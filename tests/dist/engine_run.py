@@ -1,8 +1,9 @@
 """One vLLM replica per rank next to FSDP PolicyTrainers, shared by the generator's and the
 weight sync's checks (one engine start per rank for both).
 
-    torchrun --standalone --nproc_per_node 2 tests/dist/engine_run.py OUT_DIR [MODEL]
-    python tests/dist/engine_run.py OUT_DIR llama3      (a world of one, no torchrun)
+    torchrun --standalone --nproc_per_node 2 tests/dist/engine_run.py OUT_DIR qwen3 \
+        generator,weight_sync
+    python tests/dist/engine_run.py OUT_DIR llama3 generator     (a world of one)
 
 Generator: each rank samples its own prompts (one short, one longer than a 128-token KV
 block), then a trainer recomputes the logprobs of every sampled token; a greedy pass is
@@ -11,7 +12,8 @@ replayed through the trainer's argmax; stop ids, stop strings, seeds, bad prompt
 Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
 reset (to show the stale KV a 150-token prompt keeps), then synced properly.
 
-Each rank saves {"generator": ..., "weight_sync": ...} to OUT_DIR/rank{r}.pt for the tests.
+Each rank saves {"generator": ..., "weight_sync": ...} (the checks asked for) to
+OUT_DIR/rank{r}.pt for the tests.
 """
 
 import sys
@@ -208,19 +210,14 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    name = sys.argv[2] if len(sys.argv) > 2 else "qwen3"
+    out, name, checks = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
     generator = Generator(generator=GeneratorSection(max_model_len=256), model=model, seed=rank)
-    torch.save(
-        {
-            "generator": generator_checks(model, generator, rank, world),
-            "weight_sync": weight_sync_checks(model, generator, rank, world),
-        },
-        out / f"rank{rank}.pt",
-    )
+    run = {"generator": generator_checks, "weight_sync": weight_sync_checks}
+    results = {check: run[check](model, generator, rank, world) for check in checks}
+    torch.save(results, out / f"rank{rank}.pt")
     platform.shutdown_distributed()
 
 

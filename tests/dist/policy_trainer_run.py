@@ -72,8 +72,9 @@ def step(micro_batches: int, checkpointing: str, tp: int, rank: int, world: int)
         return optimizer_step(*args, **kwargs)
 
     trainer.optimizers.step = record_grads_then_step
-    before = {k: v.full_tensor().clone() for k, v in trainer.state_dict().items()}
+    before = {k: p.full_tensor().clone() for k, p in trainer.named_parameters().items()}
     result = trainer.train_step(local, pg_loss)
+    after = {k: p.full_tensor() for k, p in trainer.named_parameters().items()}
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}
     local_shapes = {k: tuple(v.to_local().shape) for k, v in state.items()}
@@ -88,7 +89,9 @@ def step(micro_batches: int, checkpointing: str, tp: int, rank: int, world: int)
     return {
         "logprobs_BT": logprobs_BT,
         "entropy_BT": entropy_BT,
-        "params_before": before,
+        # Keyed as the gradients (the trained parameters' names).
+        "weights_before": before,
+        "weights_after": after,
         "params": params,
         "grads": grads,
         "metrics": result.metrics,

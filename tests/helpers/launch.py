@@ -2,9 +2,9 @@
 plain process (a world of one, nproc = 0) or under `torchrun --standalone` with nproc ranks;
 reading what a run wrote; and killing a run with everything under it.
 
-Every launch runs from the repo root with OMP_NUM_THREADS=1 and tests/ on PYTHONPATH (so that
-tests/dist scripts import `helpers.*`), in a session of its own (a test signals it without
-signalling pytest).
+Every launch runs from the repo root with OMP_NUM_THREADS=1, the repo root and tests/ on
+PYTHONPATH (tests/dist scripts import this checkout's torchtitan_rl and `helpers.*`), in a
+session of its own (a test signals it without signalling pytest).
 """
 
 import json
@@ -40,9 +40,9 @@ def launcher(nproc: int) -> list[str]:
 
 
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """os.environ with one thread per rank, tests/ importable, and `env` on top (a PYTHONPATH
-    in `env` is put before tests/)."""
-    paths = [p for p in ((env or {}).get("PYTHONPATH"), str(TESTS)) if p]
+    """os.environ with one thread per rank, this checkout and tests/ importable, and `env` on
+    top (a PYTHONPATH in `env` comes first)."""
+    paths = [p for p in ((env or {}).get("PYTHONPATH"), str(REPO), str(TESTS)) if p]
     return {
         **os.environ,
         "OMP_NUM_THREADS": "1",

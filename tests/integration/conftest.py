@@ -57,21 +57,28 @@ def sft_run(tmp_path_factory) -> Path:
     return folder
 
 
-def engine_world(tmp_path_factory, nproc: int, model: str) -> list[dict]:
-    """tests/dist/engine_run.py (the generator's and the weight sync's checks on one engine
-    per rank) with `nproc` ranks (0: a plain process): what each rank measured."""
+def engine_world(tmp_path_factory, nproc: int, model: str, checks: str) -> list[dict]:
+    """tests/dist/engine_run.py (`checks`: generator and/or weight_sync, on one engine per
+    rank) with `nproc` ranks (0: a plain process): what each rank measured."""
     out = tmp_path_factory.mktemp(f"engine_{model}_w{nproc}")
-    run_dist("engine_run.py", str(out), model, nproc=nproc)
+    run_dist("engine_run.py", str(out), model, checks, nproc=nproc)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
 
 
 @pytest.fixture(scope="session")
 def engine_two_ranks(tmp_path_factory) -> list[dict]:
-    """The tiny Qwen3 on 2 torchrun ranks: each rank's {"generator": ..., "weight_sync": ...}."""
-    return engine_world(tmp_path_factory, 2, "qwen3")
+    """The tiny Qwen3 on 2 torchrun ranks, the generator's and the weight sync's checks on
+    each rank's engine: [{"generator": ..., "weight_sync": ...}] * 2."""
+    return engine_world(tmp_path_factory, 2, "qwen3", "generator,weight_sync")
 
 
 @pytest.fixture(scope="session")
 def engine_plain(tmp_path_factory) -> list[dict]:
-    """The tiny Llama3 in a plain process (a world of one): [{"generator": ..., ...}]."""
-    return engine_world(tmp_path_factory, 0, "llama3")
+    """The tiny Qwen3 in a plain process (a world of one), the weight sync's checks."""
+    return engine_world(tmp_path_factory, 0, "qwen3", "weight_sync")
+
+
+@pytest.fixture(scope="session")
+def engine_plain_llama3(tmp_path_factory) -> list[dict]:
+    """The tiny Llama3 in a plain process, the generator's checks."""
+    return engine_world(tmp_path_factory, 0, "llama3", "generator")

@@ -52,7 +52,8 @@ def test_a_nan_reward_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and all(e.startswith("error: step 3: a reward is not finite") for e in errors)
-    assert "Traceback" not in result.stderr
+    # No traceback of ours (torchrun appends its own report of the failed ranks).
+    assert "torchtitan_rl/" not in result.stderr
     assert invalid_reason(tmp_path / "checkpoints" / "step-2") is None
     assert not list((tmp_path / "checkpoints").glob("step-3*"))
 

@@ -83,8 +83,8 @@ def test_bad_prompts_are_named(ranks):
     assert errors["empty"] == "prompt 0 has no tokens"
 
 
-def test_llama3_in_a_plain_process(engine_plain):
-    run = engine_plain[0]["generator"]
+def test_llama3_in_a_plain_process(engine_plain_llama3):
+    run = engine_plain_llama3[0]["generator"]
     assert run["world"] == 1 and run["torch_distributed_usable"]
     assert max(run["logprob_diffs"]) <= 1e-5, run["logprob_diffs"]
     assert all(run["greedy_match"])

@@ -42,10 +42,11 @@ def test_torchrun_two_ranks_train_and_write_the_config(reference_run):
         f"starting: library output goes to {dump / 'run.log'} (--job.verbose shows it here)"
     )
     assert all(lines[s].startswith(f"step    {s} | reward") for s in range(1, steps + 1)), lines
-    assert lines[steps + 1].startswith(f"done: trained to step {steps} in "), lines
+    assert lines[steps + 1] == f"exported the policy to {dump / 'hf'}", lines
+    assert lines[steps + 2].startswith(f"done: trained to step {steps} in "), lines
     assert f"metrics:     {dump / 'metrics.jsonl'}" in lines
     assert f"library log: {dump / 'run.log'} (other ranks: run.rank<N>.log)" in lines
-    assert len(lines) <= 1 + steps + 7, lines  # the start, a line per step, the summary
+    assert len(lines) <= 2 + steps + 7, lines  # the start, a line per step, export, summary
     log = (dump / "run.log").read_text()
     assert "DTensor random operators" in log and ") WARNING " in log  # torch's, vLLM's
     assert "step    2 | reward" in log  # the console's lines too, in order with the rest

@@ -1,6 +1,6 @@
 """Advantage estimators over groups: the N samples of one prompt are compared with each other.
 
-    .venv/bin/python -m pytest tests/test_algorithms.py
+    .venv/bin/python -m pytest tests/unit/test_algorithms.py
 
 Each estimator maps rewards [P, N] to advantages [P, N]. Shapes: P prompts, N samples per prompt.
 """

@@ -1,6 +1,6 @@
 """Policy losses: one small class, called by PolicyTrainer.train_step per micro-batch.
 
-    .venv/bin/python -m pytest tests/test_algorithms.py tests/test_trl_parity.py
+    .venv/bin/python -m pytest tests/unit/test_algorithms.py tests/unit/test_trl_parity.py
 
 Three logprobs of each sampled token meet here:
   current    the policy being updated, with gradient;

@@ -1,7 +1,7 @@
 """Off-policy correction: the generator (behaviour) sampled with other weights or numerics
 than the trainer's before the update (old).
 
-    .venv/bin/python -m pytest tests/test_algorithms.py tests/test_trl_parity.py
+    .venv/bin/python -m pytest tests/unit/test_algorithms.py tests/unit/test_trl_parity.py
 
 Shapes: B sequences, T tokens, U units (T tokens, or 1 per sequence at sequence level).
 """

@@ -1,6 +1,6 @@
 """What happens to completions cut by max_tokens (algorithm.overlong).
 
-.venv/bin/python -m pytest tests/test_algorithms.py -k overlong
+.venv/bin/python -m pytest tests/unit/test_algorithms.py -k overlong
 
 Shapes: P prompts, N samples per prompt.
 """

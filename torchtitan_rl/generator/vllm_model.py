@@ -1,6 +1,6 @@
 """The torchtitan model as a vLLM model: torchtitan layers, vLLM paged attention.
 
-    .venv/bin/python -m pytest tests/test_generator.py
+    .venv/bin/python -m pytest tests/*/test_generator.py
 
 vLLM hands the model a flat batch of T tokens (prefills and decodes of many sequences mixed)
 with their positions. The wrapper runs the torchtitan model on it as one 1 x T sequence and

@@ -1,6 +1,6 @@
 """The task protocol and the registry the `task` config section chooses from.
 
-.venv/bin/python -m pytest tests/test_tasks.py
+.venv/bin/python -m pytest tests/unit/test_tasks.py
 """
 
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """Prompts from local JSONL, JSON or Parquet files (or a folder of shards), read with `datasets`.
 
-.venv/bin/python -m pytest tests/test_datasets.py
+.venv/bin/python -m pytest tests/unit/test_datasets.py
 
 A row holds a prompt (a string under `prompt_key`, or a list of chat messages under
 `messages_key`) and an answer under `answer_key`; GSM8K's answers ("... #### 42") keep what

@@ -1,6 +1,6 @@
 """Environments: the chat messages an episode exchanges with the model, one instance per episode.
 
-.venv/bin/python -m pytest tests/test_envs.py
+.venv/bin/python -m pytest tests/*/test_envs.py
 
 An environment speaks in messages, never in tokens: `reset(prompt)` gives the opening messages
 (and the tool schemas the chat template shows), `step(assistant_message)` answers one assistant

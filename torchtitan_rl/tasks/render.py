@@ -1,6 +1,6 @@
 """Prompts to token ids with the checkpoint's own chat template, and completions back to text.
 
-.venv/bin/python -m pytest tests/test_datasets.py
+.venv/bin/python -m pytest tests/unit/test_datasets.py
 
 Rendering is transformers' `apply_chat_template` on the checkpoint's tokenizer files: it reads
 the `chat_template` HF checkpoints ship (tokenizer_config.json or chat_template.jinja) and

@@ -1,6 +1,6 @@
 """Reward functions, user reward functions given as `module:function`, and the error policy.
 
-.venv/bin/python -m pytest tests/test_tasks.py
+.venv/bin/python -m pytest tests/unit/test_tasks.py
 """
 
 import functools

@@ -1,6 +1,6 @@
 """Demonstrations to SFT rows: the rendered prompt (not trained) and the response (trained).
 
-.venv/bin/python -m pytest tests/test_sft.py
+.venv/bin/python -m pytest tests/*/test_sft.py
 
 A dataset row's response is the text under task.answer_key (a prompt row), or each assistant
 message under task.messages_key (one training row per assistant message, its prompt being the

@@ -1,6 +1,6 @@
 """Offline toy tasks small enough that the tiny random-init model learns them with RL alone.
 
-.venv/bin/python -m pytest tests/test_tasks.py
+.venv/bin/python -m pytest tests/unit/test_tasks.py
 """
 
 import random

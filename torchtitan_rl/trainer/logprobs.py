@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropy from logits, chunked over the sequence.
 
-    .venv/bin/python -m pytest tests/test_logprobs.py
+    .venv/bin/python -m pytest tests/unit/test_logprobs.py
 
 Shapes: B batch, T sequence, V vocabulary, C a chunk of T.
 Alignment: `logprobs_BT[:, t]` is log p(tokens[:, t] | tokens[:, :t]), read from the logits at

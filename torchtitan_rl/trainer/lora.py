@@ -1,6 +1,6 @@
 """LoRA on the policy: torchtitan's LoRA converter, and the merged weights others see.
 
-    .venv/bin/python -m pytest tests/test_lora.py
+    .venv/bin/python -m pytest tests/*/test_lora.py
 
 The trainer's model config goes through torchtitan's `LoRAConverter` before it is built: each
 target linear becomes a LoRALinear (base weight frozen, adapters `lora_a` [r, in] and

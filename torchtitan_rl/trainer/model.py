@@ -1,6 +1,6 @@
 """Model specs with this platform's attention, and sharded loading of HF checkpoints.
 
-.venv/bin/python -m pytest tests/test_model.py
+.venv/bin/python -m pytest tests/unit/test_model.py
 """
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """PolicyTrainer: a torchtitan model, parallelized on the trainer mesh, that scores and trains.
 
-    .venv/bin/python -m pytest tests/test_policy_trainer.py tests/test_model.py
+    .venv/bin/python -m pytest tests/integration/test_policy_trainer.py tests/unit/test_model.py
 
 Built from torchtitan parts: the model spec's config and `parallelize_fn` (FSDP2 / HSDP / TP),
 its state-dict adapter with DCP's HF reader, and torchtitan's optimizer and LR-scheduler
