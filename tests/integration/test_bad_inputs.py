@@ -1,11 +1,8 @@
-"""Bad input: every way a user can get the config, the data or the model wrong ends in exit
-code 2 and one line naming the field or file and the fix, never a traceback.
+"""Bad input that a launched run must refuse: exit code 2 and one line naming the field or
+file and the fix, before any model or engine is built. The config cases in process:
+tests/unit/test_bad_inputs.py.
 
-.venv/bin/python -m pytest tests/integration/test_bad_inputs.py
-
-Covered elsewhere, with the real run they need: a checkpoint of the wrong flavor
-(test_model.py, test_launcher.py), degrees inconsistent with the torchrun world
-(test_launcher.py).
+    .venv/bin/python -m pytest tests/integration/test_bad_inputs.py
 """
 
 import json

@@ -1,6 +1,7 @@
-"""JobConfig: defaults < TOML < CLI, type checks, validation errors, TOML round trip.
+"""JobConfig through the entry point as a process: exit code 2 with one line, the dry run's
+TOML round trip, --help. In process: tests/unit/test_config.py.
 
-.venv/bin/python -m pytest tests/integration/test_config.py
+    .venv/bin/python -m pytest tests/integration/test_config.py
 """
 
 import dataclasses

@@ -7,9 +7,8 @@ generator rank's child process, weights broadcast over gloo.
 """
 
 import json
-from pathlib import Path
 
-from helpers.launch import run_train
+from helpers.launch import metric_rows, run_train
 
 DISAGGREGATED = (
     "--job.config_file",
@@ -19,12 +18,6 @@ DISAGGREGATED = (
     "--generator.verify_weight_sync",
     "true",
 )
-
-
-def rows(folder: Path, eval: bool = False) -> list[dict]:
-    """The step rows of metrics.jsonl (eval = True: its evaluation rows)."""
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if ("eval/accuracy" in r) == eval]
 
 
 def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_weights(tmp_path):
@@ -37,7 +30,7 @@ def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_w
         nproc=2,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = rows(tmp_path)
+    metrics = metric_rows(tmp_path)
     assert [row["step"] for row in metrics] == list(range(1, 101))
     # Every transfer: the generator's weights hash to the trainer's, bit for bit.
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
@@ -66,12 +59,12 @@ def test_synchronous_k0_dapo_then_resume_from_a_checkpoint(tmp_path):
     )
     first = run_train(*flags, "--training.steps", "4", "--job.dump_folder", str(tmp_path), nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert [row["policy_age/max"] for row in rows(tmp_path)] == [0.0] * 4
+    assert [row["policy_age/max"] for row in metric_rows(tmp_path)] == [0.0] * 4
 
     second = run_train(*flags, "--training.steps", "6", "--job.dump_folder", str(tmp_path), nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-4'}" in second.stdout
-    metrics = rows(tmp_path)
+    metrics = metric_rows(tmp_path)
     assert [row["step"] for row in metrics] == [1, 2, 3, 4, 5, 6]
     # The generator got the restored weights (version 4) before sampling step 5.
     assert [row["rollout_version/min"] for row in metrics[4:]] == [4.0, 5.0]
@@ -104,13 +97,13 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_p
         nproc=4,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = rows(tmp_path)
+    metrics = metric_rows(tmp_path)
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
     assert [row["policy_age/max"] for row in metrics] == [0.0, 1.0, 1.0, 1.0]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
     # Version 0 before step 1; version 2 taken before sampling step 4 (k = 1), sent with that
     # rollout; version 4, the last, in the generators' message after the last step.
-    evaluations = rows(tmp_path, eval=True)
+    evaluations = metric_rows(tmp_path, "eval")
     assert [(r["step"], r["eval/policy_version"]) for r in evaluations] == [(1, 0), (4, 2), (4, 4)]
     assert {r["eval/prompts"] for r in evaluations} == {36.0}  # both halves, summed
     logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]

@@ -1,6 +1,8 @@
-"""Environments, tool calls and multi-turn episodes: token-exact, limited, failing cleanly.
+"""Multi-turn episodes on the real vLLM engine (token-exact), whole runs with a user
+environment and hooks (bitwise on policy, both placements), and the shipped tool data.
+With a scripted policy: tests/unit/test_envs.py.
 
-.venv/bin/python -m pytest tests/integration/test_envs.py
+    .venv/bin/python -m pytest tests/integration/test_envs.py
 """
 
 import json
@@ -9,48 +11,17 @@ import sys
 
 import pytest
 import torch
-from helpers.launch import HELPERS, REPO, TINY, run_dist, run_train
+from helpers.launch import HELPERS, REPO, run_dist, run_train
+from helpers.render import chatter_renderer
 
-from torchtitan_rl.config.job_config import TaskSection
-from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.tasks.env import calc, parse_tool_calls
-from torchtitan_rl.tasks.render import build_renderer
-from torchtitan_rl.tasks.rewards import Scorer
 
 IM_END = 4
 
 
 @pytest.fixture(scope="module")
 def renderer():
-    task = TaskSection(name="env", env="user_envs:Chatter", dataset_path=str(REPO / "data"))
-    return build_renderer(task, TINY, max_prompt_len=32)
-
-
-def encode(renderer, text: str) -> list[int]:
-    return renderer.tokenizer.encode(text, add_special_tokens=False)
-
-
-# Tool calls and the calculator environment.
-
-
-# Rendering the environment's replies without re-encoding the sampled turn.
-
-
-# Episodes with a scripted policy: the token bookkeeping, the limits and the failures.
-
-
-def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):
-    scorer = Scorer(None, None, on_error)
-    runner = Episodes(
-        renderer,
-        make_env,
-        scorer,
-        stop_ids=[IM_END, 1],
-        max_turns=max_turns,
-        max_model_len=max_model_len,
-        timeout_s=timeout,
-    )
-    return runner, scorer
+    return chatter_renderer()
 
 
 # Multi-turn episodes on the real vLLM engine.
@@ -124,9 +95,6 @@ def test_real_episodes_stop_before_max_model_len(real):
     assert max(e["turns"] for e in short) == 2  # a third turn cannot fit in 72
     assert all(e["finish_reason"] == "length" for e in short)
     assert all(len(e["first_ids"]) + len(e["token_ids"]) <= 72 for e in short)
-
-
-# Config: task.env, its kwargs table, job.hooks.
 
 
 # The whole loop: a user environment and user hooks from the config, 2 ranks, bitwise.

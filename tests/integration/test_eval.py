@@ -1,4 +1,4 @@
-"""Evaluation: the unbiased pass@k, eval config checks, and eval metrics from summed totals.
+"""Evaluation in a real run (2 ranks), reproduced exactly by scripts/eval.py on the export.
 
 .venv/bin/python -m pytest tests/integration/test_eval.py
 """

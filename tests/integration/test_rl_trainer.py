@@ -1,6 +1,7 @@
-"""The GRPO loop end to end (torchrun, real vLLM, real FSDP) and its building blocks.
+"""The GRPO loop end to end (torchrun, real vLLM, real FSDP): the session's reference run, TP
+and sleep mode against it, hooks in both placements. Building blocks: tests/unit/.
 
-.venv/bin/python -m pytest tests/integration/test_rl_trainer.py
+    .venv/bin/python -m pytest tests/integration/test_rl_trainer.py
 """
 
 import json

@@ -1,6 +1,7 @@
-"""The tiny HF checkpoint: deterministic, and loaded alike by torchtitan, transformers and vLLM.
+"""The tiny HF checkpoint: the script makes the same bytes for the same seed, and vLLM's greedy
+completion of it is torchtitan's argmax.
 
-.venv/bin/python -m pytest tests/integration/test_tiny_checkpoint.py
+    .venv/bin/python -m pytest tests/integration/test_tiny_checkpoint.py
 """
 
 import json
@@ -10,10 +11,7 @@ from pathlib import Path
 
 import torch
 from helpers.launch import REPO
-
-from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import ModelSection
-from torchtitan_rl.trainer.model import build_spec, load_hf_weights
+from helpers.titan import torchtitan_logits
 
 TINY = REPO / "assets" / "tiny_qwen3"
 PROMPT = "echo 123: 123"
@@ -54,18 +52,6 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").stat().st_size < 5 * 2**20
 
 
-def torchtitan_logits(ids: list[int]) -> torch.Tensor:
-    """Logits of the unsharded torchtitan model loaded through the spec's HF adapter."""
-    platform.patch_torchtitan()
-    spec = build_spec(ModelSection(hf_checkpoint=str(TINY)))
-    model = spec.model.build()
-    model.init_states()
-    load_hf_weights(model, spec, str(TINY))
-    tokens_BT = torch.tensor([ids])
-    with torch.no_grad():
-        return model(tokens_BT, torch.arange(len(ids))[None], None)[0]
-
-
 def test_vllm_loads_it_and_greedy_matches_torchtitan():
     from transformers import AutoTokenizer
 
@@ -89,7 +75,9 @@ def test_vllm_loads_it_and_greedy_matches_torchtitan():
     # Replay vLLM's completion through torchtitan: each token must be the argmax, with the
     # logprob vLLM reported (fp32; generator and trainer differ by ~1e-6, see DESIGN.md).
     ids = AutoTokenizer.from_pretrained(TINY)(PROMPT)["input_ids"]
-    logprobs_TV = torch.log_softmax(torchtitan_logits(ids + out["token_ids"]).float(), dim=-1)
+    logprobs_TV = torch.log_softmax(
+        torchtitan_logits(str(TINY), ids + out["token_ids"]).float(), dim=-1
+    )
     for i, token in enumerate(out["token_ids"]):
         row = logprobs_TV[len(ids) - 1 + i]
         assert int(row.argmax()) == token

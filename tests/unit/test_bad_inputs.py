@@ -1,11 +1,13 @@
-"""Bad input: every way a user can get the config, the data or the model wrong ends in exit
-code 2 and one line naming the field or file and the fix, never a traceback.
+"""Bad input, in process: every way a user can get the config, the data or the model wrong
+ends in exit code 2 (`train.main`) and one line naming the field or file and the fix, never a
+traceback.
 
-.venv/bin/python -m pytest tests/unit/test_bad_inputs.py
+    .venv/bin/python -m pytest tests/unit/test_bad_inputs.py
 
-Covered elsewhere, with the real run they need: a checkpoint of the wrong flavor
-(test_model.py, test_launcher.py), degrees inconsistent with the torchrun world
-(test_launcher.py).
+As processes (an unwritable dump folder, a checkpoint of another model, a prompt too long):
+tests/integration/test_bad_inputs.py; a checkpoint of the wrong flavor: test_model.py and
+tests/integration/test_launcher.py; degrees inconsistent with the torchrun world:
+tests/integration/test_launcher.py.
 """
 
 import json

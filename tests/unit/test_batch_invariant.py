@@ -1,6 +1,7 @@
-"""Batch-invariant mode: kernels, then the real thing (vLLM engine + FSDP trainer, 2 ranks).
+"""Batch-invariant kernels: a row's result never depends on the rows beside it, and the start
+check finds kernels that do. The mode in real runs: tests/integration/test_batch_invariant.py.
 
-.venv/bin/python -m pytest tests/unit/test_batch_invariant.py
+    .venv/bin/python -m pytest tests/unit/test_batch_invariant.py
 """
 
 import pytest

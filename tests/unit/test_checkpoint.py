@@ -1,6 +1,8 @@
-"""Checkpoints: exact resume after SIGKILL, torn checkpoints skipped, async saves, HF export.
+"""Checkpoint bookkeeping: what makes a checkpoint folder incomplete, and the metric rows a
+resume keeps. Real saves, exports and resumes: tests/integration/test_checkpoint.py and
+test_resume.py.
 
-Real runs: torchrun with 2 ranks, the real vLLM engine, DCP files on disk, SIGKILL.
+    .venv/bin/python -m pytest tests/unit/test_checkpoint.py
 """
 
 import json

@@ -3,8 +3,6 @@
 .venv/bin/python -m pytest tests/unit/test_config.py
 """
 
-import dataclasses
-
 import pytest
 from helpers.launch import DEBUG_TOML, REPO, TINY, write_toml
 
@@ -12,17 +10,6 @@ from torchtitan_rl.config import JobConfig, parse_args, to_toml
 
 # run_configs name assets/ relative to the repo root, as the README's commands do.
 pytestmark = pytest.mark.usefixtures("repo_cwd")
-
-
-def leaf_flags(cls: type, prefix: str = "--") -> list[str]:
-    """The CLI flag of every leaf field of the dataclass tree `cls`."""
-    flags = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type):
-            flags += leaf_flags(f.type, f"{prefix}{f.name}.")
-        else:
-            flags.append(f"{prefix}{f.name}")
-    return flags
 
 
 def test_precedence_defaults_toml_cli(tmp_path):

@@ -1,6 +1,7 @@
-"""The console shows this project's lines; library output goes to {job.dump_folder}/run.log.
+"""The console lines of ours and the closing summary, in process. The redirect of library
+output to run.log, in real processes: tests/integration/test_launcher.py.
 
-.venv/bin/python -m pytest tests/unit/test_console.py
+    .venv/bin/python -m pytest tests/unit/test_console.py
 """
 
 import json

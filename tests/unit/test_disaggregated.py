@@ -1,9 +1,7 @@
-"""Disaggregated placement: 1 trainer rank + 1 generator rank under torchrun, k = 0 and 1.
+"""Disaggregated placement, in process: a rollout older than algorithm.max_offpolicy_steps is
+refused. Real runs: tests/integration/test_disaggregated.py.
 
-.venv/bin/python -m pytest tests/unit/test_disaggregated.py
-
-Real runs: torchrun with 2 ranks, the trainer's FSDP mesh on rank 0, the vLLM engine in the
-generator rank's child process, weights broadcast over gloo.
+    .venv/bin/python -m pytest tests/unit/test_disaggregated.py
 """
 
 from types import SimpleNamespace

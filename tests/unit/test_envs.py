@@ -1,22 +1,22 @@
-"""Environments, tool calls and multi-turn episodes: token-exact, limited, failing cleanly.
+"""Environments, tool calls and multi-turn episodes with a scripted policy: token-exact,
+limited, failing cleanly; the env config. On the real engine: tests/integration/test_envs.py.
 
-.venv/bin/python -m pytest tests/unit/test_envs.py
+    .venv/bin/python -m pytest tests/unit/test_envs.py
 """
 
 import asyncio
 
 import pytest
-from helpers.launch import REPO, TINY
+from helpers.launch import REPO
+from helpers.render import chatter_renderer, encode
 from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.config.job_config import TaskSection
 from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.generator.engine import Completions, Sample
 from torchtitan_rl.rl_trainer import load_hooks
 from torchtitan_rl.tasks import Prompt, open_task
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
-from torchtitan_rl.tasks.render import build_renderer
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
 
 IM_END = 4
@@ -25,12 +25,7 @@ CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n
 
 @pytest.fixture(scope="module")
 def renderer():
-    task = TaskSection(name="env", env="user_envs:Chatter", dataset_path=str(REPO / "data"))
-    return build_renderer(task, TINY, max_prompt_len=32)
-
-
-def encode(renderer, text: str) -> list[int]:
-    return renderer.tokenizer.encode(text, add_special_tokens=False)
+    return chatter_renderer()
 
 
 # Tool calls and the calculator environment.

@@ -1,6 +1,7 @@
-"""Evaluation: the unbiased pass@k, eval config checks, and eval metrics from summed totals.
+"""Evaluation, in process: the unbiased pass@k, eval metrics from summed totals, eval config
+checks. A run that evaluates, and scripts/eval.py: tests/integration/test_eval.py.
 
-.venv/bin/python -m pytest tests/unit/test_eval.py
+    .venv/bin/python -m pytest tests/unit/test_eval.py
 """
 
 import math

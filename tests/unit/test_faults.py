@@ -1,9 +1,8 @@
-"""Faults: a rank killed mid-step, NaNs, a generator short of KV cache, long seeded steps.
+"""Faults, in process: non-finite logprobs named, reward functions that raise or hang. In
+real runs: tests/integration/test_faults.py and test_resume.py; a NaN/inf loss or gradient:
+test_model.py (test_non_finite_step_stops_without_touching_weights).
 
-.venv/bin/python -m pytest tests/unit/test_faults.py
-
-Real runs: torchrun with 2 ranks, SIGKILL, the real vLLM engine. A NaN/inf loss or gradient
-is tested in test_model.py (test_non_finite_step_stops_without_touching_weights).
+    .venv/bin/python -m pytest tests/unit/test_faults.py
 """
 
 import time

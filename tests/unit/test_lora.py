@@ -1,9 +1,7 @@
-"""LoRA RL: adapters train on a frozen policy, the generator gets merged weights in place.
+"""LoRA config and targets, in process: bad values refused, the demo config, the linears each
+lora.target adapts. Real runs: tests/integration/test_lora.py and test_resume.py.
 
     .venv/bin/python -m pytest tests/unit/test_lora.py
-
-Real parts: torchtitan's LoRA converter on the tiny Qwen3, FSDP over 2 torchrun ranks, the
-batch-invariant kernels, transformers on the export, and (end to end) the real vLLM engine.
 """
 
 import pytest

@@ -1,6 +1,7 @@
-"""The GRPO loop end to end (torchrun, real vLLM, real FSDP) and its building blocks.
+"""Building blocks of the GRPO loop, in process: the rollout batch, the echo task, the
+batch-invariant logprob check. The loop end to end: tests/integration/test_rl_trainer.py.
 
-.venv/bin/python -m pytest tests/unit/test_rl_trainer.py
+    .venv/bin/python -m pytest tests/unit/test_rl_trainer.py
 """
 
 import pytest

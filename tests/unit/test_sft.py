@@ -1,10 +1,8 @@
-"""SFT warm start: the loss mask, token-budget micro-batches, exact resume, and an export that
-the RL run and vLLM load and that answers as the SFT trainer did.
+"""SFT data, in process: only the assistant tokens are trained, prompt rows, bad rows named
+file:row, values an SFT run would ignore. Real runs: tests/integration/test_sft.py and
+test_resume.py.
 
-.venv/bin/python -m pytest tests/unit/test_sft.py
-
-Real runs: torchrun with 2 ranks, the tiny Qwen3 checkpoint and its chat template, DCP files,
-SIGKILL, and the real vLLM engine in the RL run that starts from the SFT export.
+    .venv/bin/python -m pytest tests/unit/test_sft.py
 """
 
 import json

@@ -1,9 +1,7 @@
-"""WeightSync: bitwise in-place copies, fresh logprobs, no stale KV, clear errors, bounded buckets.
+"""WeightSync's copy logic on plain tensors: mismatches named, dtype casts, bounded buckets,
+verification. With real trainers and engines: tests/integration/test_weight_sync.py.
 
     .venv/bin/python -m pytest tests/unit/test_weight_sync.py
-
-The end-to-end checks run tests/dist/weight_sync_run.py (real FSDP trainer, real vLLM engine per
-rank) under torchrun with 2 processes and as a plain process; the rest are unit tests.
 """
 
 import pytest

@@ -1,0 +1,20 @@
+"""The tiny checkpoint through torchtitan alone, for tests that compare other readers of it
+(transformers, vLLM) with the model the trainer builds."""
+
+import torch
+
+from torchtitan_rl import platform
+from torchtitan_rl.config.job_config import ModelSection
+from torchtitan_rl.trainer.model import build_spec, load_hf_weights
+
+
+def torchtitan_logits(checkpoint: str, ids: list[int]) -> torch.Tensor:
+    """[T, V] logits of the unsharded torchtitan model loaded through the spec's HF adapter."""
+    platform.patch_torchtitan()
+    spec = build_spec(ModelSection(hf_checkpoint=checkpoint))
+    model = spec.model.build()
+    model.init_states()
+    load_hf_weights(model, spec, checkpoint)
+    tokens_BT = torch.tensor([ids])
+    with torch.no_grad():
+        return model(tokens_BT, torch.arange(len(ids))[None], None)[0]
