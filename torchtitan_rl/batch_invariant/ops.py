@@ -7,7 +7,7 @@ Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; /work notes in the R
   every M >= 12 that was tried (up to 4096) and at any position. `linear` pads the rows to a
   multiple of ROW_TILE and runs one GEMM; the backward is the plain one (gradients equal
   F.linear's bit for bit).
-- bf16 GEMM on CPUs with AMX (Sapphire Rapids and later) changes a row's result with M even
+- bf16 GEMM on CPUs with AMX (measured on a 2-core Xeon) changes a row's result with M even
   when M is padded to a multiple of ROW_TILE (1024-wide layers: 1 vs 40 rows differ). Its
   products are exact in fp32, so `linear` multiplies bf16 inputs as fp32 (invariant wherever
   fp32 is) and rounds the result to bf16 once; without AMX fp32 GEMM is also the faster one.
