@@ -125,8 +125,6 @@ class Generator:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(generator.kv_cache_space_gib)
         from vllm import EngineArgs, LLMEngine
 
-        _rank_sampled_tokens_eagerly()
-
         self.config = generator
         under_torchrun = "RANK" in os.environ
         overrides = {
@@ -309,22 +307,6 @@ class Generator:
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The generator's parameters by torchtitan FQN (tied weights appear once)."""
         return dict(self.model().named_parameters())
-
-
-def _count_at_least(logprobs_NV: torch.Tensor, picked_N1: torch.Tensor) -> torch.Tensor:
-    """The rank vLLM reports with a sampled token: how many vocabulary entries score at least
-    its logprob."""
-    return (logprobs_NV >= picked_N1).sum(-1)
-
-
-def _rank_sampled_tokens_eagerly() -> None:
-    """vLLM (0.32) ranks each sampled token with a torch.compile'd count, compiled in every
-    engine's first step: measured 2-4 s per engine start on CPU (a C++ build on a machine
-    without the inductor cache), for an integer that the eager count gives exactly. The
-    logprobs themselves do not pass through it."""
-    from vllm.v1.sample import sampler
-
-    sampler.batched_count_greater_than = _count_at_least
 
 
 def _each(value, count: int) -> list:
