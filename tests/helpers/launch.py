@@ -58,14 +58,20 @@ def write_toml(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
+def _kind(row: dict) -> str:
+    return "eval" if "eval/accuracy" in row or "eval/loss" in row else "train"
+
+
 def metric_rows(folder: Path, kind: str = "train") -> list[dict]:
     """folder/metrics.jsonl rows of one kind: "train" (step rows), "eval" (rows with
     eval/accuracy or eval/loss), or "all"."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    if kind == "all":
-        return rows
-    is_eval = ("eval/accuracy" in r or "eval/loss" in r for r in rows)
-    return [r for r, e in zip(rows, is_eval, strict=True) if e == (kind == "eval")]
+    return [row for row in rows if kind in ("all", _kind(row))]
+
+
+def keyed_rows(folder: Path) -> list[tuple[tuple[int, str], dict]]:
+    """folder/metrics.jsonl rows in file order, each keyed by (step, "train" or "eval")."""
+    return [((row["step"], _kind(row)), row) for row in metric_rows(folder, "all")]
 
 
 def logged_steps(folder: Path) -> set[int]:
@@ -105,9 +111,11 @@ def kill_tree(process: subprocess.Popen) -> None:
     psutil.wait_procs(victims, timeout=30)
 
 
-def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run(
+    command: list[str], env: dict[str, str] | None = None, timeout_s: float = 600
+) -> subprocess.CompletedProcess:
     """Run `command` from the repo root; the result, not checked. A command still running
-    after 600 s is killed with everything under it."""
+    after `timeout_s` is killed with everything under it."""
     process = subprocess.Popen(
         command,
         cwd=REPO,
@@ -118,7 +126,7 @@ def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.Com
         start_new_session=True,
     )
     try:
-        stdout, stderr = process.communicate(timeout=600)
+        stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_tree(process)  # no rank outlives its test
         raise
@@ -135,17 +143,14 @@ def run_train(
     return run([*launcher(nproc), "-m", module, *flags], env)
 
 
-def start_train(
-    *flags: str, nproc: int, module: str = "torchtitan_rl.train", stderr=subprocess.DEVNULL
-) -> subprocess.Popen:
-    """Start `python -m torchtitan_rl.train FLAGS` (or `module`) without waiting; stdout goes
-    to DEVNULL, stderr where asked."""
+def start_train(*flags: str, nproc: int, module: str = "torchtitan_rl.train") -> subprocess.Popen:
+    """Start `python -m torchtitan_rl.train FLAGS` (or `module`) without waiting; its output
+    goes to DEVNULL."""
     return subprocess.Popen(
         [*launcher(nproc), "-m", module, *flags],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=stderr,
-        text=True,
+        stderr=subprocess.DEVNULL,
         env=environment(),
         start_new_session=True,
     )
@@ -168,7 +173,8 @@ def run_dist(
 
 
 def run_helper(script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run tests/helpers/`script` with plain python; fails the test on a non-zero exit."""
-    result = run([sys.executable, str(TESTS / "helpers" / script), *args])
+    """Run tests/helpers/`script` with plain python (300 s at most); fails the test on a
+    non-zero exit."""
+    result = run([sys.executable, str(TESTS / "helpers" / script), *args], timeout_s=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return result

@@ -8,7 +8,6 @@ Real runs: torchrun with 2 ranks, the real vLLM engine, DCP files on disk.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import torch
 from helpers import runs
-from helpers.launch import REPO, run_train
+from helpers.launch import REPO, run_helper, run_train
 from safetensors.torch import load_file
 
 from torchtitan_rl.checkpoint import invalid_reason
@@ -44,20 +43,12 @@ def test_exported_policy_matches_the_generator_in_vllm_and_transformers(referenc
 
     generator_tokens = json.loads((reference_run.folder / "greedy.json").read_text())
     assert generator_tokens
-    native = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "helpers" / "vllm_greedy.py"),
-            str(reference_run.folder / "hf"),
-            runs.GREEDY_PROMPT,
-            str(runs.GREEDY_TOKENS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    native = run_helper(
+        "vllm_greedy.py",
+        str(reference_run.folder / "hf"),
+        runs.GREEDY_PROMPT,
+        str(runs.GREEDY_TOKENS),
     )
-    assert native.returncode == 0, native.stderr[-3000:]
     vllm_tokens = json.loads(native.stdout.splitlines()[-1])["token_ids"]
     # The run's generator stops at EOS; the helper ignores it.
     assert vllm_tokens[: len(generator_tokens)] == generator_tokens

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.launch import REPO
+from helpers.launch import REPO, metric_rows
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_tensorboard_gets_every_metric_every_step(run):
         accumulator.Tags()["scalars"]
     )
     rewards = accumulator.Scalars("reward/mean")
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = metric_rows(run)
     assert [e.step for e in rewards] == [1, 2, 3, 4, 5, 6]
     assert [e.value for e in rewards] == pytest.approx([m["reward/mean"] for m in metrics])
 
@@ -77,7 +77,7 @@ def test_plot_metrics_draws_the_logged_curves(run, tmp_path):
     assert "kl" in result.stdout and "logprob_diff/max" in result.stdout
 
     # Without a KL penalty there is no KL curve.
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run)
     no_kl = tmp_path / "no_kl.jsonl"
     no_kl.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "kl"}) for r in rows))
     result = subprocess.run(

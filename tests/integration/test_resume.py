@@ -8,7 +8,6 @@ torn and an unfinished checkpoint are skipped on resume), LoRA RL and SFT (the l
 every rank SIGKILLed). Real torchrun with 2 ranks, DCP files, the real vLLM engine.
 """
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import psutil
 import pytest
 import torch
 from helpers import runs
-from helpers.launch import TIMING, kill_tree, run_train, start_train, wait_for_step
+from helpers.launch import TIMING, keyed_rows, kill_tree, run_train, start_train, wait_for_step
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -42,16 +41,6 @@ CASES = {
     "lora": Case("lora_run", runs.LORA, "torchtitan_rl.train", 4, 3, 6, False, False),
     "sft": Case("sft_run", runs.SFT, "torchtitan_rl.sft", 12, 10, 30, False, True),
 }
-
-
-def rows_by_step(folder: Path) -> list[tuple[tuple[int, str], dict]]:
-    """metrics.jsonl rows in file order, each keyed by (step, "train" or "eval")."""
-    rows = []
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        is_eval = "eval/loss" in row or "eval/accuracy" in row
-        rows.append(((row["step"], "eval" if is_eval else "train"), row))
-    return rows
 
 
 def kill_one_rank(process, out: Path, step: int) -> None:
@@ -115,7 +104,7 @@ def test_a_killed_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
         model_keys = [k for k in saved if not k.startswith(("optimizer", "lr_scheduler", "train"))]
         assert len(model_keys) == 20 and all(".lora_" in k for k in model_keys), model_keys
 
-    expected, resumed = rows_by_step(reference), rows_by_step(out)
+    expected, resumed = keyed_rows(reference), keyed_rows(out)
     # The killed run's rows after the checkpoint were replaced: none is missing or doubled.
     assert [key for key, _ in resumed] == [key for key, _ in expected]
     resumed = dict(resumed)

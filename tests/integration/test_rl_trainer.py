@@ -77,7 +77,7 @@ def test_tensor_parallel_loop_takes_the_same_steps_as_fsdp(demo, tmp_path):
         nproc=2,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    tp_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    tp_rows = metric_rows(tmp_path)
     fsdp_rows = demo[1]
     first, fsdp_first = tp_rows[0], fsdp_rows[0]
     for key in ("reward/mean", "response_length/mean", "generated_tokens"):
@@ -101,7 +101,7 @@ def test_sleep_mode_changes_no_figure_of_the_run(demo, tmp_path):
         nproc=2,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path)
     for row, awake in zip(rows, demo[1][:2], strict=True):
         for key in ("reward/mean", "response_length/mean", "loss", "grad_norm"):
             assert row[key] == awake[key], key

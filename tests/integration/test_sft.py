@@ -9,22 +9,12 @@ real vLLM engine in the RL run that starts from the SFT export.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import run_dist, run_train
+from helpers.launch import keyed_rows, run_dist, run_train
 
 IM_END = 4  # the tiny checkpoint's <|im_end|>, its first stop id
-
-
-def rows_by_step(folder: Path) -> dict[tuple[int, str], dict]:
-    """metrics.jsonl rows keyed by (step, "train" or "eval")."""
-    rows = {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"], "eval" if "eval/loss" in row else "train"] = row
-    return rows
 
 
 def test_token_budget_micro_batches_give_the_one_batch_gradient(tmp_path):
@@ -49,7 +39,7 @@ def test_token_budget_micro_batches_give_the_one_batch_gradient(tmp_path):
 
 
 def test_sft_lowers_the_held_out_loss_and_logs_what_it_did(sft_run):
-    rows = rows_by_step(sft_run)
+    rows = dict(keyed_rows(sft_run))
     assert sorted(step for step, kind in rows if kind == "eval") == [0, 10, 20, 30]
     assert rows[30, "eval"]["eval/loss"] < rows[0, "eval"]["eval/loss"] / 3
     assert rows[30, "train"]["loss"] < rows[1, "train"]["loss"] / 3

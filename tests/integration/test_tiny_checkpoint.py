@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers.launch import REPO
+from helpers.launch import REPO, run_helper
 from helpers.titan import torchtitan_logits
 
 TINY = REPO / "assets" / "tiny_qwen3"
@@ -56,19 +56,7 @@ def test_vllm_loads_it_and_greedy_matches_torchtitan():
     from transformers import AutoTokenizer
 
     max_tokens = 6
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "helpers" / "vllm_greedy.py"),
-            str(TINY),
-            PROMPT,
-            str(max_tokens),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_helper("vllm_greedy.py", str(TINY), PROMPT, str(max_tokens))
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == max_tokens
 
