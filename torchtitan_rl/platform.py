@@ -173,18 +173,27 @@ def optimizer_implementation() -> str:
 
 
 def use_platform_attention(model_config) -> None:
-    """Replace every layer's inner attention with causal SDPA, in place, on CPU and CUDA.
+    """Make every layer's inner attention `DocumentCausalAttention`, in place, on CPU and CUDA:
+    torchtitan's SDPA over right-padded rows (`model(tokens, positions, None)`), and
+    `packed_attention_kernel()` over packed rows (`attention_masks` = `Documents`).
 
     torchtitan's default FlexAttention needs a BlockMask built per batch and has no CPU
-    backward; varlen attention needs CUDA. SDPA takes no mask object: callers pass
-    right-padded causal sequences and call `model(tokens, positions, None)`, on both
-    platforms, so the CPU tests run the trainer's CUDA attention code.
+    backward; its varlen attention needs CUDA and a mask object even for padded rows.
     """
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan_rl.trainer.attention import DocumentCausalAttention
 
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            layer.attention.inner_attention = DocumentCausalAttention.Config()
+
+
+def packed_attention_kernel():
+    """Document-causal attention of one packed row: varlen flash attention on CUDA; on CPU,
+    which has no varlen kernel and no FlexAttention backward, causal SDPA per document
+    (measured faster than one SDPA with a block-diagonal mask: README, "Packed micro-batches")."""
+    from torchtitan_rl.trainer import attention
+
+    return attention.varlen if device_type() == "cuda" else attention.sdpa_per_document
 
 
 def enable_fsdp_sum_reduction(model: nn.Module) -> None:

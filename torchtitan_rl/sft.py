@@ -29,7 +29,7 @@ from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.evaluation import eval_due
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.tasks.dataset import epoch_order
-from torchtitan_rl.tasks.sft_data import Example, SFTData, open_sft_data, pack, sft_batch, split_to
+from torchtitan_rl.tasks.sft_data import Example, SFTData, open_sft_data, sft_batch
 from torchtitan_rl.trainer.policy_trainer import LossScale, NonFiniteError, PolicyTrainer
 
 
@@ -60,6 +60,7 @@ class SFTTrainer:
             seed=config.job.seed,
             dump_folder=config.job.dump_folder,
             lora=config.lora,
+            micro_batch_tokens=config.sft.micro_batch_tokens,
         )
         # torchtitan puts TP innermost: the ranks of a TP group share their rows.
         self.tp = config.parallelism.tp
@@ -91,7 +92,7 @@ class SFTTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         rows = self.rows(step)
-        result = self.trainer.train_step(self.micro_batches(rows), cross_entropy, step=step)
+        result = self.trainer.train_step(sft_batch(rows), cross_entropy, step=step)
         tokens = torch.tensor([float(sum(len(e) for e in rows))], dtype=torch.float64)
         platform.all_reduce_host(tokens)
         elapsed = time.perf_counter() - start
@@ -116,14 +117,6 @@ class SFTTrainer:
             examples[epoch_order(len(examples), i, seed)] for i in range(first, first + per_rank)
         ]
 
-    def micro_batches(self, rows: list[Example]) -> list[RolloutBatch]:
-        """`rows` in micro-batches of at most sft.micro_batch_tokens padded tokens, as many as
-        the rank that needs most (every rank must run as many forwards)."""
-        groups = pack(rows, self.config.sft.micro_batch_tokens)
-        count = torch.tensor([len(groups)])
-        platform.all_reduce_host(count, op=dist.ReduceOp.MAX)
-        return [sft_batch(group) for group in split_to(groups, int(count))]
-
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out NLL over every rank's shard, and greedy samples of the first
@@ -136,11 +129,10 @@ class SFTTrainer:
         # must run as many forwards.
         filler = dataclasses.replace(held_out[0], prompt_len=len(held_out[0]))
         mine = mine + [filler] * (per_rank - len(mine))
-        sums = torch.zeros(2, dtype=torch.float64)
-        for micro in self.micro_batches(mine):
-            logprobs_BT, _ = self.trainer.logprobs(micro.tokens_BT)
-            mask_BT = micro.loss_mask_BT.to(logprobs_BT.device)
-            sums += torch.tensor([float(-(logprobs_BT * mask_BT).sum()), float(mask_BT.sum())])
+        batch = sft_batch(mine)
+        logprobs_BT, _ = self.trainer.logprobs(batch.tokens_BT, batch.loss_mask_BT)
+        mask_BT = batch.loss_mask_BT.to(logprobs_BT.device)
+        sums = torch.tensor([float(-(logprobs_BT * mask_BT).sum()), float(mask_BT.sum())])
         platform.all_reduce_host(sums)
         nll, tokens = (sums / self.tp).tolist()
         if not math.isfinite(nll):

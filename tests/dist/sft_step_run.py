@@ -1,6 +1,6 @@
 """Two SFTTrainers from the same weights take the first step of the same rows: in one
 micro-batch per rank, and in micro-batches cut by a token budget (as many on every rank, though
-the ranks' rows pack into different counts). Rank 0 saves both steps' gradients and metrics.
+the ranks' rows pack into different counts; each micro-batch one packed row). Rank 0 saves both steps' gradients and metrics.
 
     torchrun --nproc_per_node 2 tests/dist/sft_step_run.py OUT_DIR DATA.jsonl BUDGET
 """
@@ -13,7 +13,8 @@ import torch
 from torchtitan_rl import platform
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.sft import SFTTrainer
-from torchtitan_rl.tasks.sft_data import pack
+from torchtitan_rl.tasks.sft_data import sft_batch
+from torchtitan_rl.trainer import packing
 
 TINY = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_qwen3")
 
@@ -32,7 +33,9 @@ def first_step(out: Path, data: str, budget: int, world: int) -> dict:
     )
     sft = SFTTrainer(config)
     rows = sft.rows(1)
-    micro_batches = sft.micro_batches(rows)
+    batch = sft_batch(rows)
+    micro_batches = sft.trainer.micro_batches(batch)
+    lengths = packing.needed(batch.loss_mask_BT)
     grads, optimizer_step = {}, sft.trainer.optimizers.step
 
     def record_grads_then_step(*args, **kwargs):
@@ -45,8 +48,12 @@ def first_step(out: Path, data: str, budget: int, world: int) -> dict:
     return {
         "grads": grads,
         "metrics": metrics,
-        "packed": platform.all_gather_objects(len(pack(rows, budget))),
-        "shapes": platform.all_gather_objects([tuple(m.tokens_BT.shape) for m in micro_batches]),
+        "packed": platform.all_gather_objects(
+            len(packing.first_fit_decreasing(lengths, budget))
+        ),
+        "tokens": platform.all_gather_objects(
+            [sum(packing.needed(m.loss_mask_BT)) for _, m in micro_batches]
+        ),
     }
 
 

@@ -30,8 +30,8 @@ def test_token_budget_micro_batches_give_the_one_batch_gradient(tmp_path):
     assert whole["packed"] == [1, 1]
     assert cut["packed"][0] != cut["packed"][1], "the test rows must pack unevenly"
     # Every rank ran as many micro-batches, each within the budget.
-    assert len(cut["shapes"][0]) == len(cut["shapes"][1]) == max(cut["packed"])
-    assert all(rows * width <= 96 for shapes in cut["shapes"] for rows, width in shapes)
+    assert len(cut["tokens"][0]) == len(cut["tokens"][1]) == max(cut["packed"])
+    assert all(tokens <= 96 for tokens_R in cut["tokens"] for tokens in tokens_R)
     assert cut["metrics"]["tokens"] == whole["metrics"]["tokens"]
     assert cut["metrics"]["loss"] == pytest.approx(whole["metrics"]["loss"], rel=1e-6)
     for name, grad in whole["grads"].items():

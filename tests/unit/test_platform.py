@@ -6,16 +6,18 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torchtitan.models.common.attention import ScaledDotProductAttention
 
 from torchtitan_rl import platform
 from torchtitan_rl.models import model_spec
+from torchtitan_rl.trainer import attention
+from torchtitan_rl.trainer.attention import DocumentCausalAttention
 
 
 def test_cpu_choices():
     assert platform.device_type() == "cpu"
     assert platform.dist_backend() == "gloo"
     assert platform.spmd_backend() == "partial_dtensor"
+    assert platform.packed_attention_kernel() is attention.sdpa_per_document
 
 
 def test_patch_points_torchtitan_at_cpu():
@@ -31,7 +33,7 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
     spec = model_spec("qwen3", "tiny")
     platform.use_platform_attention(spec.model)
     assert all(
-        isinstance(layer.attention.inner_attention, ScaledDotProductAttention.Config)
+        isinstance(layer.attention.inner_attention, DocumentCausalAttention.Config)
         for layer in spec.model.layers
     )
     torch.manual_seed(0)
@@ -56,13 +58,14 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
 def test_cuda_choices_route_host_figures_through_gloo(monkeypatch):
     """What the CUDA run gets (checked on an H100 too, see README): one process group whose
     CPU tensors go through gloo and device tensors through NCCL, and the same SDPA attention
-    as on CPU."""
+    as on CPU for padded rows; varlen flash attention for packed ones."""
     monkeypatch.setattr(platform, "device_type", lambda: "cuda")
+    assert platform.packed_attention_kernel() is attention.varlen
     assert platform.dist_backend() == "cpu:gloo,cuda:nccl"
     spec = model_spec("qwen3", "tiny")
     platform.use_platform_attention(spec.model)
     assert all(
-        isinstance(layer.attention.inner_attention, ScaledDotProductAttention.Config)
+        isinstance(layer.attention.inner_attention, DocumentCausalAttention.Config)
         for layer in spec.model.layers
     )
 

@@ -66,8 +66,10 @@ def make_linears_invariant(model: nn.Module) -> None:
 
 
 class CausalAttention(Module):
-    """torchtitan inner attention over (B, L, N, H) right-padded causal sequences running
-    `ops.attention`: the trainer's side of the generator's paged attention in this mode."""
+    """torchtitan inner attention running `ops.attention`: over (B, L, N, H) right-padded causal
+    rows, or over each document of a packed row (`attention_masks` = trainer.attention's
+    `Documents`) with positions restarting at 0, so a sequence gets the same bits packed or
+    alone. The trainer's side of the generator's paged attention in this mode."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -76,10 +78,18 @@ class CausalAttention(Module):
     def __init__(self, config: Config | None = None):
         super().__init__()
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale: float | None = None, **_):
-        B, L = q_BLNH.shape[:2]
-        positions_BL = torch.arange(L, device=q_BLNH.device).expand(B, L)
-        return ops.attention(q_BLNH, k_BLNH, v_BLNH, positions_BL, scale)
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **_):
+        if attention_masks is not None:
+            from torchtitan_rl.trainer.attention import per_document
+
+            return per_document(_causal, q_BLNH, k_BLNH, v_BLNH, attention_masks, scale=scale)
+        return _causal(q_BLNH, k_BLNH, v_BLNH, scale=scale)
+
+
+def _causal(q_BLNH, k_BLNH, v_BLNH, scale=None):
+    B, L = q_BLNH.shape[:2]
+    positions_BL = torch.arange(L, device=q_BLNH.device).expand(B, L)
+    return ops.attention(q_BLNH, k_BLNH, v_BLNH, positions_BL, scale)
 
 
 def use_invariant_attention(model_config) -> None:

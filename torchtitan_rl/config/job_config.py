@@ -125,9 +125,17 @@ class TrainingSection:
     epochs: int = 1
     """Passes over a step's rollouts (PPO epochs; TRL num_iterations). The weights are synced
     to the generator once per step, after the last pass."""
+    micro_batch_tokens: int = 8192
+    """Token budget of a packed micro-batch: each rank packs its sequences (each up to its last
+    trained token) into rows of at most this many tokens, first-fit decreasing, every
+    sequence attending only to itself; the LM head runs only at trained tokens, in chunks.
+    As many micro-batches per rank as the rank that needs most; the gradient equals one
+    batch's. Must be >= generator.max_model_len. 0: right-padded rows in
+    training.micro_batches pieces with full logits (the path before packing)."""
     micro_batches: int = 1
-    """Gradient-accumulation micro-batches per rank per optimizer step (same gradient as one
-    batch)."""
+    """Gradient-accumulation micro-batches per rank per optimizer step when
+    training.micro_batch_tokens = 0 (same gradient as one batch); packing decides them
+    otherwise."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_prompt_len: int = 64
@@ -149,6 +157,17 @@ class TrainingSection:
         ):
             value = getattr(self, name)
             _require(value >= 1, f"training.{name} = {value}: must be >= 1")
+        _require(
+            self.micro_batch_tokens >= 0,
+            f"training.micro_batch_tokens = {self.micro_batch_tokens}: must be >= 0 "
+            "(0 trains right-padded rows)",
+        )
+        _require(
+            self.micro_batch_tokens == 0 or self.micro_batches == 1,
+            f"training.micro_batches = {self.micro_batches} would be ignored: packing under "
+            f"training.micro_batch_tokens = {self.micro_batch_tokens} decides the micro-batches; "
+            "lower micro_batch_tokens for smaller ones, or set it to 0 to split by row count",
+        )
         _require(self.lr > 0, f"training.lr = {self.lr}: the learning rate must be > 0, e.g. 1e-5")
         _require(
             self.warmup_steps >= 0, f"training.warmup_steps = {self.warmup_steps}: must be >= 0"
@@ -725,9 +744,10 @@ class SFTSection:
     """Longest rendered row (prompt + response + stop id) in tokens; a longer row is an error
     naming file:row."""
     micro_batch_tokens: int = 4096
-    """Gradient-accumulation budget: each rank cuts its rows into micro-batches of at most this
-    many tokens (rows x the longest, padding included), in as many micro-batches as the
-    rank that needs most; the gradient equals one batch's. Must be >= sft.max_seq_len."""
+    """Gradient-accumulation budget: each rank packs its rows into micro-batches of at most this
+    many tokens (one packed row each, every row attending only to itself: no padding), in as
+    many micro-batches as the rank that needs most; the gradient equals one batch's. Must be
+    >= sft.max_seq_len."""
 
     def validate(self) -> None:
         for name in ("batch_size", "max_seq_len", "micro_batch_tokens"):
@@ -900,6 +920,7 @@ class JobConfig:
         _unused(self, "batch_invariant", "batch_invariant_on_mismatch", "generator", "algorithm")
         _unused(self.training, "prompts_per_step", "mini_batches", "epochs", "micro_batches")
         _unused(self.training, "max_prompt_len", instead="sft.max_seq_len")
+        _unused(self.training, "micro_batch_tokens", instead="sft.micro_batch_tokens")
         _unused(
             self.task,
             "num_digits",
@@ -948,6 +969,13 @@ class JobConfig:
             f"{longest} exceeds "
             f"generator.max_model_len = {self.generator.max_model_len}: raise max_model_len "
             "or lower one of them",
+        )
+        budget = self.training.micro_batch_tokens
+        _require(
+            budget == 0 or budget >= self.generator.max_model_len,
+            f"training.micro_batch_tokens = {budget} cannot hold one sequence of "
+            f"generator.max_model_len = {self.generator.max_model_len} tokens: raise it to at "
+            "least that (or 0 for right-padded micro-batches)",
         )
         replicas = (generators or world_size) // self.generator.parallelism.tensor_parallel_degree
         _require(

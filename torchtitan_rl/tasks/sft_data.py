@@ -142,32 +142,3 @@ def sft_batch(examples: list[Example], pad_id: int = 0) -> RolloutBatch:
         tokens_BT[b, : len(example)] = torch.tensor(example.tokens)
         loss_mask_BT[b, example.prompt_len : len(example)] = 1.0
     return RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=loss_mask_BT)
-
-
-def pack(examples: list[Example], budget: int) -> list[list[Example]]:
-    """Consecutive examples in groups of at most `budget` padded tokens (rows x the longest)."""
-    groups: list[list[Example]] = []
-    longest = 0
-    for example in examples:
-        if groups and (len(groups[-1]) + 1) * max(longest, len(example)) <= budget:
-            groups[-1].append(example)
-            longest = max(longest, len(example))
-        else:
-            groups.append([example])
-            longest = len(example)
-    return groups
-
-
-def split_to(groups: list[list[Example]], count: int) -> list[list[Example]]:
-    """`groups` cut into `count` groups by halving the largest (padded tokens) each time, so
-    every rank runs as many micro-batches; a group of one row stays whole."""
-    groups = [list(g) for g in groups]
-    while len(groups) < count:
-        cost = [len(g) * max(len(e) for e in g) if len(g) > 1 else -1 for g in groups]
-        largest = max(range(len(groups)), key=cost.__getitem__)
-        if cost[largest] < 0:
-            raise ValueError(f"cannot cut {sum(map(len, groups))} rows into {count} groups")
-        group = groups.pop(largest)
-        half = len(group) // 2
-        groups[largest:largest] = [group[:half], group[half:]]
-    return groups

@@ -65,3 +65,84 @@ def token_logprobs(
     logprobs_BT = F.pad(torch.cat(pieces, dim=1), (1, 0))
     entropy_BT = F.pad(torch.cat(entropies, dim=1), (1, 0)) if with_entropy else None
     return logprobs_BT, entropy_BT
+
+
+# Tokens per chunk of the fused head: [HEAD_CHUNK, V] fp32 logits at a time (151,936-entry
+# vocabulary: 593 MiB), recomputed in backward instead of saved.
+HEAD_CHUNK = 1024
+
+
+def _head_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
+    from torchtitan_rl import batch_invariant
+
+    if batch_invariant.uses_own_kernels():
+        # The generator's head runs ops.linear: the same kernel gives the same bits.
+        return batch_invariant.ops.linear(hidden_CD, weight_VD)
+    return F.linear(hidden_CD, weight_VD)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """logprob of `targets_N` under log_softmax(hidden_ND @ weight_VD.T / T), chunk by chunk;
+    backward recomputes each chunk's logits. No [N, V] tensor outlives one chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk):
+        logprobs, entropies = [], []
+        for start in range(0, hidden_ND.shape[0], chunk):
+            logits_CV = _head_logits(hidden_ND[start : start + chunk], weight_VD)
+            logprobs.append(
+                _chunk_logprobs(logits_CV, targets_N[start : start + chunk], temperature)
+            )
+            entropies.append(_chunk_entropy(logits_CV, temperature))
+            del logits_CV
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        entropy_N = _cat(entropies, hidden_ND)
+        ctx.mark_non_differentiable(entropy_N)
+        return _cat(logprobs, hidden_ND), entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_N, _grad_entropy_N):
+        hidden_ND, weight_VD, targets_N = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        weight_f = weight_VD.float()
+        grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
+        grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        for start in range(0, hidden_ND.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            hidden_CD = hidden_ND[rows].float()
+            logits_CV = F.linear(hidden_CD, weight_f) / T
+            # d logp(target) / d logits = onehot(target) - softmax, times 1 / T.
+            grad_CV = torch.softmax(logits_CV, dim=-1).neg_()
+            grad_CV.scatter_add_(-1, targets_N[rows, None], torch.ones_like(grad_N[rows, None]))
+            grad_CV.mul_(grad_N[rows, None].float() / T)
+            grad_hidden[rows] = grad_CV @ weight_f
+            grad_weight.addmm_(grad_CV.t(), hidden_CD)
+            del logits_CV, grad_CV
+        return grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype), None, None, None
+
+
+def _cat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not pieces:
+        return torch.zeros(0, dtype=torch.float32, device=like.device)
+    return torch.cat(pieces)
+
+
+def head_logprobs(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk: int = HEAD_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N] (fp32, with gradient to `hidden_ND` and `weight_VD`) and entropies [N] (no
+    gradient) of `targets_N` under the output projection `weight_VD` of the final hidden
+    states `hidden_ND`, at temperature T.
+
+    Fuses projection -> log_softmax -> gather per chunk of `chunk` tokens: the same ops, in the
+    same order, as `token_logprobs` on full logits, so equal hidden states give equal bits in
+    the forward; backward recomputes each chunk, so memory is one [chunk, V] block, not
+    [N, V] logits and their gradient.
+    """
+    return _HeadLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk)

@@ -4,7 +4,13 @@
 
 Built from torchtitan parts: the model spec's config and `parallelize_fn` (FSDP2 / HSDP / TP),
 its state-dict adapter with DCP's HF reader, and torchtitan's optimizer and LR-scheduler
-containers. Shapes: B sequences, T tokens, V vocabulary.
+containers. Shapes: B sequences, T tokens, V vocabulary, L tokens of a packed row, N scored
+tokens, D model width.
+
+Two ways to run a batch: with `micro_batch_tokens` > 0 (packed), each micro-batch's sequences
+run back to back in one row (trainer/packing.py, document-causal attention) and the output
+projection runs only at the scored tokens, in chunks (`head_logprobs`); with 0 (padded), the
+rows run right-padded in `training.micro_batches` pieces with full logits.
 """
 
 import contextlib
@@ -16,7 +22,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -34,7 +39,9 @@ from torchtitan_rl.config.job_config import (
     TrainingSection,
 )
 from torchtitan_rl.trainer import lora as lora_adapters
-from torchtitan_rl.trainer.logprobs import token_logprobs
+from torchtitan_rl.trainer import packing
+from torchtitan_rl.trainer.attention import documents
+from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 
@@ -64,9 +71,9 @@ class StepResult:
     metrics: dict[str, float]
     """Global figures: loss, grad_norm, lr, entropy, tokens and the loss function's sums."""
     logprobs_BT: torch.Tensor
-    """This rank's trainer logprobs [B, T] before the update, from the step's own forward
-    (no extra pass): what the generator's logprobs are compared with. Micro-batches passed as
-    a list are right-padded with 0 to the widest."""
+    """This rank's trainer logprobs [B, T] of the batch before the update, from the step's own
+    forward (no extra pass): what the generator's logprobs are compared with. Packed, only
+    the scored tokens' (loss mask > 0) are computed; the rest are 0."""
 
 
 def check_finite(step: int, side: str, logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
@@ -120,10 +127,16 @@ class PolicyTrainer:
         dump_folder: str = "outputs",
         group: dist.ProcessGroup | None = None,
         lora: LoRASection | None = None,
+        micro_batch_tokens: int | None = None,
     ):
         """`group`: the trainer's ranks, the first ones of the world (default: all of it).
-        `lora` (when enabled): train LoRA adapters on a frozen model (trainer/lora.py)."""
+        `lora` (when enabled): train LoRA adapters on a frozen model (trainer/lora.py).
+        `micro_batch_tokens`: the packed micro-batches' token budget, 0 for padded ones
+        (default: training.micro_batch_tokens)."""
         self.training = training
+        self.micro_batch_tokens = (
+            training.micro_batch_tokens if micro_batch_tokens is None else micro_batch_tokens
+        )
         self.temperature = temperature
         self.device = platform.device()
         self.step = 0
@@ -249,6 +262,7 @@ class PolicyTrainer:
         return self.model.state_dict()
 
     def _forward_logprobs(self, tokens_BT: torch.Tensor):
+        """Padded path: full logits of right-padded rows, then logprobs and entropies [B, T]."""
         positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
         logits_BTV = self.model(tokens_BT, positions_BT, None)
         if isinstance(logits_BTV, DTensor):
@@ -257,23 +271,113 @@ class PolicyTrainer:
             logits_BTV = logits_BTV.full_tensor()
         return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=True)
 
-    @torch.no_grad()
-    def logprobs(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature,
-        on `platform.device()`, computed in `training.micro_batches` pieces (the memory of one
-        micro-batch's logits, as in train_step).
+    def _forward_packed(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed path: logprobs and entropies [B, T] of `micro`'s scored tokens (loss mask > 0),
+        0 elsewhere, from one packed row of its sequences, each cut after its last scored token.
 
-        Column t scores token t given tokens < t; column 0 is 0.
+        The row holds the sequences back to back, positions restarting at 0 and attention
+        within each (`Documents`), so each gets what it would alone; the head runs only at
+        the N positions that predict a scored token.
+        """
+        tokens_BT, mask_BT = micro.tokens_BT, micro.loss_mask_BT
+        lengths = packing.needed(mask_BT)
+        kept = [b for b, n in enumerate(lengths) if n > 0]
+        if kept:
+            tokens_L = torch.cat([tokens_BT[b, : lengths[b]] for b in kept])
+            positions_L = torch.cat([torch.arange(lengths[b]) for b in kept]).to(self.device)
+            docs = documents([lengths[b] for b in kept], self.device)
+        else:
+            # Nothing to score: still run the model (every rank runs as many forwards and
+            # backwards, FSDP's collectives), on one token.
+            tokens_L = torch.zeros(1, dtype=torch.long, device=self.device)
+            positions_L = torch.zeros(1, dtype=torch.long, device=self.device)
+            docs = documents([1], self.device)
+        # Where each kept row starts in the packed row.
+        kept_lengths = torch.tensor([lengths[b] for b in kept], dtype=torch.long)
+        offsets_B = torch.zeros(len(lengths), dtype=torch.long)
+        offsets_B[kept] = kept_lengths.cumsum(0) - kept_lengths
+        offsets_B = offsets_B.to(self.device)
+        # Column 0 predicts nothing; the hidden state at t - 1 predicts token t.
+        rows_N, cols_N = (mask_BT[:, 1:] > 0).nonzero(as_tuple=True)
+        cols_N = cols_N + 1
+        self.model._skip_lm_head = True  # the decoder returns normed hidden states
+        try:
+            hidden_1LD = self.model(tokens_L[None], positions_L[None], docs)
+        finally:
+            self.model._skip_lm_head = False
+        if isinstance(hidden_1LD, DTensor):
+            hidden_1LD = hidden_1LD.full_tensor()  # TP: sequence-parallel shards
+        hidden_ND = hidden_1LD[0].index_select(0, offsets_B[rows_N] + cols_N - 1)
+        logprobs_N, entropy_N = head_logprobs(
+            hidden_ND, self._head_weight(), tokens_BT[rows_N, cols_N], self.temperature
+        )
+        logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device).index_put(
+            (rows_N, cols_N), logprobs_N
+        )
+        entropy_BT = torch.zeros(tokens_BT.shape, device=self.device)
+        entropy_BT[rows_N, cols_N] = entropy_N
+        return logprobs_BT, entropy_BT
+
+    def _head_weight(self) -> torch.Tensor:
+        """The output projection's whole weight [V, D]: FSDP's unsharded copy (the forward
+        leaves the head's group unsharded; `unshard` is a no-op then), gathered over TP."""
+        from torch.distributed.fsdp import FSDPModule
+
+        head = self.model.lm_head
+        if isinstance(head, FSDPModule):
+            head.unshard()
+        weight = head.weight
+        return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+    def micro_batches(self, batch: RolloutBatch) -> list[tuple[torch.Tensor, RolloutBatch]]:
+        """`batch` cut into micro-batches, each with its rows' indices in `batch`.
+
+        Packed: first-fit decreasing by the tokens each row must run, into at most
+        `micro_batch_tokens` each, then as many as the trainer rank that needs most (FSDP's
+        gathers are collective). Padded: `training.micro_batches` pieces of consecutive rows.
+        """
+        if not self.micro_batch_tokens:
+            pieces = min(self.training.micro_batches, batch.batch_size)
+            index = torch.arange(batch.batch_size).tensor_split(pieces)
+            return [(rows, micro) for rows, micro in zip(index, batch.split(pieces), strict=True)]
+        lengths = packing.needed(batch.loss_mask_BT)
+        groups = packing.first_fit_decreasing(lengths, self.micro_batch_tokens)
+        count = torch.tensor([len(groups)])
+        platform.all_reduce_host(count, op=dist.ReduceOp.MAX, group=self.group)
+        groups = packing.split_to(groups, lengths, max(int(count), 1))
+        return [
+            (rows, batch.rows(rows)) for rows in (torch.tensor(g, dtype=torch.long) for g in groups)
+        ]
+
+    def _forward(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.micro_batch_tokens:
+            return self._forward_packed(micro)
+        return self._forward_logprobs(micro.tokens_BT)
+
+    @torch.no_grad()
+    def logprobs(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature,
+        on `platform.device()`, in the micro-batches a train step would use (the memory of
+        one micro-batch).
+
+        Column t scores token t given tokens < t; column 0 is 0. Packed, only the columns where
+        `mask_BT` > 0 are computed (every column when None), the others are 0.
         """
         tokens_BT = tokens_BT.to(self.device)
-        pieces = min(self.training.micro_batches, tokens_BT.shape[0])
-        logprobs, entropies = zip(
-            *(self._forward_logprobs(micro_BT) for micro_BT in tokens_BT.tensor_split(pieces)),
-            strict=True,
-        )
+        if mask_BT is None:
+            mask_BT = torch.ones(tokens_BT.shape, device=self.device)
+        batch = RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=mask_BT.to(self.device))
+        logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device)
+        entropy_BT = torch.zeros(tokens_BT.shape, device=self.device)
+        for rows, micro in self.micro_batches(batch):
+            micro_logprobs_BT, micro_entropy_BT = self._forward(micro)
+            logprobs_BT[rows.to(self.device)] = micro_logprobs_BT
+            entropy_BT[rows.to(self.device)] = micro_entropy_BT
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
-        return torch.cat(logprobs), torch.cat(entropies)
+        return logprobs_BT, entropy_BT
 
     @torch.no_grad()
     def greedy(
@@ -303,15 +407,15 @@ class PolicyTrainer:
     def _reshard(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        if isinstance(self.model, FSDPModule):
-            self.model.reshard()
+        for module in (self.model, self.model.lm_head):
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def train_step(
-        self, batch: RolloutBatch | list[RolloutBatch], loss_fn: LossFn, *, step: int | None = None
+        self, batch: RolloutBatch, loss_fn: LossFn, *, step: int | None = None
     ) -> StepResult:
-        """One optimizer step over this rank's `batch`, in `training.micro_batches` pieces, or
-        over the micro-batches of a list as they are (SFT cuts them by a token budget; every
-        rank must pass as many, since FSDP's gathers are collective).
+        """One optimizer step over this rank's `batch`, in its micro-batches
+        (`micro_batches`: packed under the token budget, or `training.micro_batches` pieces).
 
         The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
         the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
@@ -322,11 +426,9 @@ class PolicyTrainer:
         """
         self.step += 1
         label = self.step if step is None else step
-        if isinstance(batch, RolloutBatch):
-            micro_batches = batch.split(min(self.training.micro_batches, batch.batch_size))
-        else:
-            micro_batches = batch
-        micro_batches = [micro.to(self.device) for micro in micro_batches]
+        batch = batch.to(self.device)
+        indexed = self.micro_batches(batch)
+        micro_batches = [micro for _, micro in indexed]
         # The global counts travel while the first micro-batch runs its forward.
         # Sequences count when they have a token in the loss (filtered groups do not).
         counts = torch.tensor(
@@ -340,11 +442,11 @@ class PolicyTrainer:
         scale = None
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
-        pre_update: list[torch.Tensor] = []
-        for micro in micro_batches:
-            logprobs_BT, entropy_BT = self._forward_logprobs(micro.tokens_BT)
+        pre_update_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
+        for rows, micro in indexed:
+            logprobs_BT, entropy_BT = self._forward(micro)
             check_finite(label, "trainer", logprobs_BT.detach(), micro.loss_mask_BT.bool())
-            pre_update.append(logprobs_BT.detach())
+            pre_update_BT[rows.to(self.device)] = logprobs_BT.detach()
             if scale is None:
                 counting.wait()
                 # Every rank of a TP group holds the same batch: count it once per group.
@@ -396,9 +498,7 @@ class PolicyTrainer:
             "tokens": float(scale.tokens),
             **dict(zip(names, metric_totals, strict=True)),
         }
-        width = max(lp.shape[1] for lp in pre_update)
-        logprobs_BT = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp in pre_update])
-        return StepResult(metrics=metrics, logprobs_BT=logprobs_BT)
+        return StepResult(metrics=metrics, logprobs_BT=pre_update_BT)
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():

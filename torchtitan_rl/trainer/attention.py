@@ -1,0 +1,122 @@
+"""The trainer's inner attention: causal over right-padded rows, or document-causal over packed
+rows, where every sequence of a row attends only to itself.
+
+    .venv/bin/python -m pytest tests/unit/test_packing.py
+
+torchtitan's attention hands its inner attention `attention_masks` unchanged: None for
+right-padded rows, a `Documents` (torchtitan's `VarlenMetadata`: cumulative document starts)
+for packed ones. `platform.packed_attention_kernel()` picks the packed kernel: varlen flash
+attention on CUDA; on CPU (no varlen kernel, no FlexAttention backward) SDPA per document,
+which measured fastest (README, "Packed micro-batches"). Shapes: B rows, L tokens, N heads,
+H head dim.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenMetadata
+from torchtitan.protocols.module import Module
+
+Documents = VarlenMetadata
+
+
+def documents(lengths: list[int], device: torch.device) -> Documents:
+    """The `Documents` of one packed row holding sequences of `lengths`, in order."""
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    longest = max(lengths, default=0)
+    return VarlenMetadata(cu, cu, longest, longest, tuple(starts))
+
+
+def spans(docs: Documents) -> list[tuple[int, int]]:
+    """(start, end) of each document of the row."""
+    starts = docs.cu_seq_q_host or tuple(docs.cu_seq_q.tolist())
+    return [(s, e) for s, e in zip(starts, starts[1:], strict=False) if e > s]
+
+
+def causal_sdpa(q_BLNH, k_BLNH, v_BLNH, scale=None, enable_gqa=False) -> torch.Tensor:
+    """Causal SDPA of (B, L, N, H) rows."""
+    out_BNLH = F.scaled_dot_product_attention(
+        q_BLNH.transpose(1, 2),
+        k_BLNH.transpose(1, 2),
+        v_BLNH.transpose(1, 2),
+        scale=scale,
+        is_causal=True,
+        enable_gqa=enable_gqa,
+    )
+    return out_BNLH.transpose(1, 2)
+
+
+def per_document(kernel, q_1LNH, k_1LNH, v_1LNH, docs: Documents, **kwargs) -> torch.Tensor:
+    """`kernel` (causal attention of (1, l, N, H) rows) run on each document's slice of the
+    packed row, the outputs concatenated back in place."""
+    outs = [
+        kernel(q_1LNH[:, s:e], k_1LNH[:, s:e], v_1LNH[:, s:e], **kwargs) for s, e in spans(docs)
+    ]
+    return torch.cat(outs, dim=1)
+
+
+def sdpa_per_document(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False):
+    """CPU: causal SDPA on each document's slice (sum of l^2 work, not L^2)."""
+    return per_document(
+        causal_sdpa, q_1LNH, k_1LNH, v_1LNH, docs, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def masked_sdpa(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False):
+    """SDPA over the whole row with a block-diagonal causal mask (measured against
+    `sdpa_per_document` in scripts/bench/packed_attention.py; not the default)."""
+    L = q_1LNH.shape[1]
+    doc_L = torch.zeros(L, dtype=torch.int32, device=q_1LNH.device)
+    for index, (s, e) in enumerate(spans(docs)):
+        doc_L[s:e] = index
+    position = torch.arange(L, device=q_1LNH.device)
+    mask_LL = (doc_L[:, None] == doc_L[None, :]) & (position[:, None] >= position[None, :])
+    out_BNLH = F.scaled_dot_product_attention(
+        q_1LNH.transpose(1, 2),
+        k_1LNH.transpose(1, 2),
+        v_1LNH.transpose(1, 2),
+        attn_mask=mask_LL,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return out_BNLH.transpose(1, 2)
+
+
+def varlen(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False):
+    """CUDA: flash attention over the packed tokens with cumulative document starts."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    L, H = q_1LNH.shape[1], q_1LNH.shape[-1]
+    q, k, v = (x.reshape(L, -1, H).to(torch.bfloat16) for x in (q_1LNH, k_1LNH, v_1LNH))
+    kwargs = {"enable_gqa": True} if enable_gqa else {}
+    out_LNH = varlen_attn(
+        q, k, v, docs.cu_seq_q, docs.cu_seq_k, docs.max_q, docs.max_k, scale=scale, **kwargs
+    )
+    return out_LNH.view(1, L, -1, H).to(q_1LNH.dtype)
+
+
+class DocumentCausalAttention(Module):
+    """torchtitan inner attention: causal SDPA over right-padded rows when `attention_masks`
+    is None, the platform's document-causal kernel over a packed row when it is `Documents`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config | None = None):
+        super().__init__()
+        # Right-padded rows run torchtitan's own SDPA module (its backend priority on CUDA).
+        self.padded = ScaledDotProductAttention(ScaledDotProductAttention.Config())
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **kwargs):
+        enable_gqa = kwargs.get("enable_gqa", False)
+        if attention_masks is None:
+            return self.padded(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa)
+        from torchtitan_rl import platform
+
+        kernel = platform.packed_attention_kernel()
+        return kernel(q_BLNH, k_BLNH, v_BLNH, attention_masks, scale=scale, enable_gqa=enable_gqa)
