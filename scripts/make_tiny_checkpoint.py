@@ -7,10 +7,25 @@ The weights come from torchtitan's own initialization of the `tiny` flavor of `-
 state-dict adapter (`to_hf`); the tokenizer is a character-level tokenizer trained locally with
 `tokenizers` on the alphabet the built-in toy tasks need. Nothing is downloaded; the same seed
 gives the same bytes.
+
+`--mean_completion_tokens L` writes a variant whose sampled completions (temperature 1) end
+after about L tokens on average, with a geometric tail, so that benchmarks of variable lengths
+run both stacks on the same weights (scripts/bench/e2e.py):
+
+    .venv/bin/python scripts/make_tiny_checkpoint.py --flavor debugmodel \
+        --mean_completion_tokens 100 --out assets/debug_qwen3_L100
+
+How: one residual dimension d is made a constant K (every token's embedding holds K there and
+no layer writes to it), so the final norm gives every position nearly the same h_d; the stop
+token's output row then gets an extra weight at d, which raises its logit by the same amount
+everywhere. With the other logits near-uniform (random init), the stop probability per token is
+about 1 / L; the extra weight is calibrated on random token sequences. Sampled text is then
+near-uniform noise that stops at random: a workload of lengths, not of meaning.
 """
 
 import argparse
 import json
+import math
 import string
 from pathlib import Path
 
@@ -18,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from torchtitan_rl import platform
 from torchtitan_rl.models import model_spec
 
 PAD, EOS, UNK = "<|pad|>", "<|eos|>", "<|unk|>"
@@ -111,7 +127,37 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
     }
 
 
-def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str = "tiny") -> None:
+def raise_stop_logit(model, stop_id: int, mean_tokens: int, seed: int) -> float:
+    """Make `model` (torchtitan, random init) stop after about `mean_tokens` sampled tokens on
+    average (module docstring); returns the calibrated stop probability per token."""
+    import torch.nn.functional as F
+
+    state = model.state_dict(keep_vars=True)
+    dim = model.tok_embeddings.weight.shape[1]
+    d, level = dim - 1, 50 * float(model.tok_embeddings.weight.detach().std())
+    with torch.no_grad():
+        model.tok_embeddings.weight[:, d] = level  # tied: every logit shifts alike
+        for name, weight in state.items():
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                weight[d] = 0.0  # no layer writes to d
+        head = model.lm_head.weight
+        g = torch.Generator().manual_seed(seed)
+        tokens_BT = torch.randint(0, head.shape[0], (8, 128), generator=g)
+        positions_BT = torch.arange(128).expand(8, 128)
+        target = math.log(1.0 / mean_tokens)
+        for _ in range(4):  # Newton-like steps on log p(stop): it moves by h_d per unit of weight
+            model._skip_lm_head = True
+            hidden_BTD = model(tokens_BT, positions_BT, None)
+            model._skip_lm_head = False
+            logp_stop = F.log_softmax(F.linear(hidden_BTD, head), -1)[..., stop_id]
+            p_stop = float(logp_stop.exp().mean())
+            head[stop_id, d] += (target - math.log(p_stop)) / float(hidden_BTD[..., d].mean())
+    return p_stop
+
+
+def write_checkpoint(
+    out: Path, seed: int = 0, name: str = "qwen3", flavor: str = "tiny", mean_tokens: int = 0
+) -> None:
     """Write config.json, generation_config.json (stop ids: <|im_end|> and <|eos|>, as Qwen3
     lists two), model.safetensors, tokenizer.json, tokenizer_config.json (with the chat
     template) to `out`.
@@ -119,6 +165,8 @@ def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str 
     torchtitan.json records the torchtitan model name and flavor the weights belong to.
     """
     spec = model_spec(name, flavor)
+    if mean_tokens:
+        platform.use_platform_attention(spec.model)  # calibration runs it (no parameters)
     tokenizer = build_tokenizer(spec.model.vocab_size)
     eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
     im_end_id = tokenizer.token_to_id(IM_END)
@@ -126,6 +174,9 @@ def write_checkpoint(out: Path, seed: int = 0, name: str = "qwen3", flavor: str 
     torch.manual_seed(seed)
     model = spec.model.build()
     model.init_states()
+    if mean_tokens:
+        p_stop = raise_stop_logit(model, im_end_id, mean_tokens, seed)
+        print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")
     adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = {k: v.detach().contiguous() for k, v in adapter.to_hf(model.state_dict()).items()}
 
@@ -159,8 +210,14 @@ def main() -> None:
     parser.add_argument(
         "--flavor", default="tiny", help="tiny (tests and the demo) or debugmodel (benchmarks)"
     )
+    parser.add_argument(
+        "--mean_completion_tokens",
+        type=int,
+        default=0,
+        help="write a variant whose sampled completions end after about this many tokens",
+    )
     args = parser.parse_args()
-    write_checkpoint(args.out, args.seed, args.model, args.flavor)
+    write_checkpoint(args.out, args.seed, args.model, args.flavor, args.mean_completion_tokens)
     print(f"wrote {args.out}")
 
 

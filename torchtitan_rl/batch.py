@@ -49,6 +49,22 @@ class RolloutBatch:
         }
         return [RolloutBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
 
+    @staticmethod
+    def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """The rows of `batches` in order, right-padded with 0 to the widest (the fields the
+        first batch holds)."""
+        width = max(b.tokens_BT.shape[1] for b in batches)
+        names = [f.name for f in fields(RolloutBatch) if getattr(batches[0], f.name) is not None]
+
+        def widened(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() < 2:
+                return tensor
+            return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+        return RolloutBatch(
+            **{name: torch.cat([widened(getattr(b, name)) for b in batches]) for name in names}
+        )
+
     def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
         """The batch of the rows `index_R`, in that order."""
         return self._map(lambda tensor: tensor[index_R.to(tensor.device)])

@@ -486,6 +486,8 @@ class RLTrainer:
             dtype=torch.float64,
         )
         platform.all_reduce_host(sums, group=self.group)
+        longest = torch.tensor([float(max((s.sampled_tokens for s in samples), default=0))])
+        platform.all_reduce_host(longest, op=dist.ReduceOp.MAX, group=self.group)
         reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
         *rounds, truncated, turns, tool_calls, tool_errors = rest
         mean = reward_sum / samples
@@ -502,6 +504,7 @@ class RLTrainer:
             "reward/mean": mean,
             "reward/std": max(reward_sq / samples - mean**2, 0.0) ** 0.5,
             "response_length/mean": tokens / samples,
+            "response_length/max": float(longest[0]),
             "response/truncated_fraction": truncated / samples,
             "zero_variance_groups/fraction": flat_groups / groups,
             "reward/errors": errors,

@@ -3,8 +3,10 @@ world, result passing."""
 
 import json
 import os
+import resource
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,3 +52,74 @@ def join_world(flags: list[str], prog: str):
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     return config, rank, world
+
+
+def peak_rss_gib() -> float:
+    """Peak RSS of this process, GiB (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Total RSS of every descendant of process `root` (shared pages counted in each)."""
+    parents, rss = {}, {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry.name)] = int(fields[1])
+            rss[int(entry.name)] = int(fields[21]) * page
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended meanwhile
+    total, frontier = 0, [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == pid]
+        total += sum(rss[k] for k in kids)
+        frontier.extend(kids)
+    return total
+
+
+def available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+class MemoryWatch:
+    """Samples the total RSS of this process's descendants; kills its direct children (the
+    torchrun launcher, whose ranks die with it) if available memory falls under `min_gib`."""
+
+    def __init__(self, min_gib: float, interval_s: float = 0.2):
+        self.min_gib, self.interval_s = min_gib, interval_s
+        self.peak, self.fired, self.min_available = 0, False, available_gib()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        me = os.getpid()
+        while not self.done.wait(self.interval_s):
+            self.peak = max(self.peak, tree_rss_bytes(me))
+            self.min_available = min(self.min_available, available_gib())
+            if self.min_available < self.min_gib and not self.fired:
+                self.fired = True
+                for entry in os.scandir("/proc"):
+                    if entry.name.isdigit() and self.parent(entry.path) == me:
+                        os.kill(int(entry.name), 9)
+
+    @staticmethod
+    def parent(path: str) -> int:
+        try:
+            return int(Path(path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return -1
+
+    def __enter__(self) -> "MemoryWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()

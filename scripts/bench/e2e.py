@@ -9,9 +9,10 @@ weight-sync / other split, the generated tokens per second, and the run's shape.
 it measures `peak_gflops`, the best fp32 GEMM rate of N threads here, and reports `mfu`: the
 step's model FLOPs (2 N_params per prompt and generated token, 6 N_params per trained token)
 / step time / peak. With `--peer trl` it then runs TRL's GRPOTrainer on the same flags
-(scripts/bench/trl_peer.py, N threads in one process) and adds `trl_step_s` and
-`trl_ratio` = TRL step / our step. With `--batch_invariant true` it runs the same config with
-the mode off too and adds `cost_ratio`: step time on / off.
+(scripts/bench/trl_peer.py, N threads in one process) and adds `trl_step_s`,
+`trl_ratio` = TRL step / our step, and TRL's completion lengths (mean over steps, and max)
+beside ours (`response_length_mean`, `response_length_max`). With `--batch_invariant true` it
+runs the same config with the mode off too and adds `cost_ratio`: step time on / off.
 """
 
 import json
@@ -69,6 +70,10 @@ def measure(flags: list[str]) -> int:
                 "model_tflop_per_step": round(flops / 1e12, 4) if flops else None,
                 "generated_tokens_per_s": median("throughput/generated_tokens_per_s"),
                 "response_length": median("response_length/mean"),
+                "response_length_mean": round(
+                    statistics.mean(r["response_length/mean"] for r in collect.rows), 2
+                ),
+                "response_length_max": max(r["response_length/max"] for r in collect.rows),
                 "final_reward": round(collect.rows[-1]["reward/mean"], 4),
                 "logprob_diff_max": max(r["logprob_diff/max"] for r in collect.rows),
                 "weight_sync_gb_per_s": median("weight_sync/gb_per_s")
@@ -163,6 +168,7 @@ def main() -> int:
         trl = run_peer(nproc, args)
         result["trl_step_s"] = trl["step_s"]
         result["trl_response_length"] = trl["response_length"]
+        result["trl_response_length_max"] = trl["response_length_max"]
         result["trl_ratio"] = round(trl["step_s"] / result["step_s"], 3)
     if config.batch_invariant:
         off = run(nproc, [*args, "--batch_invariant", "false"])

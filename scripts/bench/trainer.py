@@ -1,31 +1,55 @@
-"""Benchmark PolicyTrainer.train_step against a plain torchtitan step on the same model and batch.
+"""Benchmark PolicyTrainer.train_step: against a plain torchtitan step on uniform lengths, or
+packed against padded micro-batches on a long-tailed mix of lengths.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny
+    .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor debugmodel
+    .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor 0.6B --sequences 4 \
+        --max_completion 2048 --steps 1 --warmup 0 --ac full
 
-Both sides use the trainer's FSDP-sharded model and torchtitan optimizer: "plain" is forward,
-torchtitan's `cross_entropy_loss`, backward, grad clipping, optimizer and LR-scheduler step;
-"ours" is `train_step` with a token-mean policy-gradient loss. Steps alternate between the two
-so machine noise hits both alike. Rank 0 prints one JSON line: median tokens/s of each, and
-`ratio` = ours / plain (target >= 0.95).
+Uniform (under torchrun): both sides use the trainer's FSDP-sharded model and torchtitan
+optimizer: "plain" is forward, torchtitan's `cross_entropy_loss`, backward, grad clipping,
+optimizer and LR-scheduler step; "ours" is `train_step` (packed, the default) with a
+token-mean policy-gradient loss. Steps alternate between the two so machine noise hits both
+alike. Rank 0 prints one JSON line: median tokens/s of each, `ratio` = ours / plain.
+
+Long tail (run with python; it launches one 2-rank torchrun world per path, watched for
+memory): a seeded mix of `--sequences` sequences, prompts uniform in 64-640 tokens,
+completions lognormal with median 200 and 5% above 1,500 (sigma 1.225), capped at
+`--max_completion`. "padded" is the path before packing (`training.micro_batch_tokens = 0`):
+each rank takes a contiguous share, right-padded to its longest, full logits; "packed" deals
+sequences to ranks balanced by tokens (`packing.balance`) and packs them under
+`--budget` tokens. Prints one JSON line: real (non-padding) tokens/s of each path (median step),
+`speedup` = packed / padded, each path's rank token loads and `load_imbalance` (max / min),
+peak RSS per rank and of the whole tree, `peak_rss_ratio` = packed / padded (per-rank maxima);
+a path that ran the machine out of memory (available < `--min_free_gib`) reports
+`completed: false`.
 """
 
 import argparse
 import json
+import math
+import random
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from children import REPO, MemoryWatch, peak_rss_gib, report, run_child
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl import platform
 from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.trainer import packing
 from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
 
-REPO = Path(__file__).resolve().parents[2]
+TOKENIZER = REPO / "assets" / "tiny_qwen3"
+# The completion-length distribution: median 200 tokens, P(> 1,500) = 5%.
+MEDIAN, SIGMA = 200, math.log(1500 / 200) / 1.645
 
 
 def pg_loss(logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
@@ -44,25 +68,26 @@ def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float)
     trainer.optimizers.zero_grad()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavor", default="tiny", help="qwen3 flavor: tiny or debugmodel")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps of each kind")
-    parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
-
-    platform.patch_torchtitan()
-    rank, world = platform.init_distributed()
-    checkpoint = REPO / "assets" / "tiny_qwen3"
+def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
+    tiny = args.flavor == "tiny"
     model = ModelSection(
         flavor=args.flavor,
-        hf_checkpoint=str(checkpoint) if args.flavor == "tiny" else None,
-        tokenizer_path=str(checkpoint),
+        hf_checkpoint=str(TOKENIZER) if tiny else None,
+        tokenizer_path=str(TOKENIZER),
     )
-    training = TrainingSection(lr=1e-4, steps=10_000, max_grad_norm=1.0)
-    trainer = PolicyTrainer(model=model, training=training, parallelism=ParallelismSection())
+    training = TrainingSection(
+        lr=1e-4,
+        steps=10_000,
+        max_grad_norm=1.0,
+        micro_batch_tokens=micro_batch_tokens,
+        activation_checkpoint=args.ac,
+    )
+    return PolicyTrainer(model=model, training=training, parallelism=ParallelismSection())
+
+
+def uniform(args) -> None:
+    rank, world = platform.init_distributed()
+    trainer = build_trainer(args, micro_batch_tokens=max(8192, args.batch * args.seq))
     vocab = trainer.spec.model.vocab_size
     g = torch.Generator().manual_seed(rank)
     tokens_BT = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
@@ -81,7 +106,7 @@ def main() -> None:
             if kind == "ours":
                 trainer.train_step(batch, pg_loss)
             else:
-                plain_step(trainer, tokens_BT, training.max_grad_norm)
+                plain_step(trainer, tokens_BT, 1.0)
             dist.barrier()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - start)
@@ -90,22 +115,157 @@ def main() -> None:
     ours = tokens_per_step / statistics.median(times["ours"])
     plain = tokens_per_step / statistics.median(times["plain"])
     if rank == 0:
-        print(
-            json.dumps(
-                {
-                    "bench": "trainer",
-                    "flavor": args.flavor,
-                    "nproc": world,
-                    "batch_per_rank": args.batch,
-                    "seq": args.seq,
-                    "tokens_per_s": round(ours, 1),
-                    "plain_tokens_per_s": round(plain, 1),
-                    "ratio": round(ours / plain, 3),
-                }
-            ),
-            flush=True,
+        row = {
+            "bench": "trainer",
+            "lengths": "uniform",
+            "flavor": args.flavor,
+            "nproc": world,
+            "batch_per_rank": args.batch,
+            "seq": args.seq,
+            "tokens_per_s": round(ours, 1),
+            "plain_tokens_per_s": round(plain, 1),
+            "ratio": round(ours / plain, 3),
+        }
+        print(json.dumps(row), flush=True)
+    platform.shutdown_distributed()
+
+
+def longtail_mix(sequences: int, max_completion: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt tokens, completion tokens) of each sequence of the seeded long-tailed mix."""
+    rng = random.Random(seed)
+    mix = []
+    for _ in range(sequences):
+        completion = round(rng.lognormvariate(math.log(MEDIAN), SIGMA))
+        mix.append((rng.randint(64, 640), max(1, min(max_completion, completion))))
+    return mix
+
+
+def rank_batch(mix: list[tuple[int, int]], rows: list[int], vocab: int, seed: int):
+    """The right-padded RolloutBatch of `mix[rows]`: random ids, loss on the completions."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(sum(mix[i]) for i in rows)
+    tokens_BT = torch.zeros(len(rows), width, dtype=torch.long)
+    mask_BT = torch.zeros(len(rows), width)
+    for b, i in enumerate(rows):
+        prompt, completion = mix[i]
+        tokens_BT[b, : prompt + completion] = torch.randint(
+            0, vocab, (prompt + completion,), generator=g
+        )
+        mask_BT[b, prompt : prompt + completion] = 1.0
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.randn(len(rows), generator=g),
+        generator_logprobs_BT=torch.zeros(len(rows), width),
+    )
+
+
+def longtail_child(args) -> None:
+    """One path (`args.path`) on the mix in this torchrun world; reports its figures."""
+    rank, world = platform.init_distributed()
+    packed = args.path == "packed"
+    trainer = build_trainer(args, micro_batch_tokens=args.budget if packed else 0)
+    mix = longtail_mix(args.sequences, args.max_completion, args.seed)
+    lengths = [p + c for p, c in mix]
+    if packed:
+        shares = packing.balance(lengths, world)
+    else:  # today's: each rank trains the samples of its own prompts, in draw order
+        per_rank = math.ceil(len(mix) / world)
+        shares = [
+            list(range(r * per_rank, min(len(mix), (r + 1) * per_rank))) for r in range(world)
+        ]
+    batch = rank_batch(mix, shares[rank], trainer.spec.model.vocab_size, args.seed + rank)
+    times = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step(batch, pg_loss)
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    rss = platform.all_gather_objects(peak_rss_gib())
+    if rank == 0:
+        report(
+            {
+                "step_s": statistics.median(times),
+                "rank_tokens": [sum(lengths[i] for i in share) for share in shares],
+                "rank_padded_tokens": [
+                    len(share) * max((lengths[i] for i in share), default=0) for share in shares
+                ],
+                "peak_rss_gib_per_rank": [round(gib, 3) for gib in rss],
+            }
         )
     platform.shutdown_distributed()
+
+
+def longtail(args, passthrough: list[str]) -> None:
+    mix = longtail_mix(args.sequences, args.max_completion, args.seed)
+    completions = sorted(c for _, c in mix)
+    real_tokens = sum(p + c for p, c in mix)
+    row = {
+        "bench": "trainer",
+        "lengths": "longtail",
+        "flavor": args.flavor,
+        "nproc": args.nproc,
+        "sequences": args.sequences,
+        "budget": args.budget,
+        "activation_checkpoint": args.ac,
+        "real_tokens": real_tokens,
+        "completion_median": completions[len(completions) // 2],
+        "completion_max": completions[-1],
+        "completions_over_1500": sum(c > 1500 for c in completions),
+    }
+    script = str(Path(__file__).resolve())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    for path in ("packed", "padded"):
+        command = [*torchrun, "--nproc_per_node", str(args.nproc), script, "--child", path]
+        with tempfile.TemporaryDirectory(), MemoryWatch(args.min_free_gib) as watch:
+            try:
+                result = run_child([*command, *passthrough])
+            except SystemExit:
+                if not watch.fired:
+                    raise
+                result = {"completed": False, "stopped": f"available < {args.min_free_gib} GiB"}
+        if "step_s" in result:
+            result["tokens_per_s"] = round(real_tokens / result.pop("step_s"), 1)
+            loads = result["rank_tokens"]
+            result["load_imbalance"] = round(max(loads) / max(min(loads), 1), 3)
+        result["tree_peak_rss_gib"] = round(watch.peak / 2**30, 3)
+        row[path] = result
+    packed, padded = row["packed"], row["padded"]
+    if "tokens_per_s" in packed and "tokens_per_s" in padded:
+        row["speedup"] = round(packed["tokens_per_s"] / padded["tokens_per_s"], 3)
+    if "peak_rss_gib_per_rank" in packed and "peak_rss_gib_per_rank" in padded:
+        ratio = max(packed["peak_rss_gib_per_rank"]) / max(padded["peak_rss_gib_per_rank"])
+        row["peak_rss_ratio"] = round(ratio, 3)
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
+    parser.add_argument("--flavor", default="tiny", help="qwen3 flavor: tiny, debugmodel, 0.6B")
+    parser.add_argument("--batch", type=int, default=8, help="uniform: sequences per rank")
+    parser.add_argument("--seq", type=int, default=128, help="uniform: tokens per sequence")
+    parser.add_argument("--sequences", type=int, default=16, help="longtail: sequences in all")
+    parser.add_argument("--max_completion", type=int, default=4096, help="longtail: the cap")
+    parser.add_argument("--budget", type=int, default=8192, help="longtail: packed tokens")
+    parser.add_argument("--seed", type=int, default=0, help="longtail: the mix's seed")
+    parser.add_argument("--nproc", type=int, default=2, help="longtail: ranks per world")
+    parser.add_argument("--min_free_gib", type=float, default=1.5, help="longtail: stop below")
+    parser.add_argument("--ac", default="none", choices=("none", "full", "selective"))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of each kind")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--child", choices=("packed", "padded"), dest="path")
+    argv = sys.argv[1:]
+    args = parser.parse_args(argv)
+    platform.patch_torchtitan()
+    if args.path is not None:
+        longtail_child(args)
+    elif args.lengths == "longtail":
+        longtail(args, argv)
+    else:
+        uniform(args)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,11 @@ def main(argv: list[str]) -> int:
         for row in trainer.state.log_history
         if "completions/mean_length" in row
     ]
+    longest = [
+        row["completions/max_length"]
+        for row in trainer.state.log_history
+        if "completions/max_length" in row
+    ]
     timed = timer.times[1:] or timer.times
     print(
         json.dumps(
@@ -116,6 +121,7 @@ def main(argv: list[str]) -> int:
                 "bench": "trl_peer",
                 "step_s": round(statistics.median(timed), 4),
                 "response_length": round(statistics.mean(lengths), 2) if lengths else None,
+                "response_length_max": max(longest) if longest else None,
                 "final_reward": trainer.state.log_history[-2].get("reward"),
                 "threads": threads,
                 "steps": training.steps,

@@ -2,14 +2,17 @@
 one step, save results: several layouts share one launch.
 
     torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR \
-        MICRO_BATCHES,ACTIVATION_CHECKPOINT,TP [MICRO_BATCHES,ACTIVATION_CHECKPOINT,TP ...]
+        MICRO,ACTIVATION_CHECKPOINT,TP [MICRO,ACTIVATION_CHECKPOINT,TP ...]
 
-Each layout's results go to OUT_DIR/{MICRO_BATCHES}_{ACTIVATION_CHECKPOINT}_tp{TP}.pt. Each
+MICRO is a count of padded micro-batches (training.micro_batch_tokens = 0) or bN, packed
+micro-batches of at most N tokens. Each layout's results go to
+OUT_DIR/{MICRO}_{ACTIVATION_CHECKPOINT}_tp{TP}.pt. Each
 data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
 of a TP group on the same share). Rank 0 saves the logprobs of the whole batch (before the
-step), the pre-update logprobs the step itself reports for its share, the number of model
-forwards the step ran, and the full parameters before and after it, so tests can compare world sizes,
-micro-batch counts, parallelisms and activation checkpointing. It also saves the gradients the
+step), the pre-update logprobs the step itself reports for its share, the model forwards the
+step ran on every rank (their token shapes), and the full parameters before and after it, so
+tests can compare world sizes, micro-batch counts and packing, parallelisms and activation
+checkpointing. It also saves the gradients the
 optimizer applied.
 """
 
@@ -17,16 +20,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
 from helpers.batches import fixed_batch, pg_loss
 from helpers.launch import TINY
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
-from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
+from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 
 
 def main() -> None:
@@ -34,21 +34,23 @@ def main() -> None:
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     for layout in sys.argv[2:]:
-        micro_batches, checkpointing, tp = layout.split(",")
-        result = step(int(micro_batches), checkpointing, int(tp), rank, world)
+        micro, checkpointing, tp = layout.split(",")
+        result = step(micro, checkpointing, int(tp), rank, world)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            torch.save(result, out / f"{micro_batches}_{checkpointing}_tp{tp}.pt")
+            torch.save(result, out / f"{micro}_{checkpointing}_tp{tp}.pt")
     platform.shutdown_distributed()
 
 
-def step(micro_batches: int, checkpointing: str, tp: int, rank: int, world: int) -> dict:
+def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict:
     """One layout's trainer: score, one step; what rank 0 saves (every rank must call it)."""
+    packed = micro.startswith("b")
     trainer = PolicyTrainer(
         model=ModelSection(hf_checkpoint=TINY),
         training=TrainingSection(
             lr=1e-2,
-            micro_batches=micro_batches,
+            micro_batches=1 if packed else int(micro),
+            micro_batch_tokens=int(micro[1:]) if packed else 0,
             max_grad_norm=0.0,
             activation_checkpoint=checkpointing,
         ),
@@ -61,7 +63,7 @@ def step(micro_batches: int, checkpointing: str, tp: int, rank: int, world: int)
     local = batch.split(dp_size)[dp_rank]
 
     forwards = []
-    trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    trainer.model.register_forward_hook(lambda _, args, __: forwards.append(tuple(args[0].shape)))
 
     # Record the summed gradients the optimizer is about to apply (full tensors, collective).
     grads, optimizer_step = {}, trainer.optimizers.step
@@ -97,16 +99,13 @@ def step(micro_batches: int, checkpointing: str, tp: int, rank: int, world: int)
         "metrics": result.metrics,
         "step_logprobs_BT": result.logprobs_BT,
         "share": (dp_rank, dp_size),
-        "forwards": len(forwards),
+        "forwards": platform.all_gather_objects(forwards),
         "checkpointed_blocks": sum(
             isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
         ),
         "local_shapes": local_shapes,
         "params_are_views": params_are_views,
     }
-    
-
-
 
 
 if __name__ == "__main__":

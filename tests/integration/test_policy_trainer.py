@@ -11,9 +11,10 @@ from helpers.launch import REPO, run_dist
 TINY = REPO / "assets" / "tiny_qwen3"
 
 
-def worlds(tmp_path_factory, nproc: int, *layouts: tuple[int, str, int]) -> list[dict]:
+def worlds(tmp_path_factory, nproc: int, *layouts: tuple[int | str, str, int]) -> list[dict]:
     """One launch of tests/dist/policy_trainer_run.py with `nproc` ranks (0: a plain process)
-    for several (micro_batches, activation_checkpoint, tp) layouts: rank 0's result of each."""
+    for several (micro-batches, activation_checkpoint, tp) layouts: rank 0's result of each.
+    Micro-batches: a count of padded ones, or "bN", packed under a budget of N tokens."""
     out = tmp_path_factory.mktemp(f"policy_trainer_w{nproc}")
     names = [f"{m},{c},{tp}" for m, c, tp in layouts]
     run_dist("policy_trainer_run.py", str(out), *names, nproc=nproc)
@@ -23,9 +24,18 @@ def worlds(tmp_path_factory, nproc: int, *layouts: tuple[int, str, int]) -> list
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Results keyed by (ranks, micro-batches[, activation checkpointing[, "tp2"]])."""
-    single, selective = worlds(tmp_path_factory, 0, (1, "none", 1), (1, "selective", 1))
-    fsdp, fsdp_micro, fsdp_full, tp = worlds(
-        tmp_path_factory, 2, (1, "none", 1), (4, "none", 1), (2, "full", 1), (2, "full", 2)
+    single, selective, single_packed = worlds(
+        tmp_path_factory, 0, (1, "none", 1), (1, "selective", 1), ("b16", "none", 1)
+    )
+    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed = worlds(
+        tmp_path_factory,
+        2,
+        (1, "none", 1),
+        (4, "none", 1),
+        (2, "full", 1),
+        (2, "full", 2),
+        ("b16", "none", 1),
+        ("b24", "full", 2),
     )
     return {
         (1, 1): single,
@@ -35,6 +45,10 @@ def runs(tmp_path_factory):
         (1, 1, "selective"): selective,
         # Tensor parallel over both ranks (FSDP degree 1): the ranks share one batch.
         (2, 2, "full", "tp2"): tp,
+        # Packed under a budget of 16 (24) tokens: rows of 6 to 11 tokens, 1 to 3 per row.
+        (1, "b16"): single_packed,
+        (2, "b16"): fsdp_packed,
+        (2, "b24", "full", "tp2"): tp_packed,
     }
 
 
@@ -75,8 +89,12 @@ def adamw_first_step(before: torch.Tensor, grad: torch.Tensor, lr: float = 1e-2)
     return (before.double() - lr * (0.1 * g) / 0.1 / denom).float()
 
 
+PACKED = [(1, "b16"), (2, "b16"), (2, "b24", "full", "tp2")]
+
+
 @pytest.mark.parametrize(
-    "other", [(2, 1), (2, 4), (2, 2, "full"), (1, 1, "selective"), (2, 2, "full", "tp2")]
+    "other",
+    [(2, 1), (2, 4), (2, 2, "full"), (1, 1, "selective"), (2, 2, "full", "tp2"), *PACKED],
 )
 def test_step_is_the_same_for_any_parallelism_micro_batches_and_checkpointing(runs, other):
     reference, candidate = runs[(1, 1)], runs[other]
@@ -118,10 +136,32 @@ def test_the_step_reports_pre_update_logprobs_from_its_own_forwards(runs, key):
     the step's own forwards, and equal a separate scoring pass of the same weights."""
     run = runs[key]
     micro_batches = key[1]
-    assert run["forwards"] == micro_batches
+    assert all(len(forwards) == micro_batches for forwards in run["forwards"])
     rank, ranks = run["share"]
     share_BT = run["logprobs_BT"].tensor_split(ranks)[rank]
     torch.testing.assert_close(run["step_logprobs_BT"], share_BT, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", PACKED)
+def test_packed_steps_run_each_sequence_once_within_the_budget_balanced_over_ranks(runs, key):
+    """Each forward is one packed row within the budget; every rank runs as many; together
+    they run each sequence through its last scored token once (64 tokens, no padding); the
+    data-parallel ranks' loads balance (the contiguous shares would be 30 and 34 tokens). The
+    step's own logprobs come back to the rows the rank passed in."""
+    run = runs[key]
+    budget = int(key[1][1:])
+    forwards = run["forwards"]
+    assert all(shape[0] == 1 and shape[1] <= budget for f in forwards for shape in f)
+    assert len({len(f) for f in forwards}) == 1
+    loads = [sum(shape[1] for shape in f) for f in forwards]
+    data_ranks = run["share"][1]
+    assert sum(loads) == 64 * (len(forwards) // data_ranks)  # TP ranks run the same rows
+    assert max(loads) == min(loads) == 64 // data_ranks
+    rank, ranks = run["share"]
+    batch = fixed_batch()
+    mask_BT = batch.loss_mask_BT.tensor_split(ranks)[rank]
+    share_BT = run["logprobs_BT"].tensor_split(ranks)[rank]
+    torch.testing.assert_close(run["step_logprobs_BT"], share_BT * mask_BT, rtol=1e-6, atol=1e-6)
 
 
 def test_activation_checkpointing_wraps_every_block_only_when_asked(runs):

@@ -211,6 +211,11 @@ class PolicyTrainer:
             self.parallel_dims.get_mesh("tp").get_group() if parallelism.tp > 1 else None
         )
         """The ranks that hold this rank's batch too (tensor parallel), or None."""
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        data_parallel = batch_mesh is not None and batch_mesh.size() > 1
+        self.dp_group = batch_mesh.get_group() if data_parallel else None
+        """The data-parallel ranks, which hold different batches (packed, they trade rows so
+        that their token loads balance: `_deal`), or None."""
 
         self.optimizers = OptimizersContainer.Config(
             param_groups=[
@@ -349,6 +354,42 @@ class PolicyTrainer:
             (rows, batch.rows(rows)) for rows in (torch.tensor(g, dtype=torch.long) for g in groups)
         ]
 
+    def _deal(self, batch: RolloutBatch):
+        """Packed, over data-parallel ranks: every rank's rows dealt anew so that the ranks'
+        token loads balance (`packing.balance` over all their rows, computed alike on every
+        rank). Returns this rank's dealt batch and `back`, which takes tensors [B', T'] of the
+        dealt rows to this rank's own rows [B, T] (a collective). Padded, or with one
+        data-parallel rank: the batch as it is."""
+        if not self.micro_batch_tokens or self.dp_group is None:
+            return batch, lambda *tensors_BT: tensors_BT
+        group, host = self.dp_group, torch.device("cpu")
+        me = dist.get_rank(group)
+        everyone = platform.all_gather_objects(batch.to(host), group=group)
+        owners = [(r, i) for r, b in enumerate(everyone) for i in range(b.batch_size)]
+        lengths = [n for b in everyone for n in packing.needed(b.loss_mask_BT)]
+        shares = packing.balance(lengths, len(everyone))
+        mine = [owners[k] for k in shares[me]]
+        if mine:
+            dealt = RolloutBatch.cat([everyone[r].rows(torch.tensor([i])) for r, i in mine])
+        else:
+            dealt = batch.rows(torch.zeros(0, dtype=torch.long))
+
+        def back(*tensors_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            pieces = platform.all_gather_objects(
+                (shares[me], [t.to(host) for t in tensors_BT]), group=group
+            )
+            outs = [torch.zeros(batch.tokens_BT.shape) for _ in tensors_BT]
+            for share, values in pieces:
+                for row, k in enumerate(share):
+                    r, i = owners[k]
+                    if r == me:
+                        for out, value in zip(outs, values, strict=True):
+                            width = min(out.shape[1], value.shape[1])
+                            out[i, :width] = value[row, :width]
+            return tuple(out.to(self.device) for out in outs)
+
+        return dealt.to(self.device), back
+
     def _forward(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.micro_batch_tokens:
             return self._forward_packed(micro)
@@ -369,6 +410,8 @@ class PolicyTrainer:
         if mask_BT is None:
             mask_BT = torch.ones(tokens_BT.shape, device=self.device)
         batch = RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=mask_BT.to(self.device))
+        batch, back = self._deal(batch)
+        tokens_BT = batch.tokens_BT
         logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device)
         entropy_BT = torch.zeros(tokens_BT.shape, device=self.device)
         for rows, micro in self.micro_batches(batch):
@@ -377,7 +420,7 @@ class PolicyTrainer:
             entropy_BT[rows.to(self.device)] = micro_entropy_BT
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
-        return logprobs_BT, entropy_BT
+        return back(logprobs_BT, entropy_BT)
 
     @torch.no_grad()
     def greedy(
@@ -426,7 +469,7 @@ class PolicyTrainer:
         """
         self.step += 1
         label = self.step if step is None else step
-        batch = batch.to(self.device)
+        batch, back = self._deal(batch.to(self.device))
         indexed = self.micro_batches(batch)
         micro_batches = [micro for _, micro in indexed]
         # The global counts travel while the first micro-batch runs its forward.
@@ -498,7 +541,7 @@ class PolicyTrainer:
             "tokens": float(scale.tokens),
             **dict(zip(names, metric_totals, strict=True)),
         }
-        return StepResult(metrics=metrics, logprobs_BT=pre_update_BT)
+        return StepResult(metrics=metrics, logprobs_BT=back(pre_update_BT)[0])
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():
