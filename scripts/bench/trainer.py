@@ -15,10 +15,11 @@ alike. Rank 0 prints one JSON line: median tokens/s of each, `ratio` = ours / pl
 Long tail (run with python; it launches one 2-rank torchrun world per path, watched for
 memory): a seeded mix of `--sequences` sequences, prompts uniform in 64-640 tokens,
 completions lognormal with median 200 and 5% above 1,500 (sigma 1.225), capped at
-`--max_completion`. "padded" is the path before packing (`training.micro_batch_tokens = 0`):
-each rank takes a contiguous share, right-padded to its longest, full logits; "packed" deals
-sequences to ranks balanced by tokens (`packing.balance`) and packs them under
-`--budget` tokens. Prints one JSON line: real (non-padding) tokens/s of each path (median step),
+`--max_completion`. Each rank holds a contiguous share, as it would the samples of its own
+prompts. "padded" is the path before packing (`training.micro_batch_tokens = 0`): the share
+right-padded to its longest, full logits; "packed" is `train_step` under `--budget` tokens:
+it redeals rows over the ranks by tokens, packs them, runs the LM head at scored tokens only.
+Prints one JSON line: real (non-padding) tokens/s of each path (median step),
 `speedup` = packed / padded, each path's rank token loads and `load_imbalance` (max / min),
 peak RSS per rank and of the whole tree, `peak_rss_ratio` = packed / padded (per-rank maxima);
 a path that ran the machine out of memory (available < `--min_free_gib`) reports
@@ -87,7 +88,7 @@ def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
 
 def uniform(args) -> None:
     rank, world = platform.init_distributed()
-    trainer = build_trainer(args, micro_batch_tokens=max(8192, args.batch * args.seq))
+    trainer = build_trainer(args, micro_batch_tokens=args.budget)
     vocab = trainer.spec.model.vocab_size
     g = torch.Generator().manual_seed(rank)
     tokens_BT = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
@@ -249,7 +250,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="uniform: tokens per sequence")
     parser.add_argument("--sequences", type=int, default=16, help="longtail: sequences in all")
     parser.add_argument("--max_completion", type=int, default=4096, help="longtail: the cap")
-    parser.add_argument("--budget", type=int, default=8192, help="longtail: packed tokens")
+    parser.add_argument("--budget", type=int, default=8192, help="packed tokens (0: padded)")
     parser.add_argument("--seed", type=int, default=0, help="longtail: the mix's seed")
     parser.add_argument("--nproc", type=int, default=2, help="longtail: ranks per world")
     parser.add_argument("--min_free_gib", type=float, default=1.5, help="longtail: stop below")

@@ -57,13 +57,22 @@ def test_needed_runs_each_row_through_its_last_scored_token():
     assert packing.needed(mask_BT) == [4, 6, 0]
 
 
-def test_balance_deals_tokens_evenly_over_ranks():
+def test_rebalance_evens_long_tailed_loads_moving_few_rows():
     rng = random.Random(1)
-    lengths = [int(min(4096, rng.lognormvariate(5.3, 1.0))) for _ in range(64)]
-    shares = packing.balance(lengths, 4)
-    loads = [sum(lengths[i] for i in share) for share in shares]
-    assert sorted(i for s in shares for i in s) == list(range(64))
+    ranks = [[int(min(4096, rng.lognormvariate(5.3, 1.2))) for _ in range(16)] for _ in range(4)]
+    shares = packing.rebalance(ranks)
+    loads = [sum(ranks[r][i] for r, i in share) for share in shares]
+    assert sorted(pair for share in shares for pair in share) == [
+        (r, i) for r in range(4) for i in range(16)
+    ]
     assert max(loads) <= 1.1 * min(loads)
+    moved = sum(r != rank for rank, share in enumerate(shares) for r, _ in share)
+    assert 0 < moved <= 16
+    # Loads that already balance move nothing: the uniform case costs no exchange.
+    assert packing.rebalance([[128] * 8, [128] * 8]) == [
+        [(0, i) for i in range(8)],
+        [(1, i) for i in range(8)],
+    ]
 
 
 # ---- kernels ------------------------------------------------------------------------------

@@ -60,10 +60,30 @@ def per_document(kernel, q_1LNH, k_1LNH, v_1LNH, docs: Documents, **kwargs) -> t
 
 
 def sdpa_per_document(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False):
-    """CPU: causal SDPA on each document's slice (sum of l^2 work, not L^2)."""
-    return per_document(
-        causal_sdpa, q_1LNH, k_1LNH, v_1LNH, docs, scale=scale, enable_gqa=enable_gqa
-    )
+    """CPU: causal SDPA on each document's slice (sum of l^2 work, not L^2). Consecutive
+    documents of one length (first-fit decreasing puts them side by side; uniform lengths are
+    all alike) run as one batch: a view of the row, one SDPA call."""
+    outs = []
+    for start, length, count in runs(docs):
+        end = start + length * count
+        q, k, v = (
+            x[:, start:end].unflatten(1, (count, length))[0] for x in (q_1LNH, k_1LNH, v_1LNH)
+        )
+        out = causal_sdpa(q, k, v, scale=scale, enable_gqa=enable_gqa)
+        outs.append(out.flatten(0, 1)[None])
+    return torch.cat(outs, dim=1)
+
+
+def runs(docs: Documents) -> list[tuple[int, int, int]]:
+    """(start, length, count) of each run of consecutive documents of one length."""
+    out: list[tuple[int, int, int]] = []
+    for s, e in spans(docs):
+        if out and out[-1][1] == e - s and out[-1][0] + out[-1][1] * out[-1][2] == s:
+            start, length, count = out[-1]
+            out[-1] = (start, length, count + 1)
+        else:
+            out.append((s, e - s, 1))
+    return out
 
 
 def masked_sdpa(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False):

@@ -56,13 +56,31 @@ def split_to(groups: list[list[int]], lengths: list[int], count: int) -> list[li
     return groups
 
 
-def balance(lengths: list[int], ranks: int) -> list[list[int]]:
-    """Indices of `lengths` dealt to `ranks` ranks with balanced token sums: longest first, each
-    to the rank with the fewest tokens so far (ties by rank); each rank's list ascending."""
-    loads = [0] * ranks
-    shares: list[list[int]] = [[] for _ in range(ranks)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
-        shares[rank].append(i)
-        loads[rank] += lengths[i]
-    return [sorted(share) for share in shares]
+def rebalance(lengths: list[list[int]], tolerance: float = 0.02) -> list[list[tuple[int, int]]]:
+    """Rows of `lengths[r]` (rank r's rows' token counts) redealt so that the ranks' token sums
+    balance, moving few rows: while the most loaded rank exceeds the least loaded by more than
+    `tolerance` of its load, it hands over the row whose length is nearest half the gap (each
+    move narrows that gap). Returns each rank's rows as (owner rank, row) pairs, its own
+    first, in order. Deterministic (ties by rank, then row): every rank computes the same."""
+    shares = [[(r, i) for i in range(len(rows))] for r, rows in enumerate(lengths)]
+    loads = [sum(rows) for rows in lengths]
+    ranks = range(len(lengths))
+    while True:
+        hi = max(ranks, key=lambda r: (loads[r], -r))
+        lo = min(ranks, key=lambda r: (loads[r], r))
+        gap = loads[hi] - loads[lo]
+        if gap <= tolerance * loads[hi]:
+            return shares
+        # 0 < n < gap: moving n makes this pair's gap |gap - 2n| < gap.
+        candidates = [
+            (abs(gap - 2 * lengths[r][i]), k)
+            for k, (r, i) in enumerate(shares[hi])
+            if 0 < lengths[r][i] < gap
+        ]
+        if not candidates:
+            return shares
+        _, k = min(candidates)
+        r, i = shares[hi].pop(k)
+        shares[lo].append((r, i))
+        loads[hi] -= lengths[r][i]
+        loads[lo] += lengths[r][i]

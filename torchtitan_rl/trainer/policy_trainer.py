@@ -113,6 +113,25 @@ def _activation_checkpointing(mode: str):
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
 
+@dataclass(frozen=True, slots=True)
+class _Dealt:
+    """A rank's rows after `PolicyTrainer._deal`."""
+
+    batch: RolloutBatch
+    count: int | None
+    """Micro-batches every rank runs (None: padded, `training.micro_batches`)."""
+    scale: "LossScale | None"
+    """The step's global counts (None: padded, where train_step all-reduces them)."""
+    back: Callable[..., tuple[torch.Tensor, ...]]
+    """Tensors [B', T'] of `batch`'s rows -> the rank's own rows [B, T] (a collective when
+    rows moved)."""
+
+
+def _copy_row(out_T: torch.Tensor, value_T: torch.Tensor) -> None:
+    width = min(out_T.shape[0], value_T.shape[0])
+    out_T[:width] = value_T[:width]
+
+
 class PolicyTrainer:
     """The policy: a torchtitan model sharded on this rank, its optimizer and LR schedule."""
 
@@ -334,12 +353,15 @@ class PolicyTrainer:
         weight = head.weight
         return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
-    def micro_batches(self, batch: RolloutBatch) -> list[tuple[torch.Tensor, RolloutBatch]]:
+    def micro_batches(
+        self, batch: RolloutBatch, count: int | None = None
+    ) -> list[tuple[torch.Tensor, RolloutBatch]]:
         """`batch` cut into micro-batches, each with its rows' indices in `batch`.
 
         Packed: first-fit decreasing by the tokens each row must run, into at most
-        `micro_batch_tokens` each, then as many as the trainer rank that needs most (FSDP's
-        gathers are collective). Padded: `training.micro_batches` pieces of consecutive rows.
+        `micro_batch_tokens` each, then `count` of them: as many as the rank that needs most
+        (FSDP's gathers are collective; None: found with an all-reduce). Padded:
+        `training.micro_batches` pieces of consecutive rows.
         """
         if not self.micro_batch_tokens:
             pieces = min(self.training.micro_batches, batch.batch_size)
@@ -347,48 +369,92 @@ class PolicyTrainer:
             return [(rows, micro) for rows, micro in zip(index, batch.split(pieces), strict=True)]
         lengths = packing.needed(batch.loss_mask_BT)
         groups = packing.first_fit_decreasing(lengths, self.micro_batch_tokens)
-        count = torch.tensor([len(groups)])
-        platform.all_reduce_host(count, op=dist.ReduceOp.MAX, group=self.group)
-        groups = packing.split_to(groups, lengths, max(int(count), 1))
+        if count is None:
+            most = torch.tensor([len(groups)])
+            platform.all_reduce_host(most, op=dist.ReduceOp.MAX, group=self.group)
+            count = int(most[0])
+        groups = packing.split_to(groups, lengths, max(count, 1))
         return [
             (rows, batch.rows(rows)) for rows in (torch.tensor(g, dtype=torch.long) for g in groups)
         ]
 
-    def _deal(self, batch: RolloutBatch):
-        """Packed, over data-parallel ranks: every rank's rows dealt anew so that the ranks'
-        token loads balance (`packing.balance` over all their rows, computed alike on every
-        rank). Returns this rank's dealt batch and `back`, which takes tensors [B', T'] of the
-        dealt rows to this rank's own rows [B, T] (a collective). Padded, or with one
-        data-parallel rank: the batch as it is."""
-        if not self.micro_batch_tokens or self.dp_group is None:
-            return batch, lambda *tensors_BT: tensors_BT
-        group, host = self.dp_group, torch.device("cpu")
-        me = dist.get_rank(group)
-        everyone = platform.all_gather_objects(batch.to(host), group=group)
-        owners = [(r, i) for r, b in enumerate(everyone) for i in range(b.batch_size)]
-        lengths = [n for b in everyone for n in packing.needed(b.loss_mask_BT)]
-        shares = packing.balance(lengths, len(everyone))
-        mine = [owners[k] for k in shares[me]]
-        if mine:
-            dealt = RolloutBatch.cat([everyone[r].rows(torch.tensor([i])) for r, i in mine])
-        else:
-            dealt = batch.rows(torch.zeros(0, dtype=torch.long))
+    def _all_lengths(self, mask_BT: torch.Tensor) -> tuple[list[list[int]], int, LossScale]:
+        """Every data-parallel rank's row lengths (`packing.needed`), this rank's index among
+        them, and the global counts of the step (scored tokens, sequences with one): two small
+        all-reduces, cheaper than an object gather."""
+        lengths = packing.needed(mask_BT)
+        scored_B = mask_BT.sum(1).round().long().cpu()
+        group = self.dp_group
+        ranks, me = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        counts = torch.zeros(ranks, dtype=torch.int64)
+        counts[me] = len(lengths)
+        if group is not None:
+            platform.all_reduce_host(counts, group=group)
+        table = torch.zeros(ranks, int(counts.max()), 2, dtype=torch.int64)
+        table[me, : len(lengths), 0] = torch.tensor(lengths, dtype=torch.int64)
+        table[me, : len(lengths), 1] = scored_B
+        if group is not None:
+            platform.all_reduce_host(table, group=group)
+        scale = LossScale(tokens=int(table[..., 1].sum()), sequences=int((table[..., 1] > 0).sum()))
+        return [table[r, : int(counts[r]), 0].tolist() for r in range(ranks)], me, scale
+
+    def _deal(self, batch: RolloutBatch) -> "_Dealt":
+        """Packed: the data-parallel ranks' rows redealt so that their token loads balance
+        (`packing.rebalance`: few rows move, none when they already balance), and the number
+        of micro-batches every rank runs. One gather of row lengths plans it on every rank
+        alike; rows travel only when some move. Padded: the batch as it is."""
+        if not self.micro_batch_tokens:
+            return _Dealt(batch, None, None, lambda *tensors_BT: tensors_BT)
+        everyone, me, scale = self._all_lengths(batch.loss_mask_BT)
+        group = self.dp_group
+        shares = packing.rebalance(everyone)
+        count = max(
+            len(
+                packing.first_fit_decreasing(
+                    [everyone[r][i] for r, i in share], self.micro_batch_tokens
+                )
+            )
+            for share in shares
+        )
+        if all(r == rank for rank, share in enumerate(shares) for r, _ in share):
+            return _Dealt(batch, count, scale, lambda *tensors_BT: tensors_BT)
+        # Every rank sends the rows it gives away, keyed (owner, row).
+        host = torch.device("cpu")
+        given = [
+            (rank, i) for rank, share in enumerate(shares) for r, i in share if r == me != rank
+        ]
+        sent = batch.rows(torch.tensor([i for _, i in given], dtype=torch.long)).to(host)
+        parcels = platform.all_gather_objects(([i for _, i in given], sent), group)
+        pieces = [
+            batch.rows(torch.tensor([i]))
+            if r == me
+            else parcels[r][1].rows(torch.tensor([parcels[r][0].index(i)]))
+            for r, i in shares[me]
+        ]
+        dealt = (
+            RolloutBatch.cat(pieces).to(self.device)
+            if pieces
+            else batch.rows(torch.zeros(0, dtype=torch.long))
+        )
 
         def back(*tensors_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            pieces = platform.all_gather_objects(
-                (shares[me], [t.to(host) for t in tensors_BT]), group=group
+            """Tensors [B', T'] of the dealt rows -> this rank's own rows [B, T]."""
+            outs = [torch.zeros(batch.tokens_BT.shape, device=self.device) for _ in tensors_BT]
+            borrowed = [(k, r, i) for k, (r, i) in enumerate(shares[me]) if r != me]
+            returned = platform.all_gather_objects(
+                [((r, i), [t[k].to(host) for t in tensors_BT]) for k, r, i in borrowed], group
             )
-            outs = [torch.zeros(batch.tokens_BT.shape) for _ in tensors_BT]
-            for share, values in pieces:
-                for row, k in enumerate(share):
-                    r, i = owners[k]
-                    if r == me:
-                        for out, value in zip(outs, values, strict=True):
-                            width = min(out.shape[1], value.shape[1])
-                            out[i, :width] = value[row, :width]
-            return tuple(out.to(self.device) for out in outs)
+            for k, (r, i) in enumerate(shares[me]):
+                if r == me:
+                    for out, tensor in zip(outs, tensors_BT, strict=True):
+                        _copy_row(out[i], tensor[k])
+            for (r, i), values in (item for parcel in returned for item in parcel):
+                if r == me:
+                    for out, value in zip(outs, values, strict=True):
+                        _copy_row(out[i], value.to(self.device))
+            return tuple(outs)
 
-        return dealt.to(self.device), back
+        return _Dealt(dealt, count, scale, back)
 
     def _forward(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.micro_batch_tokens:
@@ -410,17 +476,17 @@ class PolicyTrainer:
         if mask_BT is None:
             mask_BT = torch.ones(tokens_BT.shape, device=self.device)
         batch = RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=mask_BT.to(self.device))
-        batch, back = self._deal(batch)
-        tokens_BT = batch.tokens_BT
+        dealt = self._deal(batch)
+        tokens_BT = dealt.batch.tokens_BT
         logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device)
         entropy_BT = torch.zeros(tokens_BT.shape, device=self.device)
-        for rows, micro in self.micro_batches(batch):
+        for rows, micro in self.micro_batches(dealt.batch, dealt.count):
             micro_logprobs_BT, micro_entropy_BT = self._forward(micro)
             logprobs_BT[rows.to(self.device)] = micro_logprobs_BT
             entropy_BT[rows.to(self.device)] = micro_entropy_BT
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
-        return back(logprobs_BT, entropy_BT)
+        return dealt.back(logprobs_BT, entropy_BT)
 
     @torch.no_grad()
     def greedy(
@@ -469,20 +535,23 @@ class PolicyTrainer:
         """
         self.step += 1
         label = self.step if step is None else step
-        batch, back = self._deal(batch.to(self.device))
-        indexed = self.micro_batches(batch)
+        dealt = self._deal(batch.to(self.device))
+        batch = dealt.batch
+        indexed = self.micro_batches(batch, dealt.count)
         micro_batches = [micro for _, micro in indexed]
-        # The global counts travel while the first micro-batch runs its forward.
-        # Sequences count when they have a token in the loss (filtered groups do not).
-        counts = torch.tensor(
-            [
-                sum(m.loss_mask_BT.sum().item() for m in micro_batches),
-                sum((m.loss_mask_BT.sum(1) > 0).sum().item() for m in micro_batches),
-            ],
-            dtype=torch.float64,
-        )
-        counting = platform.all_reduce_host(counts, group=self.group, async_op=True)
-        scale = None
+        # Padded, the global counts travel while the first micro-batch runs its forward;
+        # packed, the deal has them. Sequences count when they have a token in the loss
+        # (filtered groups do not).
+        if dealt.scale is None:
+            counts = torch.tensor(
+                [
+                    sum(m.loss_mask_BT.sum().item() for m in micro_batches),
+                    sum((m.loss_mask_BT.sum(1) > 0).sum().item() for m in micro_batches),
+                ],
+                dtype=torch.float64,
+            )
+            counting = platform.all_reduce_host(counts, group=self.group, async_op=True)
+        scale = dealt.scale
         local_loss, entropy_sum = 0.0, 0.0
         metric_sums: dict[str, float] = {}
         pre_update_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
@@ -541,7 +610,7 @@ class PolicyTrainer:
             "tokens": float(scale.tokens),
             **dict(zip(names, metric_totals, strict=True)),
         }
-        return StepResult(metrics=metrics, logprobs_BT=back(pre_update_BT)[0])
+        return StepResult(metrics=metrics, logprobs_BT=dealt.back(pre_update_BT)[0])
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():
