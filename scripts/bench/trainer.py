@@ -168,14 +168,14 @@ def longtail_child(args) -> None:
     trainer = build_trainer(args, micro_batch_tokens=args.budget if packed else 0)
     mix = longtail_mix(args.sequences, args.max_completion, args.seed)
     lengths = [p + c for p, c in mix]
-    if packed:
-        shares = packing.balance(lengths, world)
-    else:  # today's: each rank trains the samples of its own prompts, in draw order
-        per_rank = math.ceil(len(mix) / world)
-        shares = [
-            list(range(r * per_rank, min(len(mix), (r + 1) * per_rank))) for r in range(world)
-        ]
+    # Each rank holds the samples of its own prompts, in draw order; packed, train_step deals
+    # them anew by tokens (PolicyTrainer._deal), which `shares` then replays.
+    per_rank = math.ceil(len(mix) / world)
+    shares = [list(range(len(mix)))[r * per_rank : (r + 1) * per_rank] for r in range(world)]
     batch = rank_batch(mix, shares[rank], trainer.spec.model.vocab_size, args.seed + rank)
+    if packed:
+        dealt = packing.rebalance([[lengths[i] for i in share] for share in shares])
+        shares = [[shares[r][i] for r, i in share] for share in dealt]
     times = []
     for i in range(args.warmup + args.steps):
         dist.barrier()

@@ -52,6 +52,11 @@ def test_split_to_reaches_the_count_keeping_every_row_once():
     assert packing.split_to([[0], [1]], lengths, 4) == [[0], [1], [], []]
 
 
+def test_runs_group_consecutive_documents_of_one_length():
+    docs = attention.documents([9, 9, 9, 4, 4, 1, 9], torch.device("cpu"))
+    assert attention.runs(docs) == [(0, 9, 3), (27, 4, 2), (35, 1, 1), (36, 9, 1)]
+
+
 def test_needed_runs_each_row_through_its_last_scored_token():
     mask_BT = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0.0]])
     assert packing.needed(mask_BT) == [4, 6, 0]
@@ -78,9 +83,9 @@ def test_rebalance_evens_long_tailed_loads_moving_few_rows():
 # ---- kernels ------------------------------------------------------------------------------
 
 
-def test_packed_attention_equals_each_document_alone():
+@pytest.mark.parametrize("lengths", [[7, 1, 20, 12], [9, 9, 9, 4, 4, 1, 9]])
+def test_packed_attention_equals_each_document_alone(lengths):
     g = torch.Generator().manual_seed(0)
-    lengths = [7, 1, 20, 12]
     L, N, K, H = sum(lengths), 4, 2, 16
     q = torch.randn(1, L, N, H, generator=g)
     k, v = (torch.randn(1, L, K, H, generator=g) for _ in range(2))
@@ -94,7 +99,8 @@ def test_packed_attention_equals_each_document_alone():
     )
     per_doc = attention.sdpa_per_document(q, k, v, docs, enable_gqa=True)
     masked = attention.masked_sdpa(q, k, v, docs, enable_gqa=True)
-    torch.testing.assert_close(per_doc, alone, rtol=0, atol=0)
+    # Runs of equal lengths go as one batch: the same kernel per row, up to rounding.
+    torch.testing.assert_close(per_doc, alone, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(masked, alone, rtol=1e-6, atol=1e-6)
 
 
