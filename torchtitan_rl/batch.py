@@ -14,6 +14,16 @@ if TYPE_CHECKING:
     from torchtitan_rl.generator.engine import Sample
 
 
+@dataclass(frozen=True, slots=True)
+class LossScale:
+    """Global totals of one step, over every micro-batch and data-parallel rank."""
+
+    tokens: int
+    """Loss-masked tokens in the whole step."""
+    sequences: int
+    """Sequences in the whole step."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutBatch:
     """One rank's training batch: right-padded sequences and what the loss needs of them.

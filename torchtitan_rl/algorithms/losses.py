@@ -18,8 +18,7 @@ gradient. Shapes: B sequences, T tokens.
 import torch
 
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
-from torchtitan_rl.batch import RolloutBatch
-from torchtitan_rl.trainer.policy_trainer import LossScale
+from torchtitan_rl.batch import LossScale, RolloutBatch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 

@@ -31,7 +31,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.batch import LossScale, RolloutBatch
 from torchtitan_rl.config.job_config import (
     LoRASection,
     ModelSection,
@@ -40,23 +40,12 @@ from torchtitan_rl.config.job_config import (
 )
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing
-from torchtitan_rl.trainer.attention import documents
 from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient became NaN/inf; the message names the step and the tensor."""
-
-
-@dataclass(frozen=True, slots=True)
-class LossScale:
-    """Global totals of one step, over every micro-batch and data-parallel rank."""
-
-    tokens: int
-    """Loss-masked tokens in the whole step."""
-    sequences: int
-    """Sequences in the whole step."""
 
 
 # loss_fn(logprobs_BT, micro_batch, scale) -> (this micro-batch's share of the step loss,
@@ -111,25 +100,6 @@ def _activation_checkpointing(mode: str):
 # torch's checkpoint wrapper (activation checkpointing) inserts this into parameter names;
 # state dicts drop it, and so do the names weight sync pairs by.
 _AC_PREFIX = "_checkpoint_wrapped_module."
-
-
-@dataclass(frozen=True, slots=True)
-class _Dealt:
-    """A rank's rows after `PolicyTrainer._deal`."""
-
-    batch: RolloutBatch
-    count: int | None
-    """Micro-batches every rank runs (None: padded, `training.micro_batches`)."""
-    scale: "LossScale | None"
-    """The step's global counts (None: padded, where train_step all-reduces them)."""
-    back: Callable[..., tuple[torch.Tensor, ...]]
-    """Tensors [B', T'] of `batch`'s rows -> the rank's own rows [B, T] (a collective when
-    rows moved)."""
-
-
-def _copy_row(out_T: torch.Tensor, value_T: torch.Tensor) -> None:
-    width = min(out_T.shape[0], value_T.shape[0])
-    out_T[:width] = value_T[:width]
 
 
 class PolicyTrainer:
@@ -303,43 +273,21 @@ class PolicyTrainer:
         within each (`Documents`), so each gets what it would alone; the head runs only at
         the N positions that predict a scored token.
         """
-        tokens_BT, mask_BT = micro.tokens_BT, micro.loss_mask_BT
-        lengths = packing.needed(mask_BT)
-        kept = [b for b, n in enumerate(lengths) if n > 0]
-        if kept:
-            tokens_L = torch.cat([tokens_BT[b, : lengths[b]] for b in kept])
-            positions_L = torch.cat([torch.arange(lengths[b]) for b in kept]).to(self.device)
-            docs = documents([lengths[b] for b in kept], self.device)
-        else:
-            # Nothing to score: still run the model (every rank runs as many forwards and
-            # backwards, FSDP's collectives), on one token.
-            tokens_L = torch.zeros(1, dtype=torch.long, device=self.device)
-            positions_L = torch.zeros(1, dtype=torch.long, device=self.device)
-            docs = documents([1], self.device)
-        # Where each kept row starts in the packed row.
-        kept_lengths = torch.tensor([lengths[b] for b in kept], dtype=torch.long)
-        offsets_B = torch.zeros(len(lengths), dtype=torch.long)
-        offsets_B[kept] = kept_lengths.cumsum(0) - kept_lengths
-        offsets_B = offsets_B.to(self.device)
-        # Column 0 predicts nothing; the hidden state at t - 1 predicts token t.
-        rows_N, cols_N = (mask_BT[:, 1:] > 0).nonzero(as_tuple=True)
-        cols_N = cols_N + 1
+        row = packing.pack_row(micro, self.device)
         self.model._skip_lm_head = True  # the decoder returns normed hidden states
         try:
-            hidden_1LD = self.model(tokens_L[None], positions_L[None], docs)
+            hidden_1LD = self.model(row.tokens_1L, row.positions_1L, row.docs)
         finally:
             self.model._skip_lm_head = False
         if isinstance(hidden_1LD, DTensor):
             hidden_1LD = hidden_1LD.full_tensor()  # TP: sequence-parallel shards
-        hidden_ND = hidden_1LD[0].index_select(0, offsets_B[rows_N] + cols_N - 1)
+        hidden_ND = hidden_1LD[0].index_select(0, row.predictors_N)
         logprobs_N, entropy_N = head_logprobs(
-            hidden_ND, self._head_weight(), tokens_BT[rows_N, cols_N], self.temperature
+            hidden_ND, self._head_weight(), row.targets_N, self.temperature
         )
-        logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device).index_put(
-            (rows_N, cols_N), logprobs_N
-        )
-        entropy_BT = torch.zeros(tokens_BT.shape, device=self.device)
-        entropy_BT[rows_N, cols_N] = entropy_N
+        shape, scored = micro.tokens_BT.shape, (row.rows_N, row.cols_N)
+        logprobs_BT = torch.zeros(shape, device=self.device).index_put(scored, logprobs_N)
+        entropy_BT = torch.zeros(shape, device=self.device).index_put(scored, entropy_N)
         return logprobs_BT, entropy_BT
 
     def _head_weight(self) -> torch.Tensor:
@@ -378,83 +326,12 @@ class PolicyTrainer:
             (rows, batch.rows(rows)) for rows in (torch.tensor(g, dtype=torch.long) for g in groups)
         ]
 
-    def _all_lengths(self, mask_BT: torch.Tensor) -> tuple[list[list[int]], int, LossScale]:
-        """Every data-parallel rank's row lengths (`packing.needed`), this rank's index among
-        them, and the global counts of the step (scored tokens, sequences with one): two small
-        all-reduces, cheaper than an object gather."""
-        lengths = packing.needed(mask_BT)
-        scored_B = mask_BT.sum(1).round().long().cpu()
-        group = self.dp_group
-        ranks, me = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-        counts = torch.zeros(ranks, dtype=torch.int64)
-        counts[me] = len(lengths)
-        if group is not None:
-            platform.all_reduce_host(counts, group=group)
-        table = torch.zeros(ranks, int(counts.max()), 2, dtype=torch.int64)
-        table[me, : len(lengths), 0] = torch.tensor(lengths, dtype=torch.int64)
-        table[me, : len(lengths), 1] = scored_B
-        if group is not None:
-            platform.all_reduce_host(table, group=group)
-        scale = LossScale(tokens=int(table[..., 1].sum()), sequences=int((table[..., 1] > 0).sum()))
-        return [table[r, : int(counts[r]), 0].tolist() for r in range(ranks)], me, scale
-
-    def _deal(self, batch: RolloutBatch) -> "_Dealt":
-        """Packed: the data-parallel ranks' rows redealt so that their token loads balance
-        (`packing.rebalance`: few rows move, none when they already balance), and the number
-        of micro-batches every rank runs. One gather of row lengths plans it on every rank
-        alike; rows travel only when some move. Padded: the batch as it is."""
+    def _deal(self, batch: RolloutBatch) -> packing.Dealt:
+        """Packed: the rows redealt over the data-parallel ranks (`packing.deal`); padded: the
+        batch as it is."""
         if not self.micro_batch_tokens:
-            return _Dealt(batch, None, None, lambda *tensors_BT: tensors_BT)
-        everyone, me, scale = self._all_lengths(batch.loss_mask_BT)
-        group = self.dp_group
-        shares = packing.rebalance(everyone)
-        count = max(
-            len(
-                packing.first_fit_decreasing(
-                    [everyone[r][i] for r, i in share], self.micro_batch_tokens
-                )
-            )
-            for share in shares
-        )
-        if all(r == rank for rank, share in enumerate(shares) for r, _ in share):
-            return _Dealt(batch, count, scale, lambda *tensors_BT: tensors_BT)
-        # Every rank sends the rows it gives away, keyed (owner, row).
-        host = torch.device("cpu")
-        given = [
-            (rank, i) for rank, share in enumerate(shares) for r, i in share if r == me != rank
-        ]
-        sent = batch.rows(torch.tensor([i for _, i in given], dtype=torch.long)).to(host)
-        parcels = platform.all_gather_objects(([i for _, i in given], sent), group)
-        pieces = [
-            batch.rows(torch.tensor([i]))
-            if r == me
-            else parcels[r][1].rows(torch.tensor([parcels[r][0].index(i)]))
-            for r, i in shares[me]
-        ]
-        dealt = (
-            RolloutBatch.cat(pieces).to(self.device)
-            if pieces
-            else batch.rows(torch.zeros(0, dtype=torch.long))
-        )
-
-        def back(*tensors_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """Tensors [B', T'] of the dealt rows -> this rank's own rows [B, T]."""
-            outs = [torch.zeros(batch.tokens_BT.shape, device=self.device) for _ in tensors_BT]
-            borrowed = [(k, r, i) for k, (r, i) in enumerate(shares[me]) if r != me]
-            returned = platform.all_gather_objects(
-                [((r, i), [t[k].to(host) for t in tensors_BT]) for k, r, i in borrowed], group
-            )
-            for k, (r, i) in enumerate(shares[me]):
-                if r == me:
-                    for out, tensor in zip(outs, tensors_BT, strict=True):
-                        _copy_row(out[i], tensor[k])
-            for (r, i), values in (item for parcel in returned for item in parcel):
-                if r == me:
-                    for out, value in zip(outs, values, strict=True):
-                        _copy_row(out[i], value.to(self.device))
-            return tuple(outs)
-
-        return _Dealt(dealt, count, scale, back)
+            return packing.Dealt(batch, None, None, lambda *tensors_BT: tensors_BT)
+        return packing.deal(batch, self.micro_batch_tokens, self.dp_group, self.device)
 
     def _forward(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.micro_batch_tokens:
