@@ -17,8 +17,9 @@ run both stacks on the same weights (scripts/bench/e2e.py):
 
 How: one residual dimension d is made a constant K (every token's embedding holds K there and
 no layer writes to it), so the final norm gives every position nearly the same h_d; the stop
-token's output row then gets an extra weight at d, which raises its logit by the same amount
-everywhere. With the other logits near-uniform (random init), the stop probability per token is
+token's (`<|eos|>`: the tokenizer's eos, where TRL's generate stops, and a stop id of
+generation_config.json, where vLLM stops) output row then gets an extra weight at d, which
+raises its logit by the same amount everywhere. With the other logits near-uniform (random init), the stop probability per token is
 about 1 / L; the extra weight is calibrated on random token sequences. Sampled text is then
 near-uniform noise that stops at random: a workload of lengths, not of meaning.
 """
@@ -175,7 +176,7 @@ def write_checkpoint(
     model = spec.model.build()
     model.init_states()
     if mean_tokens:
-        p_stop = raise_stop_logit(model, im_end_id, mean_tokens, seed)
+        p_stop = raise_stop_logit(model, eos_id, mean_tokens, seed)
         print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")
     adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = {k: v.detach().contiguous() for k, v in adapter.to_hf(model.state_dict()).items()}

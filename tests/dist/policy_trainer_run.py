@@ -8,7 +8,8 @@ MICRO is a count of padded micro-batches (training.micro_batch_tokens = 0) or bN
 micro-batches of at most N tokens. Each layout's results go to
 OUT_DIR/{MICRO}_{ACTIVATION_CHECKPOINT}_tp{TP}.pt. Each
 data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
-of a TP group on the same share). Rank 0 saves the logprobs of the whole batch (before the
+of a TP group on the same share; packed layouts on 2 data-parallel ranks start from uneven
+shares, 6 and 2 rows). Rank 0 saves the logprobs of the whole batch (before the
 step), the pre-update logprobs the step itself reports for its share, the model forwards the
 step ran on every rank (their token shapes), and the full parameters before and after it, so
 tests can compare world sizes, micro-batch counts and packing, parallelisms and activation
@@ -60,7 +61,11 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
     batch = fixed_batch()
     logprobs_BT, entropy_BT = trainer.logprobs(batch.tokens_BT)
     dp_size, dp_rank = world // tp, rank // tp  # torchtitan puts TP innermost
-    local = batch.split(dp_size)[dp_rank]
+    rows = torch.arange(batch.batch_size).tensor_split(dp_size)[dp_rank]
+    if packed and dp_size == 2:
+        # Uneven shares (51 and 13 tokens to run): the step must deal rows between the ranks.
+        rows = torch.arange(6) if dp_rank == 0 else torch.arange(6, 8)
+    local = batch.rows(rows)
 
     forwards = []
     trainer.model.register_forward_hook(lambda _, args, __: forwards.append(tuple(args[0].shape)))
@@ -99,6 +104,7 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
         "metrics": result.metrics,
         "step_logprobs_BT": result.logprobs_BT,
         "share": (dp_rank, dp_size),
+        "rows": rows,
         "forwards": platform.all_gather_objects(forwards),
         "checkpointed_blocks": sum(
             isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
