@@ -19,9 +19,10 @@ How: one residual dimension d is made a constant K (every token's embedding hold
 no layer writes to it), so the final norm gives every position nearly the same h_d; the stop
 token's (`<|eos|>`: the tokenizer's eos, where TRL's generate stops, and a stop id of
 generation_config.json, where vLLM stops) output row then gets an extra weight at d, which
-raises its logit by the same amount everywhere. With the other logits near-uniform (random init), the stop probability per token is
-about 1 / L; the extra weight is calibrated on random token sequences. Sampled text is then
-near-uniform noise that stops at random: a workload of lengths, not of meaning.
+raises its logit by the same amount everywhere. With the other logits near-uniform (random
+init), the stop probability per token is about 1 / L; the extra weight is calibrated on
+random token sequences. Sampled text is then near-uniform noise that stops at random: a
+workload of lengths, not of meaning.
 """
 
 import argparse
