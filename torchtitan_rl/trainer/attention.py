@@ -37,14 +37,15 @@ def spans(docs: Documents) -> list[tuple[int, int]]:
     return [(s, e) for s, e in zip(starts, starts[1:], strict=False) if e > s]
 
 
-def causal_sdpa(q_BLNH, k_BLNH, v_BLNH, scale=None, enable_gqa=False) -> torch.Tensor:
-    """Causal SDPA of (B, L, N, H) rows."""
+def causal_sdpa(q_BLNH, k_BLNH, v_BLNH, scale=None, enable_gqa=False, mask_LL=None):
+    """SDPA of (B, L, N, H) rows: causal, or under `mask_LL` (True: may attend) when given."""
     out_BNLH = F.scaled_dot_product_attention(
         q_BLNH.transpose(1, 2),
         k_BLNH.transpose(1, 2),
         v_BLNH.transpose(1, 2),
+        attn_mask=mask_LL,
         scale=scale,
-        is_causal=True,
+        is_causal=mask_LL is None,
         enable_gqa=enable_gqa,
     )
     return out_BNLH.transpose(1, 2)
@@ -95,15 +96,7 @@ def masked_sdpa(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=
         doc_L[s:e] = index
     position = torch.arange(L, device=q_1LNH.device)
     mask_LL = (doc_L[:, None] == doc_L[None, :]) & (position[:, None] >= position[None, :])
-    out_BNLH = F.scaled_dot_product_attention(
-        q_1LNH.transpose(1, 2),
-        k_1LNH.transpose(1, 2),
-        v_1LNH.transpose(1, 2),
-        attn_mask=mask_LL,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
-    return out_BNLH.transpose(1, 2)
+    return causal_sdpa(q_1LNH, k_1LNH, v_1LNH, scale, enable_gqa, mask_LL=mask_LL)
 
 
 def varlen(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False):
