@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers.batches import fixed_batch, pg_loss
+from helpers.batches import fixed_batch, pg_loss, recorded_grads
 from helpers.launch import TINY
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -70,17 +70,9 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
     forwards = []
     trainer.model.register_forward_hook(lambda _, args, __: forwards.append(tuple(args[0].shape)))
 
-    # Record the summed gradients the optimizer is about to apply (full tensors, collective).
-    grads, optimizer_step = {}, trainer.optimizers.step
-
-    def record_grads_then_step(*args, **kwargs):
-        for name, param in trainer.named_parameters().items():
-            grads[name] = param.grad.full_tensor().clone()
-        return optimizer_step(*args, **kwargs)
-
-    trainer.optimizers.step = record_grads_then_step
     before = {k: p.full_tensor().clone() for k, p in trainer.named_parameters().items()}
-    result = trainer.train_step(local, pg_loss)
+    with recorded_grads(trainer) as grads:
+        result = trainer.train_step(local, pg_loss)
     after = {k: p.full_tensor() for k, p in trainer.named_parameters().items()}
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers.batches import recorded_grads
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import parse_args
@@ -36,15 +37,8 @@ def first_step(out: Path, data: str, budget: int, world: int) -> dict:
     batch = sft_batch(rows)
     micro_batches = sft.trainer.micro_batches(batch)
     lengths = packing.needed(batch.loss_mask_BT)
-    grads, optimizer_step = {}, sft.trainer.optimizers.step
-
-    def record_grads_then_step(*args, **kwargs):
-        for name, param in sft.trainer.named_parameters().items():
-            grads[name] = param.grad.full_tensor().clone()
-        return optimizer_step(*args, **kwargs)
-
-    sft.trainer.optimizers.step = record_grads_then_step
-    metrics = sft.train_step(1)
+    with recorded_grads(sft.trainer) as grads:
+        metrics = sft.train_step(1)
     return {
         "grads": grads,
         "metrics": metrics,

@@ -1,5 +1,9 @@
 """The fixed RolloutBatch and policy-gradient loss that the PolicyTrainer worlds
-(tests/dist/policy_trainer_run.py, lora_run.py) train on, and their tests replay."""
+(tests/dist/policy_trainer_run.py, lora_run.py) train on, and their tests replay; and a way
+to read the gradients a step applies."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,3 +33,23 @@ def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
     """Token-mean policy gradient: -sum(A * logprob * mask) / global tokens."""
     weighted_BT = batch.advantages_B[:, None] * logprobs_BT * batch.loss_mask_BT
     return -weighted_BT.sum() / scale.tokens, {"masked_tokens": float(batch.loss_mask_BT.sum())}
+
+
+@contextmanager
+def recorded_grads(trainer) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the block, each optimizer step of `trainer` (a PolicyTrainer) first records the
+    summed gradients it is about to apply, as full tensors (a collective under FSDP/TP), into
+    the dict yielded."""
+    grads, step = {}, trainer.optimizers.step
+
+    def record_then_step(*args, **kwargs):
+        for name, param in trainer.named_parameters().items():
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+        return step(*args, **kwargs)
+
+    trainer.optimizers.step = record_then_step
+    try:
+        yield grads
+    finally:
+        trainer.optimizers.step = step

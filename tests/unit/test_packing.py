@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.batches import recorded_grads
 from helpers.launch import REPO
 
 from torchtitan_rl import batch_invariant, platform
@@ -167,16 +168,8 @@ def ragged_batch(seed: int = 0, rows: int = 9) -> RolloutBatch:
 
 
 def step_grads(t: PolicyTrainer, batch: RolloutBatch, loss) -> tuple[dict, dict]:
-    grads, optimizer_step = {}, t.optimizers.step
-
-    def record_then_step(*args, **kwargs):
-        for name, param in t.named_parameters().items():
-            grads[name] = param.grad.full_tensor().clone()
-        return optimizer_step(*args, **kwargs)
-
-    t.optimizers.step = record_then_step
-    result = t.train_step(batch, loss)
-    t.optimizers.step = optimizer_step
+    with recorded_grads(t) as grads:
+        result = t.train_step(batch, loss)
     return result.metrics, grads
 
 

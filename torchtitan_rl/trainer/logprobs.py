@@ -15,20 +15,27 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_ELEMENTS = 2**26
 
 
-def _chunk_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperature: float):
+def _log_softmax(logits_BCV: torch.Tensor, temperature: float) -> torch.Tensor:
     scaled_BCV = logits_BCV.float()
     if temperature != 1.0:
         scaled_BCV = scaled_BCV / temperature
     # log_softmax, then pick: the very ops vLLM reports processed logprobs with, so equal logits
     # give bitwise-equal logprobs (picked - logsumexp rounds differently).
-    logp_BCV = torch.log_softmax(scaled_BCV, dim=-1)
+    return torch.log_softmax(scaled_BCV, dim=-1)
+
+
+def _chunk_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperature: float):
+    logp_BCV = _log_softmax(logits_BCV, temperature)
     return logp_BCV.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1)
+
+
+def _entropy(logp_BCV: torch.Tensor) -> torch.Tensor:
+    return -(logp_BCV.exp() * logp_BCV).sum(-1)
 
 
 @torch.no_grad()
 def _chunk_entropy(logits_BCV: torch.Tensor, temperature: float) -> torch.Tensor:
-    logp_BCV = torch.log_softmax(logits_BCV.float() / temperature, dim=-1)
-    return -(logp_BCV.exp() * logp_BCV).sum(-1)
+    return _entropy(_log_softmax(logits_BCV, temperature))
 
 
 def token_logprobs(
@@ -82,21 +89,26 @@ def _head_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tens
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """logprob of `targets_N` under log_softmax(hidden_ND @ weight_VD.T / T), chunk by chunk;
-    backward recomputes each chunk's logits. No [N, V] tensor outlives one chunk."""
+    """logprob of `targets_N` under log_softmax(hidden_ND @ weight_VD.T / T), chunk by chunk.
+    No [N, V] tensor outlives one chunk: backward recomputes each chunk's logits, except the
+    last chunk's, which the forward keeps (it is the one [chunk, V] block alive anyway, and
+    backward starts from it and frees it first)."""
 
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk):
         logprobs, entropies = [], []
+        logp_CV = None
         for start in range(0, hidden_ND.shape[0], chunk):
-            logits_CV = _head_logits(hidden_ND[start : start + chunk], weight_VD)
-            logprobs.append(
-                _chunk_logprobs(logits_CV, targets_N[start : start + chunk], temperature)
+            del logp_CV
+            # One log_softmax per chunk serves both the logprob and the entropy.
+            logp_CV = _log_softmax(
+                _head_logits(hidden_ND[start : start + chunk], weight_VD), temperature
             )
-            entropies.append(_chunk_entropy(logits_CV, temperature))
-            del logits_CV
+            logprobs.append(logp_CV.gather(-1, targets_N[start : start + chunk, None]).squeeze(-1))
+            entropies.append(_entropy(logp_CV))
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
         ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.last_logp_CV = logp_CV if any(ctx.needs_input_grad[:2]) else None
         entropy_N = _cat(entropies, hidden_ND)
         ctx.mark_non_differentiable(entropy_N)
         return _cat(logprobs, hidden_ND), entropy_N
@@ -108,17 +120,21 @@ class _HeadLogprobs(torch.autograd.Function):
         weight_f = weight_VD.float()
         grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
         grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
-        for start in range(0, hidden_ND.shape[0], chunk):
+        # Last chunk first: its log_softmax was kept.
+        for start in reversed(range(0, hidden_ND.shape[0], chunk)):
             rows = slice(start, start + chunk)
             hidden_CD = hidden_ND[rows].float()
-            logits_CV = F.linear(hidden_CD, weight_f) / T
+            if ctx.last_logp_CV is not None:
+                probs_CV, ctx.last_logp_CV = ctx.last_logp_CV.exp_(), None
+            else:
+                probs_CV = torch.softmax(F.linear(hidden_CD, weight_f) / T, dim=-1)
             # d logp(target) / d logits = onehot(target) - softmax, times 1 / T.
-            grad_CV = torch.softmax(logits_CV, dim=-1).neg_()
+            grad_CV = probs_CV.neg_()
             grad_CV.scatter_add_(-1, targets_N[rows, None], torch.ones_like(grad_N[rows, None]))
             grad_CV.mul_(grad_N[rows, None].float() / T)
             grad_hidden[rows] = grad_CV @ weight_f
             grad_weight.addmm_(grad_CV.t(), hidden_CD)
-            del logits_CV, grad_CV
+            del probs_CV, grad_CV
         return grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype), None, None, None
 
 
