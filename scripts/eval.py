@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         config = parse_args(argv, world_size, prog="scripts/eval.py")
         if config.eval.dataset_path is None:
             raise ConfigError("eval.dataset_path is unset: point it at the held-out dataset")
-        from torchtitan_rl.tasks import open_task
+        from torchtitan_rl.episodes import open_task
 
         opened = open_task(config)
     except ConfigError as e:
@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
         return 2
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
+    from torchtitan_rl import evaluation
     from torchtitan_rl.evaluation import build_evaluator
     from torchtitan_rl.generator.engine import Generator
 
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> int:
         generator=config.generator, model=config.model, seed=config.job.seed + rank
     )
     result = evaluator.run(generator, version=0, shard=rank, shards=world)
-    result.all_reduce()
+    evaluation.all_reduce(result)
     if rank == 0:
         metrics = {k: v for k, v in result.metrics().items() if k != "eval/policy_version"}
         row = {

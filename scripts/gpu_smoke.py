@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+from torchtitan_rl.types import RolloutBatch
 from torchtitan_rl.weight_sync import WeightSync
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def trainer_side() -> dict:
     steps = []
     for _ in range(3):
         start = time.perf_counter()
-        result = trainer.train_step(batch, pg_loss)
+        result = trainer.optimizer_step(batch, pg_loss)
         steps.append(time.perf_counter() - start)
         if len(steps) == 1:
             figures["step_logprobs_equal_scoring"] = bool(

@@ -40,6 +40,7 @@ from torchtitan_rl.config.job_config import (
     JobConfig,
     ModelSection,
 )
+from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer.lora import is_lora_key
 
 MANIFEST = "manifest.json"
@@ -47,7 +48,7 @@ _NON_MODEL = ("optimizer", "lr_scheduler", "train_state")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StopRun):
     """A save failed (e.g. the disk is full); earlier checkpoints are untouched."""
 
 

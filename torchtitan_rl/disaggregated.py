@@ -41,12 +41,12 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms import build_loss
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config.job_config import JobConfig
-from torchtitan_rl.evaluation import EvalShard
+from torchtitan_rl.episodes import OpenTask
 from torchtitan_rl.generator.remote import RemoteGenerator
 from torchtitan_rl.rl_trainer import Hooks, RLTrainer
-from torchtitan_rl.rollouts import Rollouts
 from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
+from torchtitan_rl.types import EvalShard, Rollout, Rollouts
 from torchtitan_rl.weight_sync import SyncStats
 
 
@@ -82,22 +82,6 @@ class Topology:
 
     def trainer_of(self, generator_rank: int) -> int:
         return self.trainers[self.generators.index(generator_rank) % len(self.trainers)]
-
-
-@dataclass
-class Rollout:
-    """One generator rank's share of a step, as sent to its trainer rank."""
-
-    step: int
-    version: int
-    weights_sha256: str | None
-    """Digest of the generator's weights it sampled with (generator.verify_weight_sync)."""
-    rollouts: Rollouts | None
-    """None in the message after the last step, which carries only evaluations."""
-    reward_errors: int
-    generate_s: float
-    evaluations: list[EvalShard]
-    """This rank's evaluations of the policy versions it took since its previous message."""
 
 
 def _buckets(params: dict[str, torch.Tensor], bucket_mb: float) -> list[list[str]]:
@@ -208,14 +192,14 @@ def _start_step(topology: Topology, checkpoint_step: int) -> int:
 class GeneratorWorker(RLTrainer):
     """A generator-only rank: sample, score, send; take new weights when the bound needs them."""
 
-    def __init__(self, config: JobConfig, topology: Topology):
+    def __init__(self, config: JobConfig, topology: Topology, task: OpenTask | None = None):
         self.config, self.topology, self.hooks = config, topology, Hooks()
         self.rank, self.group = dist.get_rank(), None
         if config.batch_invariant:
             batch_invariant.enable()
         # Prompts and seeds are split over the generator ranks only.
         self.shard, self.shards = topology.generators.index(self.rank), len(topology.generators)
-        self.build_task()  # before the engine: a bad dataset row fails in seconds
+        self.build_task(task)  # before the engine: a bad dataset row fails in seconds
         self.generator = RemoteGenerator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.shard
         )
@@ -273,7 +257,13 @@ class GeneratorWorker(RLTrainer):
 class DisaggregatedTrainer(RLTrainer):
     """A trainer-only rank: receive rollouts, train, broadcast the weights."""
 
-    def __init__(self, config: JobConfig, topology: Topology, hooks: Hooks | None = None):
+    def __init__(
+        self,
+        config: JobConfig,
+        topology: Topology,
+        hooks: Hooks | None = None,
+        task: OpenTask | None = None,
+    ):
         self.config, self.topology, self.hooks = config, topology, hooks or Hooks()
         self.rank, self.group = dist.get_rank(), topology.trainer_group
         if config.batch_invariant:
@@ -287,7 +277,7 @@ class DisaggregatedTrainer(RLTrainer):
             async_group=topology.checkpoint_group,
         )
         resume_path = self.checkpointer.find()
-        self.build_task()
+        self.build_task(task)
         self.trainer = self.policy(topology.trainer_group)
         self.reference = None
         if config.algorithm.kl_beta > 0:
@@ -403,10 +393,11 @@ class DisaggregatedTrainer(RLTrainer):
         return metrics
 
 
-def run(config: JobConfig, hooks: Hooks | None = None) -> None:
-    """Every rank of a disaggregated run: build the topology, then train or generate."""
+def run(config: JobConfig, hooks: Hooks | None = None, task: OpenTask | None = None) -> None:
+    """Every rank of a disaggregated run: build the topology, then train or generate (with
+    `task` opened, or opening it when None)."""
     topology = Topology.build(config)
     if dist.get_rank() in topology.generators:
-        GeneratorWorker(config, topology).run()
+        GeneratorWorker(config, topology, task).run()
     else:
-        DisaggregatedTrainer(config, topology, hooks).train()
+        DisaggregatedTrainer(config, topology, hooks, task).train()

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchtitan_rl.config.job_config import ConfigError
-from torchtitan_rl.generator.engine import Completions, Sample
-from torchtitan_rl.tasks import Prompt
-from torchtitan_rl.tasks.base import is_chat
-from torchtitan_rl.tasks.env import Environment, EnvStep
-from torchtitan_rl.tasks.render import Renderer
-from torchtitan_rl.tasks.rewards import RewardError, Scorer
+from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.models import checkpoint_stop_ids
+from torchtitan_rl.tasks import Task, build_task, dataset_keys
+from torchtitan_rl.tasks.dataset import read_rows
+from torchtitan_rl.tasks.env import Environment, EnvStep, SingleTurn, load_env
+from torchtitan_rl.tasks.render import Renderer, build_renderer
+from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn
+from torchtitan_rl.types import Completions, Prompt, Sample, Scored, is_chat
 
 
 @dataclass(slots=True)
@@ -71,16 +72,6 @@ class Episode:
             tool_calls=self.tool_calls,
             tool_errors=self.tool_errors,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Scored:
-    """What `Episodes.run` gives: the samples (Completions of the first prompts' ids), their
-    rewards [P, N], and the seconds spent inside the environments."""
-
-    completions: Completions
-    rewards_PN: torch.Tensor
-    env_s: float
 
 
 class Episodes:
@@ -276,3 +267,46 @@ def _check_step(step) -> None:
         raise _EnvFailed(f"the environment's step returned {step!r:.80}, not an EnvStep")
     if not step.done:
         _check_messages(step.messages, "step")
+
+
+@dataclass(slots=True)
+class OpenTask:
+    """What a run needs of its task section, opened and checked: the prompts' source, their
+    renderer, the scorer, the episode runner, and the held-out eval prompts (empty without
+    eval.dataset_path)."""
+
+    task: Task
+    renderer: Renderer
+    scorer: Scorer
+    episodes: Episodes
+    eval_prompts: list[Prompt]
+
+
+def open_task(config: JobConfig) -> OpenTask:
+    """Open the task of `config`: read and check every dataset row (file:row), render every
+    prompt (too long after the chat template?), import the reward function. Runs before any
+    model or engine is built, so bad data fails in seconds with one line."""
+    section = config.task
+    task = build_task(section, seed=config.job.seed)
+    renderer = build_renderer(section, config.model.tokenizer_dir, config.training.max_prompt_len)
+    reward_fn = load_reward_fn(section.reward_fn) if section.reward_fn else None
+    scorer = Scorer(task, reward_fn, section.reward_on_error, section.reward_timeout_s)
+    if section.name == "env":
+        make_env = load_env(section.env, section.env_kwargs)
+    else:
+        make_env = lambda: SingleTurn(scorer)  # noqa: E731
+    episodes = Episodes(
+        renderer,
+        make_env,
+        scorer,
+        stop_ids=checkpoint_stop_ids(config.model.hf_checkpoint or config.model.tokenizer_dir),
+        max_turns=section.turns,
+        max_model_len=config.generator.max_model_len,
+        timeout_s=section.env_timeout_s,
+    )
+    eval_prompts = []
+    if config.eval.dataset_path is not None:
+        keys = dataset_keys(section)
+        eval_prompts = read_rows(config.eval.dataset_path, keys, "eval.dataset_path")
+    renderer.encode(task.every_prompt() + eval_prompts)  # each fits, or one line says which
+    return OpenTask(task, renderer, scorer, episodes, eval_prompts)

@@ -11,16 +11,15 @@ samples, in the run and in scripts/eval.py.
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan_rl import platform
 from torchtitan_rl.config.job_config import EvalSection, JobConfig
-from torchtitan_rl.episodes import Episodes
+from torchtitan_rl.episodes import Episodes, OpenTask
 from torchtitan_rl.generator.engine import Generator
-from torchtitan_rl.tasks import OpenTask, Prompt
 from torchtitan_rl.tasks.render import Renderer
+from torchtitan_rl.types import EvalShard, Prompt
 
 # Eval seeds: their own range, far from the training samples' (RLTrainer.sampling_seed).
 EVAL_SEED_BASE = 2**61
@@ -39,49 +38,12 @@ def pass_ks(n: int) -> list[int]:
     return [2**i for i in range(n.bit_length()) if 2**i <= n]
 
 
-@dataclass(slots=True)
-class EvalShard:
-    """One rank's (or several ranks' merged) evaluation of one policy version."""
-
-    version: int
-    totals: dict[str, float]
-    """Sums over prompts and samples (see `Evaluator.run`), added up by `merge`."""
-    samples: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @staticmethod
-    def merge(shards: list["EvalShard"]) -> "EvalShard":
-        return EvalShard(
-            version=shards[0].version,
-            totals={k: sum(s.totals[k] for s in shards) for k in shards[0].totals},
-            samples=[x for s in shards for x in s.samples],
-            seconds=max(s.seconds for s in shards),
-        )
-
-    def all_reduce(self, group=None) -> None:
-        """Sum the totals over the ranks of `group` (the same keys on every rank)."""
-        keys = sorted(self.totals)
-        values = torch.tensor([self.totals[k] for k in keys], dtype=torch.float64)
-        platform.all_reduce_host(values, group=group)
-        self.totals = dict(zip(keys, values.tolist(), strict=True))
-
-    def metrics(self) -> dict[str, float]:
-        """eval/* metrics of the summed totals."""
-        t = self.totals
-        samples, prompts = max(t["samples"], 1.0), max(t["prompts"], 1.0)
-        metrics = {
-            "eval/policy_version": float(self.version),
-            "eval/accuracy": t["correct"] / samples,
-            "eval/reward": t["reward"] / samples,
-            "eval/response_length": t["tokens"] / samples,
-            "eval/truncated_fraction": t["truncated"] / samples,
-            "eval/tool_calls": t["tool_calls"] / samples,
-            "eval/prompts": t["prompts"],
-            "time/eval_s": self.seconds,
-        }
-        for key in sorted(k for k in t if k.startswith("pass@")):
-            metrics[f"eval/{key}"] = t[key] / prompts
-        return metrics
+def all_reduce(shard: EvalShard, group=None) -> None:
+    """Sum `shard`'s totals over the ranks of `group` (the same keys on every rank)."""
+    keys = sorted(shard.totals)
+    values = torch.tensor([shard.totals[k] for k in keys], dtype=torch.float64)
+    platform.all_reduce_host(values, group=group)
+    shard.totals = dict(zip(keys, values.tolist(), strict=True))
 
 
 def eval_due(section: EvalSection, step: int, last: int) -> bool:

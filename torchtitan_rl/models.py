@@ -9,7 +9,9 @@ sides share one definition. Flavors are torchtitan's (`debugmodel`, `0.6B`, ...)
 """
 
 import importlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 from torchtitan.protocols.model_spec import ModelSpec
 
@@ -115,3 +117,16 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     base.flavor = flavor
     base.model = extra[flavor](attn_backend)
     return base
+
+
+def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
+    """Every id that ends a completion for the checkpoint: the eos_token_id of its
+    generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
+    of its config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(hf_checkpoint) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []

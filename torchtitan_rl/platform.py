@@ -184,7 +184,9 @@ def use_platform_attention(model_config) -> None:
 
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
-            layer.attention.inner_attention = DocumentCausalAttention.Config()
+            layer.attention.inner_attention = DocumentCausalAttention.Config(
+                packed=packed_attention_kernel()
+            )
 
 
 def packed_attention_kernel():

@@ -16,25 +16,24 @@ import torch.distributed as dist
 
 from torchtitan_rl import batch_invariant, console, platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
+from torchtitan_rl.algorithms.advantages import zero_variance_P
+from torchtitan_rl.algorithms.dynamic_sampling import fill_informative
 from torchtitan_rl.algorithms.losses import kl_penalty
 from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
 from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
-from torchtitan_rl.batch import RolloutBatch, rollout_batch
 from torchtitan_rl.checkpoint import (
     Checkpointer,
-    CheckpointError,
     TrainState,
     export_policy,
     run_facts,
 )
 from torchtitan_rl.config.job_config import ConfigError, JobConfig
 from torchtitan_rl.config.manager import import_spec
-from torchtitan_rl.evaluation import EvalShard, build_evaluator
+from torchtitan_rl.episodes import OpenTask, open_task
+from torchtitan_rl.errors import StopRun
+from torchtitan_rl.evaluation import all_reduce, build_evaluator
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.metrics import run_metrics
-from torchtitan_rl.rollouts import Rollouts, fill_informative
-from torchtitan_rl.tasks import Prompt, open_task
-from torchtitan_rl.tasks.rewards import RewardError
 from torchtitan_rl.trainer.policy_trainer import (
     NonFiniteError,
     PolicyTrainer,
@@ -42,15 +41,15 @@ from torchtitan_rl.trainer.policy_trainer import (
     check_finite,
     optimizer_steps_per_step,
 )
-from torchtitan_rl.weight_sync import SyncStats, WeightSync, WeightSyncError
+from torchtitan_rl.types import EvalShard, Prompt, RolloutBatch, Rollouts, rollout_batch
+from torchtitan_rl.weight_sync import SyncStats, WeightSync
 
 
-class InvarianceError(RuntimeError):
+class InvarianceError(StopRun):
     """Batch-invariant mode is on, yet trainer and generator logprobs differ."""
 
 
 # Errors that stop a run with one line naming the step and the cause.
-StopRun = (NonFiniteError, RewardError, WeightSyncError, CheckpointError, InvarianceError)
 
 
 class Hooks:
@@ -92,7 +91,8 @@ def load_hooks(config: JobConfig) -> Hooks:
 class RLTrainer:
     """Owns the policy trainer, the generator, weight sync, the task and the metrics."""
 
-    def __init__(self, config: JobConfig, hooks: Hooks | None = None):
+    def __init__(self, config: JobConfig, hooks: Hooks | None = None, task: OpenTask | None = None):
+        """`task`: the run's task, opened (the launcher opens it once); None opens it here."""
         self.config = config
         self.hooks = hooks or Hooks()
         self.rank = dist.get_rank()
@@ -108,7 +108,7 @@ class RLTrainer:
         )
         resume_path = self.checkpointer.find()
         # Before any model or engine: a bad dataset row fails in seconds, naming file:line.
-        self.build_task()
+        self.build_task(task)
 
         self.trainer = self.policy()
         # The frozen reference for the KL penalty: the starting policy, sharded like it, never
@@ -145,11 +145,11 @@ class RLTrainer:
             lora=config.lora if trained else None,
         )
 
-    def build_task(self) -> None:
-        """Prompts, their renderer, rewards, advantages and the evaluator; every dataset row is
-        read and rendered here (tasks.open_task)."""
+    def build_task(self, opened: OpenTask | None) -> None:
+        """Prompts, their renderer, rewards, advantages and the evaluator, from the opened task
+        (`episodes.open_task`, which reads and renders every dataset row; None: open it)."""
         config = self.config
-        opened = open_task(config)
+        opened = opened or open_task(config)
         self.task, self.renderer, self.scorer = opened.task, opened.renderer, opened.scorer
         self.episodes = opened.episodes
         # Padding follows every real token of a right-padded causal batch and is masked out of
@@ -198,7 +198,7 @@ class RLTrainer:
     def log_eval(self, step: int, shards: list[EvalShard]) -> dict[str, float]:
         """Sum the evaluations `shards` (this rank's) over the ranks, and log them at `step`."""
         result = EvalShard.merge(shards)
-        result.all_reduce(self.group)
+        all_reduce(result, self.group)
         metrics = result.metrics()
         self.metrics.log_eval(step, metrics, result.samples)
         return metrics
@@ -264,7 +264,7 @@ class RLTrainer:
             )
             if not algorithm.dynamic_sampling:
                 return rounds[0]
-            informative = sum(int((~r.zero_variance_P()).sum()) for r in rounds)
+            informative = sum(int((~zero_variance_P(r.rewards_PN)).sum()) for r in rounds)
             if informative >= len(prompts):
                 break
         return fill_informative(rounds, wanted=len(rounds[0]))
@@ -311,7 +311,7 @@ class RLTrainer:
         batch.advantages_B = self.advantage(rewards_PN).reshape(-1).float()
         keep_PN = overlong_keep_PN(truncated_PN, algorithm.overlong)
         if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:
-            keep_PN = keep_PN & ~rollouts.zero_variance_P()[:, None]
+            keep_PN = keep_PN & ~zero_variance_P(rollouts.rewards_PN)[:, None]
         batch.loss_mask_BT = batch.loss_mask_BT * keep_PN.reshape(-1, 1)
         old_BT, results = self.update(step, batch)
         batch = batch.to(old_BT.device)
@@ -326,7 +326,7 @@ class RLTrainer:
         training = self.config.training
         if optimizer_steps_per_step(training) == 1:
             # The old logprobs are the step's own forward: no extra pass.
-            result = self.trainer.train_step(batch, self.loss, step=step)
+            result = self.trainer.optimizer_step(batch, self.loss, step=step)
             return result.logprobs_BT, [result]
         batch.old_logprobs_BT, _ = self.trainer.logprobs(batch.tokens_BT)
         # The same order on every rank of a TP group, which holds the same batch.
@@ -335,7 +335,7 @@ class RLTrainer:
         for _ in range(training.epochs):
             order_B = torch.randperm(batch.batch_size, generator=shuffle)
             for rows in order_B.tensor_split(training.mini_batches):
-                results.append(self.trainer.train_step(batch.rows(rows), self.loss, step=step))
+                results.append(self.trainer.optimizer_step(batch.rows(rows), self.loss, step=step))
         return batch.old_logprobs_BT, results
 
     def kl_in_reward(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
@@ -471,7 +471,7 @@ class RLTrainer:
                 float((rewards_PN**2).sum()),
                 float(rewards_PN.numel()),
                 float(completions.num_tokens),
-                float(rollouts.zero_variance_P().sum()),
+                float(zero_variance_P(rollouts.rewards_PN).sum()),
                 float(rewards_PN.shape[0]),
                 float(self.scorer.errors if errors is None else errors),
                 float(rollouts.rounds),

@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl import launch, platform
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
 from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.evaluation import eval_due
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.tasks.dataset import epoch_order
 from torchtitan_rl.tasks.sft_data import Example, SFTData, open_sft_data, sft_batch
-from torchtitan_rl.trainer.policy_trainer import LossScale, NonFiniteError, PolicyTrainer
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 
 def cross_entropy(
@@ -44,7 +44,8 @@ def cross_entropy(
 class SFTTrainer:
     """Owns the policy trainer, the demonstrations, checkpoints and metrics of an SFT run."""
 
-    def __init__(self, config: JobConfig):
+    def __init__(self, config: JobConfig, data: SFTData | None = None):
+        """`data`: the demonstrations, opened (the launcher opens them once); None opens them."""
         self.config = config
         self.rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.job.seed)
@@ -52,7 +53,7 @@ class SFTTrainer:
         self.checkpointer = Checkpointer(config.checkpoint, config.job.dump_folder, facts)
         resume_path = self.checkpointer.find()
         # Before any model: a bad row fails in seconds, naming file:row.
-        self.data: SFTData = open_sft_data(config)
+        self.data: SFTData = data or open_sft_data(config)
         self.trainer = PolicyTrainer(
             model=config.model,
             training=config.training,
@@ -92,7 +93,7 @@ class SFTTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         rows = self.rows(step)
-        result = self.trainer.train_step(sft_batch(rows), cross_entropy, step=step)
+        result = self.trainer.optimizer_step(sft_batch(rows), cross_entropy, step=step)
         tokens = torch.tensor([float(sum(len(e) for e in rows))], dtype=torch.float64)
         platform.all_reduce_host(tokens)
         elapsed = time.perf_counter() - start
@@ -169,7 +170,14 @@ class SFTTrainer:
         ]
 
 
-if __name__ == "__main__":
-    from torchtitan_rl.train import main
+SFT = launch.Program(
+    entry="sft", open=open_sft_data, run=lambda config, data: SFTTrainer(config, data).train()
+)
 
-    platform.exit_process(main(entry="sft"))
+
+def main(argv: list[str] | None = None) -> int:
+    return launch.main(SFT, argv)
+
+
+if __name__ == "__main__":
+    platform.exit_process(main())

@@ -22,10 +22,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_rl import platform
+from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer.lora import Merged
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(StopRun):
     """The two sides' parameters differ, or a synced tensor does not match its source."""
 
 

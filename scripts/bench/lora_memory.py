@@ -25,7 +25,6 @@ from children import REPO, report, run_child
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import (
     LoRASection,
     ModelSection,
@@ -33,7 +32,8 @@ from torchtitan_rl.config.job_config import (
     TrainingSection,
 )
 from torchtitan_rl.trainer.lora import Merged
-from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
+from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 TOKENIZER = str(REPO / "assets" / "tiny_qwen3")
 
@@ -71,7 +71,7 @@ def measure(flavor: str, lora: bool, steps: int, seq: int, dtype: str) -> None:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        trainer.train_step(batch, pg_loss)
+        trainer.optimizer_step(batch, pg_loss)
         times.append(time.perf_counter() - start)
     optimizer_state = sum(
         local_bytes(value)

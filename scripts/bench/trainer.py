@@ -1,4 +1,4 @@
-"""Benchmark PolicyTrainer.train_step: against a plain torchtitan step on uniform lengths, or
+"""Benchmark PolicyTrainer.optimizer_step: against a plain torchtitan step on uniform lengths, or
 packed against padded micro-batches on a long-tailed mix of lengths.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny
@@ -8,7 +8,7 @@ packed against padded micro-batches on a long-tailed mix of lengths.
 
 Uniform (under torchrun): both sides use the trainer's FSDP-sharded model and torchtitan
 optimizer: "plain" is forward, torchtitan's `cross_entropy_loss`, backward, grad clipping,
-optimizer and LR-scheduler step; "ours" is `train_step` (packed, the default) with a
+optimizer and LR-scheduler step; "ours" is `optimizer_step` (packed, the default) with a
 token-mean policy-gradient loss. Steps alternate between the two so machine noise hits both
 alike. Rank 0 prints one JSON line: median tokens/s of each, `ratio` = ours / plain.
 
@@ -17,7 +17,7 @@ memory): a seeded mix of `--sequences` sequences, prompts uniform in 64-640 toke
 completions lognormal with median 200 and 5% above 1,500 (sigma 1.225), capped at
 `--max_completion`. Each rank holds a contiguous share, as it would the samples of its own
 prompts. "padded" is the path before packing (`training.micro_batch_tokens = 0`): the share
-right-padded to its longest, full logits; "packed" is `train_step` under `--budget` tokens:
+right-padded to its longest, full logits; "packed" is `optimizer_step` under `--budget` tokens:
 it redeals rows over the ranks by tokens, packs them, runs the LM head at scored tokens only.
 Prints one JSON line: real (non-padding) tokens/s of each path (median step),
 `speedup` = packed / padded, each path's rank token loads and `load_imbalance` (max / min),
@@ -43,10 +43,10 @@ from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import packing
-from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
+from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 TOKENIZER = REPO / "assets" / "tiny_qwen3"
 # The completion-length distribution: median 200 tokens, P(> 1,500) = 5%.
@@ -105,7 +105,7 @@ def uniform(args) -> None:
             dist.barrier()
             start = time.perf_counter()
             if kind == "ours":
-                trainer.train_step(batch, pg_loss)
+                trainer.optimizer_step(batch, pg_loss)
             else:
                 plain_step(trainer, tokens_BT, 1.0)
             dist.barrier()
@@ -168,7 +168,7 @@ def longtail_child(args) -> None:
     trainer = build_trainer(args, micro_batch_tokens=args.budget if packed else 0)
     mix = longtail_mix(args.sequences, args.max_completion, args.seed)
     lengths = [p + c for p, c in mix]
-    # Each rank holds the samples of its own prompts, in draw order; packed, train_step deals
+    # Each rank holds the samples of its own prompts, in draw order; packed, optimizer_step deals
     # them anew by tokens (PolicyTrainer._deal), which `shares` then replays.
     per_rank = math.ceil(len(mix) / world)
     shares = [list(range(len(mix)))[r * per_rank : (r + 1) * per_rank] for r in range(world)]
@@ -180,7 +180,7 @@ def longtail_child(args) -> None:
     for i in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
-        trainer.train_step(batch, pg_loss)
+        trainer.optimizer_step(batch, pg_loss)
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)

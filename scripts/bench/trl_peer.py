@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from torchtitan_rl.config import parse_args
-    from torchtitan_rl.tasks import Prompt, build_task
+    from torchtitan_rl.tasks import build_task
+    from torchtitan_rl.types import Prompt
 
     config = parse_args(argv, prog="scripts/bench/trl_peer.py")
     sampling, training = config.generator.sampling, config.training

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import rollout_batch
+from torchtitan_rl.types import rollout_batch
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.rl_trainer import Hooks, RLTrainer
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from helpers.launch import REPO
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.types import RolloutBatch
 from torchtitan_rl.config.job_config import (
     GeneratorSection,
     ModelSection,
@@ -32,7 +32,8 @@ from torchtitan_rl.config.job_config import (
     TrainingSection,
 )
 from torchtitan_rl.generator.engine import Generator
-from torchtitan_rl.trainer.policy_trainer import LossScale, PolicyTrainer
+from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+from torchtitan_rl.types import LossScale
 from torchtitan_rl.weight_sync import WeightSync
 
 TEMPERATURE = 0.7  # the generator checks'
@@ -171,7 +172,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
         advantages_B=torch.tensor([1.0, -1.0, 0.5, -0.5]),
         generator_logprobs_BT=torch.zeros(tokens_BT.shape),
     )
-    trainer.train_step(batch, pg_loss)
+    trainer.optimizer_step(batch, pg_loss)
     stale_params = sum(
         not torch.equal(generator.named_parameters()[k], p.full_tensor())
         for k, p in trainer.named_parameters().items()

@@ -18,12 +18,13 @@ from helpers.launch import REPO
 from helpers.user_envs import Chatter
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import rollout_batch
+from torchtitan_rl.types import rollout_batch
 from torchtitan_rl.config.job_config import GeneratorSection, ModelSection, TaskSection
 from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.generator.engine import Generator
-from torchtitan_rl.tasks import Prompt
-from torchtitan_rl.tasks.render import build_renderer, checkpoint_stop_ids
+from torchtitan_rl.types import Prompt
+from torchtitan_rl.tasks.render import build_renderer
+from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks.rewards import Scorer
 
 TINY = str(REPO / "assets" / "tiny_qwen3")

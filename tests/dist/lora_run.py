@@ -80,7 +80,7 @@ def main() -> None:
     batch = fixed_batch()
     share = batch.split(world)[rank]
     for _ in range(2):  # step 1 moves B only (B = 0 zeroes A's gradient), step 2 both
-        trainer.train_step(share, pg_loss)
+        trainer.optimizer_step(share, pg_loss)
     after = {name: full(p) for name, p in params.items()}
     update_bytes, _ = sync.copy(everything=False)
 

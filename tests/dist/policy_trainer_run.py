@@ -72,7 +72,7 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
 
     before = {k: p.full_tensor().clone() for k, p in trainer.named_parameters().items()}
     with recorded_grads(trainer) as grads:
-        result = trainer.train_step(local, pg_loss)
+        result = trainer.optimizer_step(local, pg_loss)
     after = {k: p.full_tensor() for k, p in trainer.named_parameters().items()}
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}

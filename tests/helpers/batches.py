@@ -7,8 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from torchtitan_rl.batch import RolloutBatch
-from torchtitan_rl.trainer.policy_trainer import LossScale
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 
 def fixed_batch() -> RolloutBatch:

@@ -144,12 +144,12 @@ def test_an_unexpected_error_shows_its_traceback_and_points_at_the_log(tmp_path)
     # The failure is injected in place of the run (which would take a model and an engine).
     result = run_python(f"""
         import sys
-        from torchtitan_rl import train
+        from torchtitan_rl import launch, train
 
-        def run(config, entry):
+        def run(config, program, opened):
             raise RuntimeError("boom")
 
-        train.run = run
+        launch.run = run
         sys.exit(train.main(["--job.config_file", {DEBUG_TOML!r},
                              "--job.dump_folder", {str(tmp_path)!r}]))
         """)

@@ -14,13 +14,10 @@ from torchtitan_rl.algorithms.advantages import (
     RLOOAdvantage,
     zero_variance_P,
 )
+from torchtitan_rl.algorithms.dynamic_sampling import fill_informative
 from torchtitan_rl.algorithms.losses import PolicyLoss, kl_penalty
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
-from torchtitan_rl.batch import RolloutBatch
-from torchtitan_rl.generator.engine import Completions
-from torchtitan_rl.rollouts import Rollouts, fill_informative
-from torchtitan_rl.tasks import Prompt
-from torchtitan_rl.trainer.policy_trainer import LossScale
+from torchtitan_rl.types import Completions, LossScale, Prompt, RolloutBatch, Rollouts
 
 REWARDS_PN = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
 
@@ -218,7 +215,7 @@ def test_dynamic_sampling_keeps_informative_groups_first():
 
 def test_overlong_modes_change_the_rewards_or_the_mask_as_specified():
     from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
-    from torchtitan_rl.generator.engine import Sample
+    from torchtitan_rl.types import Sample
 
     # One prompt, 4 samples of max_tokens = 8: lengths 2, 5, 7 (stopped) and 8 (cut).
     lengths = [2, 5, 7, 8]

@@ -20,9 +20,10 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.config.job_config import ModelSection
+from torchtitan_rl.episodes import open_task
 from torchtitan_rl.generator.engine import check_tokenizer_fits
-from torchtitan_rl.tasks import open_task
-from torchtitan_rl.train import check_dump_folder, main
+from torchtitan_rl.launch import check_dump_folder
+from torchtitan_rl.train import main
 
 # run_configs name assets/ relative to the repo root, as the README's commands do.
 pytestmark = pytest.mark.usefixtures("repo_cwd")
@@ -279,8 +280,8 @@ def test_a_full_disk_refuses_to_start(tmp_path, monkeypatch):
 def test_prompt_with_no_tokens_is_named():
     from transformers import PreTrainedTokenizerFast
 
-    from torchtitan_rl.tasks import Prompt
     from torchtitan_rl.tasks.render import Renderer
+    from torchtitan_rl.types import Prompt
 
     # A tokenizer that drops 'x': the prompt "xxx" encodes to nothing.
     tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))

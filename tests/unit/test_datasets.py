@@ -13,9 +13,10 @@ from jinja2 import Environment
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError, TaskSection
-from torchtitan_rl.tasks import Prompt, open_task
+from torchtitan_rl.episodes import open_task
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
 from torchtitan_rl.tasks.render import build_renderer
+from torchtitan_rl.types import Prompt
 
 TINY = str(REPO / "assets" / "tiny_qwen3")
 ROWS = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)} for a in range(6)]

@@ -11,9 +11,8 @@ import torch
 
 from torchtitan_rl import disaggregated
 from torchtitan_rl.config import parse_args
-from torchtitan_rl.disaggregated import DisaggregatedTrainer, Rollout, StalenessError
-from torchtitan_rl.generator.engine import Completions
-from torchtitan_rl.rollouts import Rollouts
+from torchtitan_rl.disaggregated import DisaggregatedTrainer, StalenessError
+from torchtitan_rl.types import Completions, Rollout, Rollouts
 
 
 def test_a_rollout_older_than_k_is_refused(monkeypatch):

@@ -12,12 +12,11 @@ from helpers.render import chatter_renderer, encode
 from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.episodes import Episodes
-from torchtitan_rl.generator.engine import Completions, Sample
+from torchtitan_rl.episodes import Episodes, open_task
 from torchtitan_rl.rl_trainer import load_hooks
-from torchtitan_rl.tasks import Prompt, open_task
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
+from torchtitan_rl.types import Completions, Prompt, Sample
 
 IM_END = 4
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'

@@ -10,7 +10,8 @@ import pytest
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.config.job_config import ConfigError
-from torchtitan_rl.evaluation import EvalShard, pass_at_k, pass_ks
+from torchtitan_rl.evaluation import pass_at_k, pass_ks
+from torchtitan_rl.types import EvalShard
 
 TINY = "assets/tiny_qwen3"
 

@@ -6,8 +6,8 @@
 import pytest
 import torch
 
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.trainer.logprobs import token_logprobs
+from torchtitan_rl.types import RolloutBatch
 
 
 def test_logits_at_t_score_token_t_plus_1():

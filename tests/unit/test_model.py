@@ -12,7 +12,6 @@ from helpers.launch import REPO
 from safetensors.torch import load_file, save_file
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import (
     ConfigError,
     ModelSection,
@@ -20,6 +19,7 @@ from torchtitan_rl.config.job_config import (
     TrainingSection,
 )
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
+from torchtitan_rl.types import RolloutBatch
 
 TINY = REPO / "assets" / "tiny_qwen3"
 
@@ -130,7 +130,7 @@ def test_non_finite_step_stops_without_touching_weights(loss_fn, message):
     t = trainer()
     before = full_state(t)
     with pytest.raises(NonFiniteError, match=message):
-        t.train_step(batch(), loss_fn)
+        t.optimizer_step(batch(), loss_fn)
     after = full_state(t)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -142,9 +142,9 @@ def pg_loss(logprobs_BT, micro, scale):
 
 def test_lr_warms_up_then_decays():
     t = trainer(training=TrainingSection(lr=1e-3, warmup_steps=2, steps=4, lr_decay="linear"))
-    lrs = [t.train_step(batch(), pg_loss).metrics["lr"] for _ in range(4)]
+    lrs = [t.optimizer_step(batch(), pg_loss).metrics["lr"] for _ in range(4)]
     # torchtitan's schedule: linear warm-up to the peak, then a linear decay towards 0.
     assert lrs[:2] == pytest.approx([5e-4, 1e-3])
     assert lrs[1] >= lrs[2] > lrs[3] > 0
     constant = trainer(training=TrainingSection(lr=1e-3, steps=3))
-    assert [constant.train_step(batch(), pg_loss).metrics["lr"] for _ in range(3)] == [1e-3] * 3
+    assert [constant.optimizer_step(batch(), pg_loss).metrics["lr"] for _ in range(3)] == [1e-3] * 3

@@ -14,11 +14,11 @@ from helpers.launch import REPO
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms.losses import AGGREGATIONS, PolicyLoss
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import attention, packing
 from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+from torchtitan_rl.types import RolloutBatch
 
 TINY = REPO / "assets" / "tiny_qwen3"
 
@@ -169,7 +169,7 @@ def ragged_batch(seed: int = 0, rows: int = 9) -> RolloutBatch:
 
 def step_grads(t: PolicyTrainer, batch: RolloutBatch, loss) -> tuple[dict, dict]:
     with recorded_grads(t) as grads:
-        result = t.train_step(batch, loss)
+        result = t.optimizer_step(batch, loss)
     return result.metrics, grads
 
 

@@ -34,6 +34,7 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
     platform.use_platform_attention(spec.model)
     assert all(
         isinstance(layer.attention.inner_attention, DocumentCausalAttention.Config)
+        and layer.attention.inner_attention.packed is attention.sdpa_per_document
         for layer in spec.model.layers
     )
     torch.manual_seed(0)
@@ -66,6 +67,7 @@ def test_cuda_choices_route_host_figures_through_gloo(monkeypatch):
     platform.use_platform_attention(spec.model)
     assert all(
         isinstance(layer.attention.inner_attention, DocumentCausalAttention.Config)
+        and layer.attention.inner_attention.packed is attention.varlen
         for layer in spec.model.layers
     )
 

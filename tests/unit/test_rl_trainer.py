@@ -7,9 +7,8 @@ batch-invariant logprob check. The loop end to end: tests/integration/test_rl_tr
 import pytest
 import torch
 
-from torchtitan_rl.batch import rollout_batch
-from torchtitan_rl.generator.engine import Sample
 from torchtitan_rl.tasks.toy import EchoDigitsTask
+from torchtitan_rl.types import Sample, rollout_batch
 
 
 def test_rollout_batch_masks_sampled_tokens_and_aligns_logprobs():
@@ -64,8 +63,8 @@ def test_batch_invariant_mode_stops_or_warns_on_a_logprob_difference(monkeypatch
 
     from torchtitan_rl import batch_invariant, platform
     from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
-    from torchtitan_rl.batch import RolloutBatch
     from torchtitan_rl.rl_trainer import InvarianceError, RLTrainer
+    from torchtitan_rl.types import RolloutBatch
 
     platform.init_distributed()  # a world of one
     monkeypatch.setattr(batch_invariant, "_enabled", True)

@@ -17,8 +17,7 @@ import torch
 
 from torchtitan_rl.algorithms.losses import PolicyLoss
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
-from torchtitan_rl.batch import RolloutBatch
-from torchtitan_rl.trainer.policy_trainer import LossScale
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 

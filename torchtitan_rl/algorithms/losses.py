@@ -1,4 +1,4 @@
-"""Policy losses: one small class, called by PolicyTrainer.train_step per micro-batch.
+"""Policy losses: one small class, called by PolicyTrainer.optimizer_step per micro-batch.
 
     .venv/bin/python -m pytest tests/unit/test_algorithms.py tests/unit/test_trl_parity.py
 
@@ -18,7 +18,7 @@ gradient. Shapes: B sequences, T tokens.
 import torch
 
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
-from torchtitan_rl.batch import LossScale, RolloutBatch
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 

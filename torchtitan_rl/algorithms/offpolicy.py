@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import RolloutBatch
+from torchtitan_rl.types import RolloutBatch
 
 
 @dataclass(frozen=True, slots=True)

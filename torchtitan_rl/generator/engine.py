@@ -15,7 +15,6 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,54 +23,13 @@ import torch.nn as nn
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
-from torchtitan_rl.models import model_spec
-from torchtitan_rl.tasks.render import checkpoint_stop_ids
+from torchtitan_rl.models import checkpoint_stop_ids, model_spec
+from torchtitan_rl.types import Completions, Sample
 
 # vLLM reads these at import: the engine must run inside this process, not a child, and its
 # per-step INFO lines (one per prefix-cache reset) would drown the run's own output.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One completion of a prompt; for an episode (tasks.episodes), every token after the
-    first prompt: the sampled turns and the environment's replies between them."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    """Logprob of each sampled token under logits / temperature (0.0 for an environment's)."""
-    finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (max_tokens reached; an episode: also cut by
-    task.max_turns or generator.max_model_len)."""
-    sampled_mask: list[int] | None = None
-    """1 for each token the model sampled, 0 for each the environment wrote; None: all sampled."""
-    messages: list[dict] | None = None
-    """An episode's chat messages, roles and all (the rollout log's record of it)."""
-    turns: int = 1
-    """Assistant turns of the episode."""
-    tool_calls: int = 0
-    tool_errors: int = 0
-    """Tool calls that were malformed or failed."""
-
-    @property
-    def sampled_tokens(self) -> int:
-        if self.sampled_mask is None:
-            return len(self.token_ids)
-        return sum(self.sampled_mask)
-
-
-@dataclass(frozen=True, slots=True)
-class Completions:
-    """`samples[i]` holds the n samples of `prompts[i]`, in the order the prompts were given."""
-
-    prompts: list[list[int]]
-    samples: list[list[Sample]]
-
-    @property
-    def num_tokens(self) -> int:
-        """Sampled tokens (an environment's are not)."""
-        return sum(s.sampled_tokens for group in self.samples for s in group)
 
 
 def check_tokenizer_fits(model: ModelSection) -> None:

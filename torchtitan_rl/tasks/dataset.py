@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_rl.config.job_config import ConfigError
-from torchtitan_rl.tasks.base import Prompt, is_chat
 from torchtitan_rl.tasks.rewards import math_reward
+from torchtitan_rl.types import Prompt, is_chat
 
 # Nothing is downloaded: local files only.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -23,8 +23,8 @@ from typing import Protocol
 
 from torchtitan_rl.config.job_config import ConfigError
 from torchtitan_rl.config.manager import import_spec
-from torchtitan_rl.tasks.base import Prompt
 from torchtitan_rl.tasks.rewards import Scorer, math_reward
+from torchtitan_rl.types import Prompt
 
 
 @dataclass(frozen=True, slots=True)

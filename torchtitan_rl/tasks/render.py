@@ -9,11 +9,10 @@ model saw in its own fine-tuning. The text it renders is then encoded without ad
 tokens (the template writes them). `task.chat_template = false` encodes the prompt text as is.
 """
 
-import json
 from pathlib import Path
 
 from torchtitan_rl.config.job_config import ConfigError, TaskSection
-from torchtitan_rl.tasks.base import Prompt
+from torchtitan_rl.types import Prompt
 
 
 def load_tokenizer(tokenizer_dir: str):
@@ -27,19 +26,6 @@ def load_tokenizer(tokenizer_dir: str):
 
 # Stands for the sampled assistant turn when rendering what follows it (Renderer.reply_ids).
 _STAND_IN = "<<the sampled turn>>"
-
-
-def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
-    """Every id that ends a completion for the checkpoint: the eos_token_id of its
-    generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
-    of its config.json."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(hf_checkpoint) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    return []
 
 
 class Renderer:

@@ -12,7 +12,9 @@ from contextlib import contextmanager
 
 from torchtitan_rl import console
 from torchtitan_rl.config.manager import import_spec
-from torchtitan_rl.tasks.base import Prompt, Task
+from torchtitan_rl.errors import StopRun
+from torchtitan_rl.tasks.base import Task
+from torchtitan_rl.types import Prompt
 
 # fn(prompt, completion, answer) -> reward
 RewardFn = Callable[[str, str, str], float]
@@ -48,7 +50,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     return import_spec(spec, "task.reward_fn", "function")
 
 
-class RewardError(RuntimeError):
+class RewardError(StopRun):
     """A reward function raised or timed out and task.reward_on_error = "fail"."""
 
 

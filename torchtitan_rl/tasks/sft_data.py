@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_rl.batch import RolloutBatch
 from torchtitan_rl.config.job_config import ConfigError, JobConfig
-from torchtitan_rl.tasks.base import Prompt
+from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
-from torchtitan_rl.tasks.render import Renderer, build_renderer, checkpoint_stop_ids
+from torchtitan_rl.tasks.render import Renderer, build_renderer
+from torchtitan_rl.types import Prompt, RolloutBatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@
 
 import random
 
-from torchtitan_rl.tasks.base import Prompt
+from torchtitan_rl.types import Prompt
 
 
 class EchoDigitsTask:

@@ -11,6 +11,7 @@ which measured fastest (README, "Packed micro-batches"). Shapes: B rows, L token
 H head dim.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,22 +115,24 @@ def varlen(q_1LNH, k_1LNH, v_1LNH, docs: Documents, scale=None, enable_gqa=False
 
 class DocumentCausalAttention(Module):
     """torchtitan inner attention: causal SDPA over right-padded rows when `attention_masks`
-    is None, the platform's document-causal kernel over a packed row when it is `Documents`."""
+    is None, the document-causal `Config.packed` kernel over a packed row when it is
+    `Documents` (`platform.use_platform_attention` picks it: varlen on CUDA)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        pass
+        packed: Callable[..., torch.Tensor] = sdpa_per_document
+        """Attention of one packed row: fn(q, k, v, docs, scale=, enable_gqa=)."""
 
     def __init__(self, config: Config | None = None):
         super().__init__()
         # Right-padded rows run torchtitan's own SDPA module (its backend priority on CUDA).
         self.padded = ScaledDotProductAttention(ScaledDotProductAttention.Config())
+        self.packed = (config or self.Config()).packed
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **kwargs):
         enable_gqa = kwargs.get("enable_gqa", False)
         if attention_masks is None:
             return self.padded(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa)
-        from torchtitan_rl import platform
-
-        kernel = platform.packed_attention_kernel()
-        return kernel(q_BLNH, k_BLNH, v_BLNH, attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return self.packed(
+            q_BLNH, k_BLNH, v_BLNH, attention_masks, scale=scale, enable_gqa=enable_gqa
+        )

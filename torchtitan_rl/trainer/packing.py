@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import platform
-from torchtitan_rl.batch import LossScale, RolloutBatch
 from torchtitan_rl.trainer.attention import Documents, documents
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 
 def needed(mask_BT: torch.Tensor) -> list[int]:
@@ -153,7 +153,7 @@ class Dealt:
     count: int | None
     """Micro-batches every rank runs (None: padded, `training.micro_batches`)."""
     scale: LossScale | None
-    """The step's global counts (None: padded, where train_step all-reduces them)."""
+    """The step's global counts (None: padded, where optimizer_step all-reduces them)."""
     back: Callable[..., tuple[torch.Tensor, ...]]
     """Tensors [B', T'] of `batch`'s rows -> the rank's own rows [B, T] (a collective when
     rows moved)."""

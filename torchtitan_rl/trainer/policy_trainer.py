@@ -31,20 +31,21 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.batch import LossScale, RolloutBatch
 from torchtitan_rl.config.job_config import (
     LoRASection,
     ModelSection,
     ParallelismSection,
     TrainingSection,
 )
+from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing
 from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
+from torchtitan_rl.types import LossScale, RolloutBatch
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(StopRun):
     """A loss or gradient became NaN/inf; the message names the step and the tensor."""
 
 
@@ -397,7 +398,7 @@ class PolicyTrainer:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def train_step(
+    def optimizer_step(
         self, batch: RolloutBatch, loss_fn: LossFn, *, step: int | None = None
     ) -> StepResult:
         """One optimizer step over this rank's `batch`, in its micro-batches

@@ -1,0 +1,314 @@
+"""The data that flows from generation to training, each type in this one home: a task's
+`Prompt`; the generator's `Sample`s, as `Completions`; an episode run's `Scored` samples; a
+rank's `Rollouts` of a step; the disaggregated placement's `Rollout` message; the trainer's
+`RolloutBatch` and its `LossScale`.
+
+    .venv/bin/python -m pytest tests/unit/test_algorithms.py tests/unit/test_imports.py
+
+Nothing here imports another module of torchtitan_rl (tests/unit/test_imports.py): every stage
+imports its types from here. Shapes: P prompts, N samples per prompt, B sequences, T tokens
+(prompt + completion, right-padded).
+"""
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    answer: str
+    """What a reward function compares the completion with."""
+    source: str = ""
+    """Where the prompt comes from, for errors: "file:row" for dataset rows."""
+    messages: tuple[dict, ...] | None = None
+    """The row's chat messages ({"role", "content"}), when it has them; `text` is then the
+    last user message's content."""
+
+
+def is_chat(messages) -> bool:
+    """Whether `messages` is a list of {"role": str, "content": str} chat messages."""
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One completion of a prompt; for an episode (tasks.episodes), every token after the
+    first prompt: the sampled turns and the environment's replies between them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of each sampled token under logits / temperature (0.0 for an environment's)."""
+    finish_reason: str
+    """"stop" (EOS or a stop token) or "length" (max_tokens reached; an episode: also cut by
+    task.max_turns or generator.max_model_len)."""
+    sampled_mask: list[int] | None = None
+    """1 for each token the model sampled, 0 for each the environment wrote; None: all sampled."""
+    messages: list[dict] | None = None
+    """An episode's chat messages, roles and all (the rollout log's record of it)."""
+    turns: int = 1
+    """Assistant turns of the episode."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Tool calls that were malformed or failed."""
+
+    @property
+    def sampled_tokens(self) -> int:
+        if self.sampled_mask is None:
+            return len(self.token_ids)
+        return sum(self.sampled_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class Completions:
+    """`samples[i]` holds the n samples of `prompts[i]`, in the order the prompts were given."""
+
+    prompts: list[list[int]]
+    samples: list[list[Sample]]
+
+    @property
+    def num_tokens(self) -> int:
+        """Sampled tokens (an environment's are not)."""
+        return sum(s.sampled_tokens for group in self.samples for s in group)
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """What `Episodes.run` gives: the samples (Completions of the first prompts' ids), their
+    rewards [P, N], and the seconds spent inside the environments."""
+
+    completions: Completions
+    rewards_PN: torch.Tensor
+    env_s: float
+
+
+@dataclass(slots=True)
+class Rollouts:
+    """Prompts, their N samples each and the task's rewards; groups in prompt order."""
+
+    prompts: list[Prompt]
+    completions: Completions
+    rewards_PN: torch.Tensor
+    """The task's reward of each sample (before any KL penalty)."""
+    rounds: int = 1
+    """Generation rounds it took (dynamic sampling), summed over its parts by `cat`."""
+    parts: int = 1
+    """How many ranks' rollouts `cat` joined into this one."""
+    generated_groups: int = 0
+    """Groups generated over every round, kept or not (summed by `cat`); 0: len(prompts)."""
+    short_groups: int = 0
+    """Groups without learning signal kept because the rounds ran out (dynamic sampling)."""
+    env_s: float = 0.0
+    """Seconds spent in the environments (rewards included; summed by `cat`)."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def lengths_PN(self) -> torch.Tensor:
+        """Sampled tokens of each sample (stop tokens included, an environment's not)."""
+        return torch.tensor([[s.sampled_tokens for s in g] for g in self.completions.samples])
+
+    def truncated_PN(self) -> torch.Tensor:
+        """True for each sample cut by max_tokens, or an episode by its limits (finish_reason
+        "length")."""
+        samples = self.completions.samples
+        return torch.tensor([[s.finish_reason == "length" for s in g] for g in samples])
+
+    def groups(self, keep_P: torch.Tensor) -> "Rollouts":
+        """The groups where `keep_P` is true, in order (counts not carried)."""
+        index = keep_P.nonzero().flatten().tolist()
+        return Rollouts(
+            prompts=[self.prompts[i] for i in index],
+            completions=Completions(
+                prompts=[self.completions.prompts[i] for i in index],
+                samples=[self.completions.samples[i] for i in index],
+            ),
+            rewards_PN=self.rewards_PN[keep_P],
+        )
+
+    @staticmethod
+    def cat(parts: list["Rollouts"]) -> "Rollouts":
+        """The groups of every part, in order; counts add up."""
+        return Rollouts(
+            prompts=[p for part in parts for p in part.prompts],
+            completions=Completions(
+                prompts=[p for part in parts for p in part.completions.prompts],
+                samples=[g for part in parts for g in part.completions.samples],
+            ),
+            rewards_PN=torch.cat([part.rewards_PN for part in parts]),
+            rounds=sum(part.rounds for part in parts),
+            parts=sum(part.parts for part in parts),
+            generated_groups=sum(part.generated_groups or len(part) for part in parts),
+            short_groups=sum(part.short_groups for part in parts),
+            env_s=sum(part.env_s for part in parts),
+        )
+
+
+@dataclass(slots=True)
+class EvalShard:
+    """One rank's (or several ranks' merged) evaluation of one policy version."""
+
+    version: int
+    totals: dict[str, float]
+    """Sums over prompts and samples (see `Evaluator.run`), added up by `merge`."""
+    samples: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @staticmethod
+    def merge(shards: list["EvalShard"]) -> "EvalShard":
+        return EvalShard(
+            version=shards[0].version,
+            totals={k: sum(s.totals[k] for s in shards) for k in shards[0].totals},
+            samples=[x for s in shards for x in s.samples],
+            seconds=max(s.seconds for s in shards),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """eval/* metrics of the summed totals."""
+        t = self.totals
+        samples, prompts = max(t["samples"], 1.0), max(t["prompts"], 1.0)
+        metrics = {
+            "eval/policy_version": float(self.version),
+            "eval/accuracy": t["correct"] / samples,
+            "eval/reward": t["reward"] / samples,
+            "eval/response_length": t["tokens"] / samples,
+            "eval/truncated_fraction": t["truncated"] / samples,
+            "eval/tool_calls": t["tool_calls"] / samples,
+            "eval/prompts": t["prompts"],
+            "time/eval_s": self.seconds,
+        }
+        for key in sorted(k for k in t if k.startswith("pass@")):
+            metrics[f"eval/{key}"] = t[key] / prompts
+        return metrics
+
+
+@dataclass
+class Rollout:
+    """One generator rank's share of a step, as sent to its trainer rank."""
+
+    step: int
+    version: int
+    weights_sha256: str | None
+    """Digest of the generator's weights it sampled with (generator.verify_weight_sync)."""
+    rollouts: Rollouts | None
+    """None in the message after the last step, which carries only evaluations."""
+    reward_errors: int
+    generate_s: float
+    evaluations: list[EvalShard]
+    """This rank's evaluations of the policy versions it took since its previous message."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossScale:
+    """Global totals of one step, over every micro-batch and data-parallel rank."""
+
+    tokens: int
+    """Loss-masked tokens in the whole step."""
+    sequences: int
+    """Sequences in the whole step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutBatch:
+    """One rank's training batch: right-padded sequences and what the loss needs of them.
+    An SFT batch holds only tokens and the loss mask (its assistant tokens)."""
+
+    tokens_BT: torch.Tensor
+    """Prompt + completion token ids, right-padded, int64."""
+    loss_mask_BT: torch.Tensor
+    """1.0 where the token is a sampled completion token whose logprob is trained, else 0.0."""
+    advantages_B: torch.Tensor | None = None
+    """Advantage of each sequence (None in an SFT batch, which trains on demonstrations)."""
+    generator_logprobs_BT: torch.Tensor | None = None
+    """Logprob the generator reported for each sampled token (0 where loss_mask is 0; None in
+    an SFT batch)."""
+    reference_logprobs_BT: torch.Tensor | None = None
+    """Logprob of each token under the frozen reference model (only with a KL penalty)."""
+    old_logprobs_BT: torch.Tensor | None = None
+    """Logprob of each token under the policy before the batch's first update (only with
+    several updates per batch; else the loss takes its own forward's, detached)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    def split(self, n: int) -> list["RolloutBatch"]:
+        """`n` micro-batches of consecutive rows (the last ones may be one row shorter)."""
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"cannot split {self.batch_size} sequences into {n} micro-batches")
+        parts = {
+            f.name: torch.tensor_split(getattr(self, f.name), n)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
+        return [RolloutBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
+
+    @staticmethod
+    def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """The rows of `batches` in order, right-padded with 0 to the widest (the fields the
+        first batch holds)."""
+        width = max(b.tokens_BT.shape[1] for b in batches)
+        names = [f.name for f in fields(RolloutBatch) if getattr(batches[0], f.name) is not None]
+
+        def widened(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() < 2:
+                return tensor
+            return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+        return RolloutBatch(
+            **{name: torch.cat([widened(getattr(b, name)) for b in batches]) for name in names}
+        )
+
+    def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
+        """The batch of the rows `index_R`, in that order."""
+        return self._map(lambda tensor: tensor[index_R.to(tensor.device)])
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        return self._map(lambda tensor: tensor.to(device))
+
+    def _map(self, fn) -> "RolloutBatch":
+        """`fn` applied to every tensor the batch holds."""
+        return RolloutBatch(
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            }
+        )
+
+
+def rollout_batch(
+    prompts: list[list[int]],
+    samples: "list[list[Sample]]",
+    advantages_PN: torch.Tensor,
+    pad_id: int,
+) -> RolloutBatch:
+    """Right-padded RolloutBatch of every (prompt, sample) pair, prompt-major.
+
+    `samples[p][n]` is the n-th sample of prompt p (an episode: its turns and the environment's
+    replies between them); the loss mask covers exactly the sampled tokens (a sampled stop
+    token included, an environment's tokens not), with the generator's logprobs there.
+    """
+    rows, masks, logprobs, advantages = [], [], [], []
+    for p, prompt in enumerate(prompts):
+        for n, sample in enumerate(samples[p]):
+            sampled = sample.sampled_mask or [1] * len(sample.token_ids)
+            rows.append(prompt + sample.token_ids)
+            masks.append([0.0] * len(prompt) + [float(m) for m in sampled])
+            logprobs.append([0.0] * len(prompt) + list(sample.logprobs))
+            advantages.append(float(advantages_PN[p, n]))
+    width = max(len(r) for r in rows)
+
+    def pad(values: list, fill) -> list:
+        return values + [fill] * (width - len(values))
+
+    return RolloutBatch(
+        tokens_BT=torch.tensor([pad(r, pad_id) for r in rows], dtype=torch.long),
+        loss_mask_BT=torch.tensor([pad(m, 0.0) for m in masks]),
+        advantages_B=torch.tensor(advantages),
+        generator_logprobs_BT=torch.tensor([pad(lp, 0.0) for lp in logprobs]),
+    )
