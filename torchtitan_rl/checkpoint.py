@@ -447,11 +447,12 @@ def export_hf(
         dist.barrier(group=group)
 
 
-def export_policy(trainer, model: ModelSection, out: Path) -> None:
+def export_policy(trainer, model: ModelSection, out: Path, group=None) -> None:
     """`trainer`'s policy (a PolicyTrainer) as an HF safetensors folder at `out`, with the
-    config and tokenizer files of `model`'s checkpoint (every rank calls; rank 0 writes)."""
+    config and tokenizer files of `model`'s checkpoint (every rank of `group`, the trainer
+    ranks, calls; rank 0 writes)."""
     with trainer.merged():  # LoRA: the merged weights, without the adapters
         state = {k: v for k, v in trainer.model.state_dict().items() if not is_lora_key(k)}
-        export_hf(state, trainer.spec, model.hf_checkpoint, model.tokenizer_dir, out)
+        export_hf(state, trainer.spec, model.hf_checkpoint, model.tokenizer_dir, out, group)
     if dist.get_rank() == 0:
         console.say(f"exported the policy to {out}")

@@ -27,27 +27,27 @@ flight when the run stopped are discarded and regenerated: prompts and seeds are
 the step, so the regenerated rollouts sample the same prompts.
 """
 
-import hashlib
-import math
 import pickle
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.algorithms import build_loss
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config.job_config import JobConfig
-from torchtitan_rl.episodes import OpenTask
+from torchtitan_rl.episodes import OpenTask, open_task
+from torchtitan_rl.evaluation import build_evaluator, log_eval
 from torchtitan_rl.generator.remote import RemoteGenerator
-from torchtitan_rl.rl_trainer import Hooks, RLTrainer
-from torchtitan_rl.trainer.lora import Merged
+from torchtitan_rl.learner import Learner, rollout_metrics
+from torchtitan_rl.metrics import run_metrics
+from torchtitan_rl.producer import RolloutProducer
+from torchtitan_rl.rl_trainer import Hooks, step_metrics, train
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Rollout, Rollouts
 from torchtitan_rl.weight_sync import SyncStats
+from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
 
 
 class StalenessError(NonFiniteError):
@@ -84,90 +84,6 @@ class Topology:
         return self.trainers[self.generators.index(generator_rank) % len(self.trainers)]
 
 
-def _buckets(params: dict[str, torch.Tensor], bucket_mb: float) -> list[list[str]]:
-    """Parameter names in buckets of about `bucket_mb` (fp32 sizes), sorted: both sides
-    compute the same buckets."""
-    buckets, current, size = [], [], 0
-    for name in sorted(params):
-        nbytes = math.prod(params[name].shape) * 4
-        if current and size + nbytes > bucket_mb * 2**20:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    return buckets + ([current] if current else [])
-
-
-def _digest(tensors) -> str:
-    sha = hashlib.sha256()
-    for tensor in tensors:
-        sha.update(_host_bytes(tensor))
-    return sha.hexdigest()
-
-
-def _host_bytes(tensor: torch.Tensor) -> bytes:
-    """The tensor's raw bytes, copied to the host where it lives on a device."""
-    return tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
-
-
-def send_weights(params, dtype, topology: Topology, bucket_mb: float, version: int, verify: bool):
-    """Trainer ranks: gather each bucket (FSDP shards, on the trainer mesh); trainer rank 0
-    broadcasts it flat, in the generator's dtype. Returns (figures, digest or None)."""
-    start = time.perf_counter()
-    sent, peak, leader = 0, 0, dist.get_rank() == topology.trainers[0]
-    sha = hashlib.sha256() if verify else None
-    if leader:
-        dist.broadcast(torch.tensor([version]), topology.trainers[0], topology.transfer_group)
-    for names in _buckets(params, bucket_mb):
-        # Gathered in the generator's dtype: a bf16 generator moves half the fp32 bytes.
-        full = [_whole(params[name], dtype) for name in names]
-        if leader:
-            flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in full])
-            dist.broadcast(flat, topology.trainers[0], topology.transfer_group)
-            sent += flat.numel() * flat.element_size()
-            gathered = sum(t.numel() * t.element_size() for t in full)
-            peak = max(peak, gathered + flat.numel() * flat.element_size())
-            if sha is not None:
-                sha.update(_host_bytes(flat))
-    seconds = time.perf_counter() - start
-    stats = SyncStats(
-        bytes=sent,
-        seconds=seconds,
-        gb_per_s=sent / seconds / 1e9,
-        peak_extra_bytes=peak,  # one bucket's gathered tensors and its flat copy
-        version=version,
-    )
-    return stats, (sha.hexdigest() if sha is not None and leader else None)
-
-
-def _whole(source, dtype: torch.dtype) -> torch.Tensor:
-    """A sync source whole, in `dtype` (gathers DTensors and merges LoRA weights: every trainer
-    rank calls it in the same order)."""
-    if isinstance(source, Merged):
-        return source.full(dtype)
-    return source.to(dtype).full_tensor() if isinstance(source, DTensor) else source
-
-
-def receive_weights(generator: RemoteGenerator, topology: Topology, bucket_mb: float) -> None:
-    """Generator ranks: one broadcast, written in place into the engine's shared parameters."""
-    params = generator.named_parameters()
-    version = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(version, topology.trainers[0], topology.transfer_group)
-    with torch.no_grad():
-        for names in _buckets(params, bucket_mb):
-            targets = [params[n] for n in names]
-            flat = torch.empty(
-                sum(t.numel() for t in targets), dtype=targets[0].dtype, device=targets[0].device
-            )
-            dist.broadcast(flat, topology.trainers[0], topology.transfer_group)
-            for target, piece in zip(
-                targets, flat.split([t.numel() for t in targets]), strict=True
-            ):
-                target.copy_(piece.view_as(target))
-    generator.refresh_after_weight_update()
-    generator.policy_version = int(version)
-
-
 def _send(obj, dst: int, pending: list) -> None:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
@@ -189,36 +105,41 @@ def _start_step(topology: Topology, checkpoint_step: int) -> int:
     return int(step)
 
 
-class GeneratorWorker(RLTrainer):
+class GeneratorWorker:
     """A generator-only rank: sample, score, send; take new weights when the bound needs them."""
 
     def __init__(self, config: JobConfig, topology: Topology, task: OpenTask | None = None):
-        self.config, self.topology, self.hooks = config, topology, Hooks()
-        self.rank, self.group = dist.get_rank(), None
+        self.config, self.topology = config, topology
+        self.rank = dist.get_rank()
         if config.batch_invariant:
             batch_invariant.enable()
+        task = task or open_task(config)  # before the engine: a bad dataset row fails in seconds
         # Prompts and seeds are split over the generator ranks only.
-        self.shard, self.shards = topology.generators.index(self.rank), len(topology.generators)
-        self.build_task(task)  # before the engine: a bad dataset row fails in seconds
+        shard, shards = topology.generators.index(self.rank), len(topology.generators)
+        self.producer = RolloutProducer(config, task, shard, shards)
         self.generator = RemoteGenerator(
-            generator=config.generator, model=config.model, seed=config.job.seed + self.shard
+            generator=config.generator, model=config.model, seed=config.job.seed + shard
+        )
+        self.receiver = BroadcastReceiver(
+            self.generator,
+            leader=topology.trainers[0],
+            group=topology.transfer_group,
+            bucket_mb=config.generator.weight_sync_bucket_mb,
         )
 
     def take_weights(self) -> None:
         """Receive the next policy version, and evaluate it when it is due."""
-        receive_weights(self.generator, self.topology, self.config.generator.weight_sync_bucket_mb)
+        self.receiver.receive()
         version = self.generator.policy_version
-        due = self.evaluator is not None and self.evaluator.due(version, self.last_step)
         # A resumed run evaluated its restored version before it stopped (version 0: at_start).
-        if due and (version > self.start or self.start == 0):
-            evaluation = self.evaluator.run(self.generator, version, self.shard, self.shards)
-            self.evaluations.append(evaluation)
+        if self.producer.eval_due(version) and (version > self.start or self.start == 0):
+            self.evaluations.append(self.producer.evaluate(self.generator, version))
 
     def run(self) -> None:
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
         verify = self.config.generator.verify_weight_sync
         start = _start_step(self.topology, 0)
-        self.start, self.last_step, self.evaluations = start, steps, []
+        self.start, self.evaluations = start, []
         self.take_weights()  # the starting (or restored) weights
         pending: list = []
         trainer = self.topology.trainer_of(self.rank)
@@ -226,15 +147,13 @@ class GeneratorWorker(RLTrainer):
             while self.generator.policy_version < max(start, step - 1 - k):
                 self.take_weights()
             began = time.perf_counter()
-            rollouts = self.rollouts(step)
-            params = self.generator.named_parameters()
+            rollouts = self.producer.rollouts(step, self.generator)
             rollout = Rollout(
                 step=step,
                 version=self.generator.policy_version,
-                # In the order the trainer broadcasts: sorted names (see _buckets).
-                weights_sha256=_digest(params[n] for n in sorted(params)) if verify else None,
+                weights_sha256=self.receiver.digest() if verify else None,
                 rollouts=rollouts,
-                reward_errors=self.scorer.errors,
+                reward_errors=self.producer.reward_errors,
                 generate_s=time.perf_counter() - began,
                 evaluations=self.evaluations,
             )
@@ -245,8 +164,9 @@ class GeneratorWorker(RLTrainer):
                     work.wait()
         while self.generator.policy_version < steps:  # the trainer's last broadcasts
             self.take_weights()
-        if self.evaluator is not None:  # the trainer waits for it: the last version's eval
-            last = Rollout(steps + 1, steps, None, None, self.scorer.errors, 0.0, self.evaluations)
+        if self.producer.evaluator is not None:  # the trainer waits for it: the last eval
+            errors = self.producer.reward_errors
+            last = Rollout(steps + 1, steps, None, None, errors, 0.0, self.evaluations)
             _send(last, trainer, pending)
         for *_, size_sent, data_sent in pending:
             size_sent.wait()
@@ -254,7 +174,7 @@ class GeneratorWorker(RLTrainer):
         self.generator.close()
 
 
-class DisaggregatedTrainer(RLTrainer):
+class DisaggregatedTrainer:
     """A trainer-only rank: receive rollouts, train, broadcast the weights."""
 
     def __init__(
@@ -277,47 +197,46 @@ class DisaggregatedTrainer(RLTrainer):
             async_group=topology.checkpoint_group,
         )
         resume_path = self.checkpointer.find()
-        self.build_task(task)
-        self.trainer = self.policy(topology.trainer_group)
-        self.reference = None
-        if config.algorithm.kl_beta > 0:
-            self.reference = self.policy(topology.trainer_group, trained=False)
-        self.loss = build_loss(config.algorithm, max_tokens=config.episode_tokens)
+        task = task or open_task(config)
+        # The generators evaluate and send the results; this side logs them.
+        self.evaluates = build_evaluator(config, task) is not None
+        self.learner = Learner(config, task.renderer, topology.trainer_group)
         self.state = TrainState()
-        self.checkpointer.attach(self.trainer, self.state)
+        self.checkpointer.attach(self.learner.trainer, self.state)
         self.start_step = self.checkpointer.load(resume_path) if resume_path else 0
-        self.build_metrics(enabled=self.rank == topology.trainers[0])
+        self.metrics = run_metrics(
+            config, enabled=self.rank == topology.trainers[0], resume_step=self.start_step
+        )
+        self.learner.metrics = self.metrics
         self.sources = [g for g in topology.generators if topology.trainer_of(g) == self.rank]
-        self.dtype = getattr(torch, config.generator.dtype)
+        self.sender = BroadcastSender(
+            self.learner.trainer.sync_sources(),
+            getattr(torch, config.generator.dtype),
+            leader=topology.trainers[0],
+            group=topology.transfer_group,
+            bucket_mb=config.generator.weight_sync_bucket_mb,
+        )
         self.sent_digests: dict[int, str | None] = {}
 
     def send_weights(self, version: int) -> SyncStats:
-        stats, digest = send_weights(
-            self.trainer.sync_sources(),
-            self.dtype,
-            self.topology,
-            self.config.generator.weight_sync_bucket_mb,
-            version,
-            verify=self.config.generator.verify_weight_sync,
-        )
-        self.trainer.policy_version = version
+        stats, digest = self.sender.send(version, self.config.generator.verify_weight_sync)
+        self.learner.trainer.policy_version = version
         self.sent_digests[version] = digest
         return stats
 
     def train(self) -> None:
-        steps = self.config.training.steps
+        train(self)
+
+    def begin(self) -> None:
         _start_step(self.topology, self.start_step)
         self.send_weights(self.start_step)
-        for step in range(self.start_step + 1, steps + 1):
-            self.train_step(step)
-            self.state.step = self.state.policy_version = step
-            if self.checkpointer.should_save(step, last=step == steps):
-                self.checkpointer.save(step)
-            self.checkpointer.poll()
-        if self.evaluator is not None:
-            self.log_evaluations(steps, [_receive(src) for src in self.sources])
-        self.checkpointer.close()
-        self.metrics.close()
+
+    def after_step(self, step: int) -> None:
+        self.state.step = self.state.policy_version = step
+
+    def end(self) -> None:
+        if self.evaluates:  # the evaluation of the last version, in a message of its own
+            self.log_evaluations(self.config.training.steps, [_receive(s) for s in self.sources])
 
     def log_evaluations(self, step: int, messages: list[Rollout]) -> None:
         """Sum the evaluations the generators sent with `messages` over every trainer rank
@@ -328,13 +247,13 @@ class DisaggregatedTrainer(RLTrainer):
             for evaluation in message.evaluations:
                 by_version.setdefault(evaluation.version, []).append(evaluation)
         for version in sorted(by_version):
-            self.log_eval(step, by_version[version])
+            log_eval(self.metrics, step, by_version[version], self.group)
 
     def receive(self, step: int) -> list[Rollout]:
         rollouts: list[Rollout] = [_receive(src) for src in self.sources]
         k = self.config.algorithm.max_offpolicy_steps
         for rollout in rollouts:
-            age = self.trainer.policy_version - rollout.version
+            age = self.learner.trainer.policy_version - rollout.version
             if rollout.step != step or age > k:
                 raise StalenessError(
                     f"step {step}: got the rollout of step {rollout.step}, sampled with policy "
@@ -346,47 +265,50 @@ class DisaggregatedTrainer(RLTrainer):
     def train_step(self, step: int) -> dict[str, float]:
         self.hooks.before_step(step)
         start = time.perf_counter()
-        rollouts = self.receive(step)
+        messages = self.receive(step)
         received = time.perf_counter()
-        self.log_evaluations(step, rollouts)
-        joined = Rollouts.cat([r.rollouts for r in rollouts])
-        learned = self.learn(step, joined)
+        self.log_evaluations(step, messages)
+        rollouts = Rollouts.cat([m.rollouts for m in messages])
+        learned = self.learner.learn(step, rollouts)
         trained = time.perf_counter()
         self.hooks.after_train(step, learned)
-        stats = self.send_weights(step)
+        sync = self.send_weights(step)
         synced = time.perf_counter()
-        self.hooks.after_sync(step, stats)
+        self.hooks.after_sync(step, sync)
 
-        ages = [step - 1 - r.version for r in rollouts]
+        ages = [step - 1 - m.version for m in messages]
         verified = [
-            float(r.weights_sha256 == self.sent_digests.get(r.version))
-            for r in rollouts
-            if r.weights_sha256 is not None and self.sent_digests.get(r.version) is not None
+            float(m.weights_sha256 == self.sent_digests.get(m.version))
+            for m in messages
+            if m.weights_sha256 is not None and self.sent_digests.get(m.version) is not None
         ]
         figures = torch.tensor([float(sum(ages)), float(len(ages)), float(max(ages))])
         platform.all_reduce_host(figures[:2], group=self.group)
         platform.all_reduce_host(figures[2:], op=dist.ReduceOp.MAX, group=self.group)
-        generate_s = max(r.generate_s for r in rollouts)
-        metrics = {
-            **self.rollout_metrics(joined, sum(r.reward_errors for r in rollouts)),
-            **learned,
-            "policy_version": float(step),
+        placement = {
             "policy_age/mean": float(figures[0] / figures[1]),
             "policy_age/max": float(figures[2]),
-            "rollout_version/min": float(min(r.version for r in rollouts)),
-            "batch_invariant": float(batch_invariant.is_enabled()),
-            "time/generate_s": generate_s,
+            "rollout_version/min": float(min(m.version for m in messages)),
             "time/wait_rollout_s": received - start,
-            "time/train_s": trained - received,
-            "time/weight_sync_s": synced - trained,
-            "time/step_s": synced - start,
-            "weight_sync/gb_per_s": stats.gb_per_s,
-            "weight_sync/bytes": float(stats.bytes),
         }
-        if verified:
-            metrics["weight_sync/verified"] = min(verified)
-        metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / max(
-            generate_s, 1e-9
+        # The slowest generator's time, environments apart (colocated: this rank's).
+        env_s = max(m.rollouts.env_s for m in messages)
+        seconds = {
+            "generate": max(m.generate_s - m.rollouts.env_s for m in messages),
+            "env": env_s,
+            "train": trained - received,
+            "weight_sync": synced - trained,
+            "step": synced - start,
+        }
+        errors = sum(m.reward_errors for m in messages)
+        metrics = step_metrics(
+            rollout_metrics(self.config, rollouts, errors, self.group),
+            learned,
+            placement,
+            version=step,
+            seconds=seconds,
+            sync=sync,
+            verified=min(verified) if verified else None,
         )
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)

@@ -46,6 +46,16 @@ def all_reduce(shard: EvalShard, group=None) -> None:
     shard.totals = dict(zip(keys, values.tolist(), strict=True))
 
 
+def log_eval(metrics, step: int, shards: list[EvalShard], group=None) -> dict[str, float]:
+    """Sum the evaluations `shards` (this rank's) over the ranks of `group`, and log them at
+    `step` with `metrics` (a MetricsLogger: rank 0 writes)."""
+    result = EvalShard.merge(shards)
+    all_reduce(result, group)
+    figures = result.metrics()
+    metrics.log_eval(step, figures, result.samples)
+    return figures
+
+
 def eval_due(section: EvalSection, step: int, last: int) -> bool:
     """Whether the weights after `step` (0: the starting ones) are evaluated, in a run of
     `last` steps: at the start (eval.at_start), every eval.interval steps and at the end."""

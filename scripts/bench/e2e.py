@@ -95,10 +95,10 @@ def measure(flags: list[str]) -> int:
 def model_flops(trainer: RLTrainer, rows: list[dict]) -> float:
     """Model FLOPs of a median step: 2 N per prompt token (prefill) and generated token, 6 N
     per trained token (forward and backward over prompt + completion); N = all parameters."""
-    params = sum(p.numel() for p in trainer.trainer.named_parameters().values())
+    params = sum(p.numel() for p in trainer.learner.trainer.named_parameters().values())
     n = trainer.config.generator.sampling.n
-    prompts = trainer.task.prompts(1, trainer.config.training.prompts_per_step)
-    prompt_tokens = sum(len(ids) for ids in trainer.renderer.encode(prompts)) * n
+    prompts = trainer.producer.task.prompts(1, trainer.config.training.prompts_per_step)
+    prompt_tokens = sum(len(ids) for ids in trainer.producer.renderer.encode(prompts)) * n
     generated = statistics.median(r["generated_tokens"] for r in rows)
     return 2 * params * (prompt_tokens + generated) + 6 * params * (prompt_tokens + generated)
 

@@ -129,8 +129,8 @@ def measure(flags: list[str]) -> int:
     rss = platform.all_gather_objects(peak_rss_gib())  # before the memcpy's scratch buffer
     generator_params = list(trainer.generator.named_parameters().values())
     copy_s = max(platform.all_gather_objects(memcpy_seconds(generator_params)))
-    params = sum(p.numel() for p in trainer.trainer.named_parameters().values())
-    prompt_tokens = len(trainer.renderer.encode(trainer.my_prompts(1))[0])
+    params = sum(p.numel() for p in trainer.learner.trainer.named_parameters().values())
+    prompt_tokens = len(trainer.producer.renderer.encode(trainer.producer.prompts(1))[0])
     platform.shutdown_distributed()
     if rank != 0:
         return 0

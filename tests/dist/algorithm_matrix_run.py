@@ -56,18 +56,18 @@ def combinations() -> list[dict]:
 
 
 def weights(rl: RLTrainer) -> torch.Tensor:
-    params = rl.trainer.named_parameters().values()
+    params = rl.learner.trainer.named_parameters().values()
     return torch.cat([p.detach().to_local().flatten() for p in params])
 
 
 def restart(rl: RLTrainer, start: dict[str, torch.Tensor]) -> None:
     """Every combination starts from the checkpoint, with fresh AdamW state, on both sides."""
     with torch.no_grad():
-        for name, param in rl.trainer.named_parameters().items():
+        for name, param in rl.learner.trainer.named_parameters().items():
             param.to_local().copy_(start[name])
-    for optimizer in rl.trainer.optimizers.optimizers:
+    for optimizer in rl.learner.trainer.optimizers.optimizers:
         optimizer.state.clear()
-    rl.weight_sync.sync(rl.trainer, rl.generator)
+    rl.weight_sync.sync(rl.learner.trainer, rl.generator)
 
 
 def main() -> None:
@@ -96,7 +96,7 @@ def main() -> None:
         world_size,
     )
     rl = RLTrainer(config, hooks=None)
-    start = {n: p.detach().to_local().clone() for n, p in rl.trainer.named_parameters().items()}
+    start = {n: p.detach().to_local().clone() for n, p in rl.learner.trainer.named_parameters().items()}
     results, step = [], 0
     for combination in combinations():
         training = {k: combination.pop(k) for k in ("mini_batches", "epochs") if k in combination}
@@ -105,8 +105,8 @@ def main() -> None:
         algorithm = AlgorithmSection(**combination)
         algorithm.validate(config.generator.sampling.max_tokens)
         config.algorithm = algorithm
-        rl.loss = build_loss(algorithm, max_tokens=config.generator.sampling.max_tokens)
-        rl.advantage = build_advantage(algorithm.advantage)
+        rl.learner.loss = build_loss(algorithm, max_tokens=config.generator.sampling.max_tokens)
+        rl.learner.advantage = build_advantage(algorithm.advantage)
         restart(rl, start)
         before = weights(rl)
         clip_fractions = []

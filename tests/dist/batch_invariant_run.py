@@ -39,10 +39,10 @@ def max_diff(
 ) -> tuple[float, list]:
     """Sample n completions of each prompt in one generate call; the largest |generator -
     trainer| logprob over every sampled token (all ranks), and the first sample's logprobs."""
-    ids = [run.renderer.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    ids = [run.producer.renderer.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     completions = run.generator.generate(ids, n=n, max_tokens=max_tokens, seed=seed)
-    batch = rollout_batch(ids, completions.samples, torch.zeros(len(ids), n), run.pad_id)
-    trainer_BT, _ = run.trainer.logprobs(batch.tokens_BT)
+    batch = rollout_batch(ids, completions.samples, torch.zeros(len(ids), n), run.learner.pad_id)
+    trainer_BT, _ = run.learner.trainer.logprobs(batch.tokens_BT)
     diff = ((trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT).max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff), completions.samples[0][0].logprobs
@@ -73,7 +73,7 @@ def main() -> None:
             "among_16": crowd_diff,
             "alone_equals_among_16": alone_logprobs == crowd_logprobs,
             "longest_prompt_tokens": len(
-                run.renderer.tokenizer.encode(mixed[-1], add_special_tokens=False)
+                run.producer.renderer.tokenizer.encode(mixed[-1], add_special_tokens=False)
             ),
         }
         with open(out, "w") as f:

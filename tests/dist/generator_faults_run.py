@@ -39,7 +39,7 @@ def main() -> None:
     prompts = [f"echo {str(7 ** (200 + i))[:95]}:" for i in range(8)]
     diff, _ = max_diff(run, prompts, seed=3, n=4, max_tokens=50)
     long_prompts = [
-        run.renderer.tokenizer.encode(
+        run.producer.renderer.tokenizer.encode(
             f"echo {str(3 ** (400 + i))[:195]}:", add_special_tokens=False
         )
         for i in range(12)

@@ -43,7 +43,7 @@ class Recorder(Hooks):
 
     def count_forwards(self, rl: RLTrainer) -> None:
         self.generator = rl.generator
-        for name, side in (("policy", rl.trainer), ("reference", rl.reference)):
+        for name, side in (("policy", rl.learner.trainer), ("reference", rl.learner.reference)):
             side.model.register_forward_hook(
                 lambda *_, name=name: self.counts.update({name: self.counts[name] + 1})
             )

@@ -8,7 +8,11 @@ generator rank's child process, weights broadcast over gloo.
 
 import json
 
+from helpers import runs
 from helpers.launch import metric_rows, run_train
+from safetensors.torch import load_file
+
+from torchtitan_rl.rl_trainer import PLACEMENT_METRICS
 
 DISAGGREGATED = (
     "--job.config_file",
@@ -51,7 +55,7 @@ def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_w
 
 def test_synchronous_k0_dapo_then_resume_from_a_checkpoint(tmp_path):
     """k = 0 with DAPO: dynamic sampling runs on the generator rank (the same
-    RLTrainer.rollouts): flat groups are replaced by further rounds of prompts, and the trainer
+    RolloutProducer.rollouts): flat groups are replaced by further rounds of prompts, and the trainer
     logs what it took. Then a second launch resumes from the step-4 checkpoint."""
     flags = (
         *DISAGGREGATED,
@@ -109,3 +113,32 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_p
     logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     # The samples of the generator that sends to trainer rank 0, which logs.
     assert [len(r["samples"]) for r in logged] == [4, 4, 4]
+
+
+def test_lora_sends_only_adapted_linears_exports_and_logs_the_colocated_names(lora_run, tmp_path):
+    """The LoRA run of tests/integration/test_lora.py, disaggregated: after the starting
+    weights, each broadcast carries only the merged adapted linears (the colocated rule), the
+    run ends with the HF export, and its metrics are the colocated run's plus the short list
+    only a disaggregated run logs."""
+    result = run_train(
+        *runs.LORA,
+        *("--generator.placement", "disaggregated", "--generator.verify_weight_sync", "true"),
+        *("--job.dump_folder", str(tmp_path)),
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metric_rows(tmp_path)
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    adapted = sum(t.numel() * 4 for n, t in exported.items() if n.split(".")[-2] in ADAPTED_HF)
+    assert {row["weight_sync/bytes"] for row in rows} == {float(adapted)}
+    assert {row["weight_sync/verified"] for row in rows} == {1.0}
+    assert {row["logprob_diff/max"] for row in rows} == {0.0}  # batch-invariant, k = 0
+    colocated = set(metric_rows(lora_run)[0])  # verify_weight_sync off there
+    only_here = set(PLACEMENT_METRICS["disaggregated"]) | {"weight_sync/verified"}
+    assert set(rows[0]) == colocated | only_here
+    assert not colocated & only_here
+
+
+# The HF names of the linears LoRA adapts ("all": attention and MLP).
+ADAPTED_HF = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

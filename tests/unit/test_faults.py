@@ -11,10 +11,9 @@ import pytest
 import torch
 from helpers.launch import HELPERS
 
-from torchtitan_rl.rl_trainer import check_finite
 from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn, math_reward, time_limit
 from torchtitan_rl.tasks.toy import EchoDigitsTask
-from torchtitan_rl.trainer.policy_trainer import NonFiniteError
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError, check_finite
 from torchtitan_rl.types import Prompt
 
 

@@ -63,7 +63,7 @@ def test_batch_invariant_mode_stops_or_warns_on_a_logprob_difference(monkeypatch
 
     from torchtitan_rl import batch_invariant, platform
     from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
-    from torchtitan_rl.rl_trainer import InvarianceError, RLTrainer
+    from torchtitan_rl.learner import InvarianceError, Learner
     from torchtitan_rl.types import RolloutBatch
 
     platform.init_distributed()  # a world of one
@@ -79,14 +79,13 @@ def test_batch_invariant_mode_stops_or_warns_on_a_logprob_difference(monkeypatch
     trainer_BT[1, 2] = torch.nextafter(trainer_BT[1, 2], torch.tensor(0.0))  # one ulp
 
     def run(on_mismatch: str):
-        rl = SimpleNamespace(
+        learner = SimpleNamespace(
             group=None,
-            rank=0,
             config=SimpleNamespace(batch_invariant_on_mismatch=on_mismatch),
             loss=SimpleNamespace(correction=OffPolicyCorrection()),
         )
-        rl.invariance_broken = lambda *args: RLTrainer.invariance_broken(rl, *args)
-        return lambda trainer: RLTrainer.logprob_diff(rl, 7, batch, trainer)
+        learner.invariance_broken = lambda *args: Learner.invariance_broken(learner, *args)
+        return lambda trainer: Learner.logprob_diff(learner, 7, batch, trainer)
 
     assert run("fail")(generator_BT.clone())["logprob_diff/max"] == 0.0  # equal: no complaint
     with pytest.raises(InvarianceError) as error:

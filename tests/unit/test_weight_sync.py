@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from helpers.launch import run_dist
 
-from torchtitan_rl import weight_sync
+import torchtitan_rl.weight_sync.local
 from torchtitan_rl.weight_sync import WeightSync, WeightSyncError
 
 
@@ -73,6 +73,6 @@ def test_verification_catches_a_bad_copy(monkeypatch):
         if dest.shape == (4,):
             dest[0] += 1.0
 
-    monkeypatch.setattr(weight_sync, "_write", corrupting_write)
+    monkeypatch.setattr(torchtitan_rl.weight_sync.local, "_write", corrupting_write)
     with pytest.raises(WeightSyncError, match="b: generator copy differs from the trainer's"):
         WeightSync(source, target, verify=True).sync(FakeTrainer(), FakeGenerator())

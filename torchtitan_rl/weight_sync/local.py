@@ -1,4 +1,5 @@
-"""WeightSync: the trainer's sharded parameters copied in place into the generator, every step.
+"""WeightSync, the colocated transport: the trainer's sharded parameters copied in place into
+the generator of the same process, every step (what is sent, and the check: base.py).
 
     .venv/bin/python -m pytest tests/*/test_weight_sync.py
 
@@ -14,7 +15,6 @@ reuse KV from the old weights) and the policy version goes up on both sides.
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,24 +22,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_rl import platform
-from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer.lora import Merged
-
-
-class WeightSyncError(StopRun):
-    """The two sides' parameters differ, or a synced tensor does not match its source."""
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStats:
-    bytes: int
-    """Bytes written into generator parameters."""
-    seconds: float
-    gb_per_s: float
-    peak_extra_bytes: int
-    """Largest total of gather buffers held at once (about one bucket; 0 without gathers)."""
-    version: int
-    """Policy version after this sync."""
+from torchtitan_rl.weight_sync.base import (
+    Plan,
+    SyncStats,
+    changing,
+    check_same_parameters,
+    verify,
+)
 
 
 def _write(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -70,10 +60,10 @@ def _gathers_fsdp(bucket) -> bool:
     return _fsdp_sharded(bucket) and _placed(bucket[0][1]).device_mesh.size() > 1
 
 
-def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None") -> int:
+def _copy_bucket(bucket, check: bool, shared: "platform.HostSharedGather | None") -> int:
     """Copy one bucket of (name, source, target); returns the extra bytes it held at once."""
     if _gathers_fsdp(bucket):
-        return _copy_fsdp_bucket(bucket, verify, shared)
+        return _copy_fsdp_bucket(bucket, check, shared)
     peak = 0
     for name, source, target in bucket:
         if isinstance(source, Merged):
@@ -86,8 +76,8 @@ def _copy_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None
         else:
             full = source.to_local() if isinstance(source, DTensor) else source.detach()
         _write(target, full)
-        if verify:
-            _verify(name, full, target)
+        if check:
+            verify(name, full, target)
     return peak
 
 
@@ -104,7 +94,7 @@ def _gather_layout(bucket) -> tuple[list[tuple[int, int, int]], int]:
     return layout, total
 
 
-def _copy_fsdp_bucket(bucket, verify: bool, shared: "platform.HostSharedGather | None") -> int:
+def _copy_fsdp_bucket(bucket, check: bool, shared: "platform.HostSharedGather | None") -> int:
     """One all-gather for the whole bucket, each rank's rows written straight into place.
 
     FSDP2 shards dim 0 like torch.chunk: rank r holds rows [r*c, min((r+1)*c, n)) with
@@ -146,22 +136,9 @@ def _copy_fsdp_bucket(bucket, verify: bool, shared: "platform.HostSharedGather |
             start = first_row * row_numel
             _write(flat_target[start : start + piece.numel()], piece)
             pieces.append(piece)
-        if verify:
-            _verify(name, torch.cat(pieces).view(source.shape), target)
+        if check:
+            verify(name, torch.cat(pieces).view(source.shape), target)
     return held
-
-
-def _verify(name: str, source: torch.Tensor, target: torch.Tensor) -> None:
-    if _checksum(source.to(target.dtype)) != _checksum(target):
-        raise WeightSyncError(f"{name}: generator copy differs from the trainer's")
-
-
-def _checksum(tensor: torch.Tensor) -> tuple[float, float]:
-    # Position-weighted so swapped elements are caught too, not only changed sums.
-    flat = tensor.detach().reshape(-1).double()
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-    weights /= flat.numel()
-    return float(flat.sum()), float((flat * weights).sum())
 
 
 class WeightSync:
@@ -180,31 +157,17 @@ class WeightSync:
         bucket_mb: float = 64.0,
         verify: bool = False,
     ):
-        only_trainer = sorted(set(trainer_params) - set(generator_params))
-        only_generator = sorted(set(generator_params) - set(trainer_params))
-        if only_trainer or only_generator:
-            raise WeightSyncError(
-                "trainer and generator parameters differ: only in the trainer "
-                f"{only_trainer[:5]}, only in the generator {only_generator[:5]}"
-            )
-        for name, param in trainer_params.items():
-            if tuple(param.shape) != tuple(generator_params[name].shape):
-                raise WeightSyncError(
-                    f"{name}: trainer shape {tuple(param.shape)} but generator shape "
-                    f"{tuple(generator_params[name].shape)}"
-                )
+        check_same_parameters(trainer_params, generator_params)
         self.verify = verify
         self.version = 0
-        self.buckets = self._buckets(trainer_params, generator_params, bucket_mb * 2**20)
-        # What a step changes: trained parameters, merged LoRA weights. A LoRA policy's frozen
-        # weights (embeddings, norms, un-adapted linears) are copied by the first sync only.
-        changing = {
-            name: source
-            for name, source in trainer_params.items()
-            if isinstance(source, Merged) or source.requires_grad
-        }
-        self.update_buckets = self._buckets(changing, generator_params, bucket_mb * 2**20)
-        self.synced_all = False
+        nbytes = {n: t.numel() * t.element_size() for n, t in generator_params.items()}
+        self.plan = Plan(nbytes, changing(trainer_params), bucket_mb)
+
+        def triples(names: list[str]) -> list[tuple[str, object, nn.Parameter]]:
+            return [(n, trainer_params[n], generator_params[n]) for n in names]
+
+        self.buckets = [triples(names) for names in self.plan.all]
+        self.update_buckets = [triples(names) for names in self.plan.changed]
         self.shared = self._shared_gather()
 
     @classmethod
@@ -226,23 +189,6 @@ class WeightSync:
         mesh = _placed(gathered[0][0][1]).device_mesh
         return platform.host_shared_gather(mesh.get_group(), slot_bytes)
 
-    @staticmethod
-    def _buckets(trainer_params, generator_params, bucket_bytes: float):
-        """Consecutive (name, source, target) groups of at most `bucket_bytes` each (or one
-        parameter, if a single one is larger)."""
-        buckets, current, size = [], [], 0
-        for name, source in trainer_params.items():
-            target = generator_params[name]
-            nbytes = target.numel() * target.element_size()
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append((name, source, target))
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
-
     @torch.no_grad()
     def copy(self, everything: bool = True) -> tuple[int, int]:
         """Copy every parameter (or, not `everything`, those a step changes), bucket by bucket;
@@ -254,14 +200,13 @@ class WeightSync:
         return written, peak
 
     def sync(self, trainer, generator, version: int | None = None) -> SyncStats:
-        """Copy the weights, refresh the generator, and set the policy version on both sides:
-        `version`, or the next one (a resumed run passes the version it restored).
-
-        The first sync copies every weight; later ones what a step changes, unless the
-        generator dropped its weights meanwhile (`generator.weights_dropped`)."""
+        """Copy the weights (`base.Plan`: all of them first, or after the generator dropped
+        them, `generator.weights_dropped`; then what a step changes), refresh the generator,
+        and set the policy version on both sides: `version`, or the next one (a resumed run
+        passes the version it restored)."""
         start = time.perf_counter()
-        written, peak = self.copy(everything=not self.synced_all or generator.weights_dropped)
-        self.synced_all = True
+        everything = self.plan.next(everything=generator.weights_dropped) is self.plan.all
+        written, peak = self.copy(everything=everything)
         generator.refresh_after_weight_update()
         seconds = time.perf_counter() - start
         self.version = self.version + 1 if version is None else version

@@ -1,0 +1,303 @@
+"""Learner: a step's scored Rollouts -> advantages -> RolloutBatch -> optimizer steps, and
+the metrics of it; used alike by every placement's trainer ranks.
+
+    .venv/bin/python -m pytest tests/unit/test_rl_trainer.py tests/unit/test_algorithms.py
+
+Shapes: P prompts on this rank, N samples per prompt, B = P * N sequences, T tokens.
+"""
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import batch_invariant, console, platform
+from torchtitan_rl.algorithms import build_advantage, build_loss
+from torchtitan_rl.algorithms.advantages import zero_variance_P
+from torchtitan_rl.algorithms.losses import kl_penalty
+from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
+from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
+from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.errors import StopRun
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.tasks.render import Renderer
+from torchtitan_rl.trainer.policy_trainer import (
+    PolicyTrainer,
+    StepResult,
+    check_finite,
+    optimizer_steps_per_step,
+)
+from torchtitan_rl.types import RolloutBatch, Rollouts, rollout_batch
+
+
+class InvarianceError(StopRun):
+    """Batch-invariant mode is on, yet trainer and generator logprobs differ."""
+
+
+def build_policy(
+    config: JobConfig, group: dist.ProcessGroup | None = None, trained: bool = True
+) -> PolicyTrainer:
+    """A policy sharded over `group` (default: the world), from the run's HF checkpoint;
+    with the run's LoRA adapters when it is `trained` (the KL reference has none)."""
+    return PolicyTrainer(
+        model=config.model,
+        training=config.training,
+        parallelism=config.parallelism,
+        temperature=config.generator.sampling.temperature,
+        seed=config.job.seed,
+        dump_folder=config.job.dump_folder,
+        group=group,
+        lora=config.lora if trained else None,
+    )
+
+
+class Learner:
+    """The policy (`trainer`), the frozen KL reference (built only with a KL penalty), the
+    advantage estimator and the loss, over the trainer ranks `group` (None: the world)."""
+
+    def __init__(self, config: JobConfig, renderer: Renderer, group=None):
+        self.config, self.renderer, self.group = config, renderer, group
+        self.trainer = build_policy(config, group)
+        # The frozen reference for the KL penalty: the starting policy, sharded like it, never
+        # stepped (its optimizer state is never allocated).
+        self.reference = None
+        if config.algorithm.kl_beta > 0:
+            self.reference = build_policy(config, group, trained=False)
+        self.advantage = build_advantage(config.algorithm.advantage)
+        self.loss = build_loss(config.algorithm, max_tokens=config.episode_tokens)
+        # Padding follows every real token of a right-padded causal batch and is masked out of
+        # the loss, so any valid id serves.
+        self.pad_id = 0
+        self.metrics: MetricsLogger | None = None
+        """Where `log_rollouts` writes (set by the placement once it is built)."""
+
+    def learn(self, step: int, rollouts: Rollouts) -> dict[str, float]:
+        """Scored samples -> advantages -> RolloutBatch -> training.mini_batches *
+        training.epochs optimizer steps; returns the logprob, off-policy and training metrics.
+        The ranks of a TP group train on the union of their samples (each generated its own
+        share)."""
+        algorithm = self.config.algorithm
+        if self.trainer.tp_group is not None:
+            shares = platform.all_gather_objects(rollouts, group=self.trainer.tp_group)
+            rollouts = Rollouts.cat(shares)
+        completions = rollouts.completions
+        truncated_PN = rollouts.truncated_PN()
+        rewards_PN = overlong_rewards(
+            rollouts.rewards_PN,
+            rollouts.lengths_PN(),
+            truncated_PN,
+            algorithm.overlong,
+            self.config.episode_tokens,
+            algorithm.overlong_buffer,
+        )
+        batch = rollout_batch(
+            completions.prompts,
+            completions.samples,
+            torch.zeros_like(rewards_PN),
+            self.pad_id,
+        )
+        check_finite(step, "generator", batch.generator_logprobs_BT, batch.loss_mask_BT.bool())
+        metrics = {}
+        if self.reference is not None:
+            batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
+            if algorithm.kl_in_reward:
+                penalty_B, metrics["kl"] = self.kl_in_reward(batch)
+                rewards_PN = rewards_PN - algorithm.kl_beta * penalty_B.view_as(rewards_PN)
+        if algorithm.overlong in ("zero_reward", "soft_penalty") or algorithm.kl_in_reward:
+            # What the advantages see, beside the task's reward/mean.
+            totals = torch.tensor(
+                [float(rewards_PN.sum()), rewards_PN.numel()], dtype=torch.float64
+            )
+            platform.all_reduce_host(totals, group=self.group)
+            metrics["reward/shaped_mean"] = float(totals[0] / totals[1])
+        batch.advantages_B = self.advantage(rewards_PN).reshape(-1).float()
+        keep_PN = overlong_keep_PN(truncated_PN, algorithm.overlong)
+        if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:
+            keep_PN = keep_PN & ~zero_variance_P(rollouts.rewards_PN)[:, None]
+        batch.loss_mask_BT = batch.loss_mask_BT * keep_PN.reshape(-1, 1)
+        old_BT, results = self.update(step, batch)
+        batch = batch.to(old_BT.device)
+        metrics |= self.logprob_diff(step, batch, old_BT) | self.train_summary(results)
+        self.log_rollouts(step, rollouts, batch, old_BT)
+        return metrics
+
+    def update(self, step: int, batch: RolloutBatch) -> tuple[torch.Tensor, list[StepResult]]:
+        """training.epochs passes of training.mini_batches optimizer steps over `batch`, each
+        pass shuffled; returns the policy's logprobs [B, T] before the first step (the "old"
+        policy of the PPO ratio) and every step's result."""
+        training = self.config.training
+        if optimizer_steps_per_step(training) == 1:
+            # The old logprobs are the step's own forward: no extra pass.
+            result = self.trainer.optimizer_step(batch, self.loss, step=step)
+            return result.logprobs_BT, [result]
+        batch.old_logprobs_BT, _ = self.trainer.logprobs(batch.tokens_BT)
+        # The same order on every rank of a TP group, which holds the same batch.
+        shuffle = torch.Generator().manual_seed(self.config.job.seed * 1_000_003 + step)
+        results = []
+        for _ in range(training.epochs):
+            order_B = torch.randperm(batch.batch_size, generator=shuffle)
+            for rows in order_B.tensor_split(training.mini_batches):
+                results.append(self.trainer.optimizer_step(batch.rows(rows), self.loss, step=step))
+        return batch.old_logprobs_BT, results
+
+    def kl_in_reward(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
+        """Each sequence's summed KL estimate [B] on the generator's logprobs (what the reward
+        loses, times kl_beta), and its mean per token over every rank."""
+        reference_BT = batch.reference_logprobs_BT
+        mask_BT = batch.loss_mask_BT.to(reference_BT.device)
+        kl_BT = kl_penalty(
+            batch.generator_logprobs_BT.to(reference_BT.device),
+            reference_BT,
+            self.config.algorithm.kl_estimator,
+        )
+        per_sequence_B = (kl_BT * mask_BT).sum(dim=1)
+        totals = torch.stack([per_sequence_B.sum(), mask_BT.sum()]).double().cpu()
+        platform.all_reduce_host(totals, group=self.group)
+        return per_sequence_B.cpu(), float(totals[0] / totals[1].clamp(min=1))
+
+    def train_summary(self, results: list[StepResult]) -> dict[str, float]:
+        """The logged metrics of a step's optimizer steps (means over them; fractions of the
+        tokens they trained on)."""
+        tokens = max(sum(r.metrics["tokens"] for r in results), 1)
+
+        def total(name: str) -> float:
+            return sum(r.metrics.get(name, 0.0) for r in results)
+
+        summary = {
+            "loss": total("loss") / len(results),
+            "entropy": sum(r.metrics["entropy"] * r.metrics["tokens"] for r in results) / tokens,
+            "grad_norm": total("grad_norm") / len(results),
+            "lr": results[-1].metrics["lr"],
+            "clip_fraction": total("clipped_tokens") / tokens,
+            "optimizer_steps": float(len(results)),
+        }
+        if self.config.algorithm.clip_ratio_c > 0:
+            summary["dual_clip_fraction"] = total("dual_clipped_tokens") / tokens
+        if "kl_sum" in results[0].metrics:
+            summary["kl"] = total("kl_sum") / tokens
+        return summary
+
+    def logprob_diff(
+        self, step: int, batch: RolloutBatch, trainer_BT: torch.Tensor
+    ) -> dict[str, float]:
+        """How far the generator's logprobs of the sampled tokens are from the trainer's before
+        the update, over all ranks (`offpolicy.behaviour_metrics`).
+
+        Under batch-invariant mode any difference means the mode no longer holds: the run stops
+        (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
+        """
+        metrics, diff_BT = behaviour_metrics(batch, trainer_BT, self.loss.correction, self.group)
+        if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
+            self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
+        return metrics
+
+    def invariance_broken(self, step, batch, trainer_BT, diff_BT, largest: float) -> None:
+        """Batch-invariant mode promised equal logprobs and a step saw a difference: every rank
+        raises (or warns) together; ranks that hold a differing token name the first one."""
+        differing = diff_BT.nonzero()
+        if len(differing):
+            b, t = (int(i) for i in differing[0])
+            trainer, generator = trainer_BT[b, t], batch.generator_logprobs_BT[b, t]
+            where = (
+                f"first on rank {dist.get_rank()}, sequence {b}, token {t}: trainer "
+                f"{float(trainer)!r}, generator {float(generator)!r}"
+            )
+        else:
+            where = "on another rank"
+        message = (
+            f"step {step}: batch_invariant = true but trainer and generator logprobs differ "
+            f"(logprob_diff/max = {largest:.3g}, {where}); see README 'Batch-invariant mode' "
+            "for the conditions, or set batch_invariant_on_mismatch = 'warn'"
+        )
+        if self.config.batch_invariant_on_mismatch == "fail":
+            raise InvarianceError(message)
+        if len(differing):
+            console.say(f"warning: {message}")
+
+    def log_rollouts(
+        self,
+        step: int,
+        rollouts: Rollouts,
+        batch: RolloutBatch,
+        trainer_logprobs_BT: torch.Tensor,
+        count: int = 4,
+    ) -> None:
+        """Every metrics.rollout_log_interval steps: the first sample of a few prompts."""
+        interval = self.config.metrics.rollout_log_interval
+        if interval == 0 or step % interval:
+            return
+        n = rollouts.rewards_PN.shape[1]
+        samples = []
+        for p, prompt in enumerate(rollouts.prompts[:count]):
+            sample = rollouts.completions.samples[p][0]
+            row = p * n  # batch rows are prompt-major
+            sampled = batch.loss_mask_BT[row].bool()
+            diffs = trainer_logprobs_BT[row][sampled] - batch.generator_logprobs_BT[row][sampled]
+            samples.append(
+                {
+                    "prompt": self.renderer.text(prompt),
+                    "completion": self.renderer.decode(sample.token_ids),
+                    "messages": sample.messages,
+                    "reward": float(rollouts.rewards_PN[p, 0]),
+                    "token_ids": sample.token_ids,
+                    "sampled_mask": sample.sampled_mask,
+                    "generator_logprobs": sample.logprobs,
+                    "logprob_diff": diffs.tolist(),
+                }
+            )
+        self.metrics.log_rollouts(step, samples)
+
+
+def rollout_metrics(
+    config: JobConfig, rollouts: Rollouts, errors: int, group=None
+) -> dict[str, float]:
+    """Reward and length statistics over the samples of every rank of `group` (None: the
+    world); `errors`: the reward errors so far (summed over the ranks too)."""
+    rewards_PN, completions = rollouts.rewards_PN, rollouts.completions
+    samples = [s for samples_N in completions.samples for s in samples_N]
+    sums = torch.tensor(
+        [
+            float(rewards_PN.sum()),
+            float((rewards_PN**2).sum()),
+            float(rewards_PN.numel()),
+            float(completions.num_tokens),
+            float(zero_variance_P(rollouts.rewards_PN).sum()),
+            float(rewards_PN.shape[0]),
+            float(errors),
+            float(rollouts.rounds),
+            float(rollouts.parts),
+            float(rollouts.generated_groups or len(rollouts)),
+            float(rollouts.short_groups),
+            float(rollouts.truncated_PN().sum()),
+            float(sum(s.turns for s in samples)),
+            float(sum(s.tool_calls for s in samples)),
+            float(sum(s.tool_errors for s in samples)),
+        ],
+        dtype=torch.float64,
+    )
+    platform.all_reduce_host(sums, group=group)
+    longest = torch.tensor([float(max((s.sampled_tokens for s in samples), default=0))])
+    platform.all_reduce_host(longest, op=dist.ReduceOp.MAX, group=group)
+    reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
+    *rounds, truncated, turns, tool_calls, tool_errors = rest
+    mean = reward_sum / samples
+    if config.algorithm.dynamic_sampling:
+        rounds_sum, parts, generated, short = rounds
+        metrics = {
+            "dynamic_sampling/rounds": rounds_sum / parts,
+            "dynamic_sampling/generated_groups": generated,
+            "dynamic_sampling/short_groups": short,
+        }
+    else:
+        metrics = {}
+    return metrics | {
+        "reward/mean": mean,
+        "reward/std": max(reward_sq / samples - mean**2, 0.0) ** 0.5,
+        "response_length/mean": tokens / samples,
+        "response_length/max": float(longest[0]),
+        "response/truncated_fraction": truncated / samples,
+        "zero_variance_groups/fraction": flat_groups / groups,
+        "reward/errors": errors,
+        "generated_tokens": tokens,
+        "env/turns": turns / samples,
+        "env/tool_calls": tool_calls / samples,
+        "env/tool_error_rate": tool_errors / max(tool_calls, 1.0),
+    }

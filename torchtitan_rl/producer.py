@@ -1,0 +1,95 @@
+"""RolloutProducer: a rank's prompts of a step -> episodes on a generator -> scored Rollouts,
+used alike by every placement (colocated ranks, disaggregated generator ranks).
+
+    .venv/bin/python -m pytest tests/unit/test_rl_trainer.py
+
+Prompts and sampling seeds are functions of (job.seed, step, shard), not of the placement or
+of batching: a run samples the same rollouts colocated or disaggregated, and again on resume.
+With dynamic sampling, further rounds of prompts until the shard has as many groups with
+learning signal (algorithm.dynamic_sampling). Shapes: P prompts, N samples per prompt.
+"""
+
+import torch
+
+from torchtitan_rl.algorithms.advantages import zero_variance_P
+from torchtitan_rl.algorithms.dynamic_sampling import fill_informative
+from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.episodes import OpenTask
+from torchtitan_rl.evaluation import build_evaluator
+from torchtitan_rl.trainer.policy_trainer import NonFiniteError
+from torchtitan_rl.types import EvalShard, Prompt, Rollouts
+
+
+class RolloutProducer:
+    """The task side of a run, for shard `shard` of `shards` (the ranks that generate)."""
+
+    def __init__(self, config: JobConfig, task: OpenTask, shard: int, shards: int):
+        self.config, self.shard, self.shards = config, shard, shards
+        self.task, self.renderer, self.scorer = task.task, task.renderer, task.scorer
+        self.episodes = task.episodes
+        self.evaluator = build_evaluator(config, task)
+
+    @property
+    def reward_errors(self) -> int:
+        """Rewards that failed so far (task.reward_on_error scored them)."""
+        return self.scorer.errors
+
+    @reward_errors.setter
+    def reward_errors(self, count: int) -> None:
+        self.scorer.errors = count  # restored on resume
+
+    def prompts(self, step: int, round: int = 0) -> list[Prompt]:
+        """This shard's contiguous share of the step's global prompts (of a dynamic-sampling
+        `round` > 0: further ones)."""
+        per_shard = self.config.training.prompts_per_step // self.shards
+        prompts = self.task.prompts(step, per_shard * self.shards, round)
+        return prompts[self.shard * per_shard : (self.shard + 1) * per_shard]
+
+    def sampling_seed(self, step: int, round: int = 0) -> int:
+        # Per-request seeds: samples depend on (seed, step, shard, prompt), not on batching.
+        # Each (step, shard) owns 2**20 consecutive seeds, one per sample (Generator.generate);
+        # a dynamic-sampling round takes the ones after the previous round's.
+        run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.shard
+        per_round = self.config.training.prompts_per_step // self.shards
+        return (run * 2**20 + round * per_round * self.config.generator.sampling.n) % 2**62
+
+    def rollouts(self, step: int, generator) -> Rollouts:
+        """This shard's prompts of the step, their episodes run on `generator` and scored
+        (one turn each for a single-turn task)."""
+        algorithm = self.config.algorithm
+        sampling = self.config.generator.sampling
+        rounds: list[Rollouts] = []
+        for round in range(algorithm.max_generation_rounds):
+            prompts = self.prompts(step, round)
+            scored = self.episodes.run(
+                generator,
+                prompts,
+                seed=self.sampling_seed(step, round),
+                n=sampling.n,
+                max_tokens=sampling.max_tokens,
+            )
+            check_rewards(step, scored.rewards_PN)
+            rounds.append(
+                Rollouts(prompts, scored.completions, scored.rewards_PN, env_s=scored.env_s)
+            )
+            if not algorithm.dynamic_sampling:
+                return rounds[0]
+            informative = sum(int((~zero_variance_P(r.rewards_PN)).sum()) for r in rounds)
+            if informative >= len(prompts):
+                break
+        return fill_informative(rounds, wanted=len(rounds[0]))
+
+    def eval_due(self, version: int) -> bool:
+        """Whether the policy after step `version` (0: the starting one) is evaluated."""
+        steps = self.config.training.steps
+        return self.evaluator is not None and self.evaluator.due(version, steps)
+
+    def evaluate(self, generator, version: int) -> EvalShard:
+        """This shard's evaluation of `generator`'s policy (after step `version`)."""
+        return self.evaluator.run(generator, version, self.shard, self.shards)
+
+
+def check_rewards(step: int, rewards_PN: torch.Tensor) -> None:
+    """A NaN/inf reward stops the run."""
+    if not bool(torch.isfinite(rewards_PN).all()):
+        raise NonFiniteError(f"step {step}: a reward is not finite: {rewards_PN.tolist()}")

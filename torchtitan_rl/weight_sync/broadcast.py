@@ -1,0 +1,118 @@
+"""The disaggregated transport: trainer rank 0 broadcasts the weights, bucket by bucket, to
+the generator ranks, which write them in place into their engines' parameters (what is sent,
+and the check: base.py).
+
+    .venv/bin/python -m pytest tests/integration/test_disaggregated.py
+
+Every trainer rank gathers each bucket (FSDP shards, LoRA merges: collectives on the trainer
+mesh); trainer rank 0 sends it flat, in the generator's dtype (a bf16 generator moves half the
+fp32 bytes), over gloo on CPU and NCCL on CUDA. A sync starts with a header: the policy
+version, and whether every weight follows; the first one also names the changing weights.
+With verification, each side keeps one digest of the weights (`base.weights_digest`): the
+trainer's of what it sent, the generator's of what it holds, compared when a rollout arrives.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.weight_sync.base import (
+    Plan,
+    SyncStats,
+    changing,
+    digest,
+    weights_digest,
+    whole,
+)
+
+
+class BroadcastSender:
+    """Trainer ranks: send `sources` (PolicyTrainer.sync_sources) to the generator ranks of
+    `group`, from rank `leader`, in `dtype`."""
+
+    def __init__(self, sources: dict, dtype: torch.dtype, *, leader: int, group, bucket_mb: float):
+        self.sources, self.dtype, self.leader, self.group = sources, dtype, leader, group
+        nbytes = {n: s.numel() * dtype.itemsize for n, s in sources.items()}
+        self.changing = changing(sources)
+        self.plan = Plan(nbytes, self.changing, bucket_mb)
+        self.digests: dict[str, bytes] = {}
+
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank() == self.leader
+
+    def send(self, version: int, verify: bool) -> tuple[SyncStats, str | None]:
+        """Send the next sync's buckets; returns its figures and, with `verify`, on the leader,
+        the digest of the weights the generators then hold."""
+        start = time.perf_counter()
+        buckets = self.plan.next()
+        everything = buckets is self.plan.all
+        if self.is_leader:
+            header = torch.tensor([version, int(everything)])
+            dist.broadcast(header, self.leader, self.group)
+            if everything:
+                dist.broadcast_object_list([sorted(self.changing)], self.leader, self.group)
+        sent, peak = 0, 0
+        for names in buckets:
+            full = [whole(self.sources[name], self.dtype) for name in names]
+            if not self.is_leader:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in full])
+            dist.broadcast(flat, self.leader, self.group)
+            sent += flat.numel() * flat.element_size()
+            gathered = sum(t.numel() * t.element_size() for t in full)
+            peak = max(peak, gathered + flat.numel() * flat.element_size())
+            if verify:
+                self.digests.update({name: digest(t) for name, t in zip(names, full, strict=True)})
+        seconds = time.perf_counter() - start
+        stats = SyncStats(
+            bytes=sent,
+            seconds=seconds,
+            gb_per_s=sent / seconds / 1e9,
+            peak_extra_bytes=peak,  # one bucket's gathered tensors and its flat copy
+            version=version,
+        )
+        return stats, (weights_digest(self.digests) if verify and self.is_leader else None)
+
+
+class BroadcastReceiver:
+    """Generator ranks: receive the weights from `leader` into `generator`'s parameters."""
+
+    def __init__(self, generator, *, leader: int, group, bucket_mb: float):
+        self.generator, self.leader, self.group = generator, leader, group
+        self.bucket_mb = bucket_mb
+        self.plan: Plan | None = None
+
+    @torch.no_grad()
+    def receive(self) -> None:
+        """One sync: written in place, the engine refreshed, the policy version taken."""
+        params = self.generator.named_parameters()
+        header = torch.zeros(2, dtype=torch.long)
+        dist.broadcast(header, self.leader, self.group)
+        version, everything = int(header[0]), bool(header[1])
+        if everything and self.plan is None:
+            names = [None]
+            dist.broadcast_object_list(names, self.leader, self.group)
+            nbytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+            self.plan = Plan(nbytes, set(names[0]), self.bucket_mb)
+        elif everything:
+            dist.broadcast_object_list([None], self.leader, self.group)
+        buckets = self.plan.all if everything else self.plan.changed
+        for names in buckets:
+            targets = [params[n] for n in names]
+            flat = torch.empty(
+                sum(t.numel() for t in targets), dtype=targets[0].dtype, device=targets[0].device
+            )
+            dist.broadcast(flat, self.leader, self.group)
+            for target, piece in zip(
+                targets, flat.split([t.numel() for t in targets]), strict=True
+            ):
+                target.copy_(piece.view_as(target))
+        self.generator.refresh_after_weight_update()
+        self.generator.policy_version = version
+
+    def digest(self) -> str:
+        """The digest of the weights this generator holds (`base.weights_digest`)."""
+        params = self.generator.named_parameters()
+        return weights_digest({name: digest(p) for name, p in params.items()})
