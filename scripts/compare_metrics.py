@@ -5,7 +5,7 @@ non-timing value (empty when the runs agree); exits 1 when any differs.
     .venv/bin/python scripts/compare_metrics.py outputs/before/metrics.jsonl \
         outputs/after/metrics.jsonl
 
-Timing fields: time/*, throughput/*, weight_sync/gb_per_s (they measure the machine). Rows are
+Timing fields: metrics.TIMING_METRICS (time/*, throughput/*, weight_sync/gb_per_s). Rows are
 matched by (step, kind: train or eval, the evaluated policy version).
 """
 
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-TIMING = ("time/", "throughput/", "weight_sync/gb_per_s")
+from torchtitan_rl.metrics import TIMING_METRICS
 
 
 def rows(path: Path) -> dict[tuple, dict]:
@@ -23,7 +23,7 @@ def rows(path: Path) -> dict[tuple, dict]:
         row = json.loads(line)
         kind = "eval" if any(k.startswith("eval/") for k in row) else "train"
         key = (row["step"], kind, row.get("eval/policy_version", -1))
-        keyed[key] = {k: v for k, v in row.items() if not k.startswith(TIMING)}
+        keyed[key] = {k: v for k, v in row.items() if not k.startswith(TIMING_METRICS)}
     return keyed
 
 

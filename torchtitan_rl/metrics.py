@@ -17,6 +17,10 @@ from pathlib import Path
 
 from torchtitan_rl import console
 
+# Metrics that measure the machine, not the run (prefixes): every other metric of a run is a
+# function of its config and seed (a resumed run's, a refactor's: scripts/compare_metrics.py).
+TIMING_METRICS = ("time/", "throughput/", "weight_sync/gb_per_s")
+
 CONSOLE_KEYS = (
     ("reward/mean", "reward {:.3f}"),
     ("response_length/mean", "len {:.1f}"),

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import psutil
 
+from torchtitan_rl.metrics import TIMING_METRICS
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 HELPERS = str(TESTS / "helpers")
 DEBUG_TOML = "run_configs/debug_cpu.toml"
 TINY = str(REPO / "assets" / "tiny_qwen3")
 # Wall-clock figures differ between runs; every other metric of a resumed run must not.
-TIMING = ("time/", "throughput/")
+TIMING = TIMING_METRICS
 
 
 def launcher(nproc: int) -> list[str]:

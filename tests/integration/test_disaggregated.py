@@ -55,8 +55,8 @@ def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_w
 
 def test_synchronous_k0_dapo_then_resume_from_a_checkpoint(tmp_path):
     """k = 0 with DAPO: dynamic sampling runs on the generator rank (the same
-    RolloutProducer.rollouts): flat groups are replaced by further rounds of prompts, and the trainer
-    logs what it took. Then a second launch resumes from the step-4 checkpoint."""
+    RolloutProducer.rollouts): flat groups are replaced by further rounds of prompts, and the
+    trainer logs what it took. Then a second launch resumes from the step-4 checkpoint."""
     flags = (
         *DISAGGREGATED,
         *("--algorithm.loss", "dapo", "--checkpoint.enable", "true", "--checkpoint.interval", "2"),

@@ -12,6 +12,7 @@ With verification, each side keeps one digest of the weights (`base.weights_dige
 trainer's of what it sent, the generator's of what it holds, compared when a rollout arrives.
 """
 
+import math
 import time
 
 import torch
@@ -33,7 +34,7 @@ class BroadcastSender:
 
     def __init__(self, sources: dict, dtype: torch.dtype, *, leader: int, group, bucket_mb: float):
         self.sources, self.dtype, self.leader, self.group = sources, dtype, leader, group
-        nbytes = {n: s.numel() * dtype.itemsize for n, s in sources.items()}
+        nbytes = {n: math.prod(s.shape) * dtype.itemsize for n, s in sources.items()}
         self.changing = changing(sources)
         self.plan = Plan(nbytes, self.changing, bucket_mb)
         self.digests: dict[str, bytes] = {}
