@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import ModelWrapper
 
 from torchtitan_rl.checkpoint import export_hf, invalid_reason, read_manifest
-from torchtitan_rl.config.job_config import LoRASection
+from torchtitan_rl.config import LoRASection
 from torchtitan_rl.models import model_spec
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer.model import load_hf_weights

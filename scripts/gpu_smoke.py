@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import RolloutBatch
 from torchtitan_rl.weight_sync import WeightSync

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 
 from torchtitan_rl import console
-from torchtitan_rl.config.job_config import (
+from torchtitan_rl.config import (
     CheckpointSection,
     ConfigError,
     JobConfig,

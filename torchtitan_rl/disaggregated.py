@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask, open_task
 from torchtitan_rl.evaluation import build_evaluator, log_eval
 from torchtitan_rl.generator.remote import RemoteGenerator

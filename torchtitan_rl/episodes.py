@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks import Task, build_task, dataset_keys
 from torchtitan_rl.tasks.dataset import read_rows

@@ -15,7 +15,7 @@ import time
 import torch
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import EvalSection, JobConfig
+from torchtitan_rl.config import EvalSection, JobConfig
 from torchtitan_rl.episodes import Episodes, OpenTask
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.tasks.render import Renderer

@@ -15,7 +15,7 @@ from torchtitan_rl.algorithms.advantages import zero_variance_P
 from torchtitan_rl.algorithms.losses import kl_penalty
 from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
 from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config import JobConfig
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.tasks.render import Renderer

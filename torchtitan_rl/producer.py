@@ -13,7 +13,7 @@ import torch
 
 from torchtitan_rl.algorithms.advantages import zero_variance_P
 from torchtitan_rl.algorithms.dynamic_sampling import fill_informative
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask
 from torchtitan_rl.evaluation import build_evaluator
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import batch_invariant
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
-from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.episodes import OpenTask, open_task
 from torchtitan_rl.evaluation import log_eval

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import launch, platform
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config import JobConfig
 from torchtitan_rl.evaluation import eval_due
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.tasks.dataset import epoch_order

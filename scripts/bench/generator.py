@@ -24,7 +24,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Run one side in this process; returns tokens/s of each timed round."""
     import torch
 
-    from torchtitan_rl.config.job_config import GeneratorSection, ModelSection, SamplingSection
+    from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection
     from torchtitan_rl.generator.engine import Generator
 
     flavor = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())["flavor"]

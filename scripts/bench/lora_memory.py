@@ -25,7 +25,7 @@ from children import REPO, report, run_child
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import (
+from torchtitan_rl.config import (
     LoRASection,
     ModelSection,
     ParallelismSection,

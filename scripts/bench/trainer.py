@@ -43,7 +43,7 @@ from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import packing
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch

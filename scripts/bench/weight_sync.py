@@ -41,7 +41,7 @@ def measure_ours(args) -> dict | None:
     import torch.distributed as dist
 
     from torchtitan_rl import platform
-    from torchtitan_rl.config.job_config import (
+    from torchtitan_rl.config import (
         GeneratorSection,
         ModelSection,
         ParallelismSection,
@@ -103,7 +103,7 @@ def measure_ours(args) -> dict | None:
 def measure_native(args) -> dict:
     from safetensors.torch import load_file, save_file
 
-    from torchtitan_rl.config.job_config import GeneratorSection, ModelSection
+    from torchtitan_rl.config import GeneratorSection, ModelSection
     from torchtitan_rl.generator.engine import Generator
 
     generator = Generator(

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.config.job_config import AlgorithmSection
+from torchtitan_rl.config import AlgorithmSection, parse_args
 from torchtitan_rl.rl_trainer import RLTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,6 +102,7 @@ def main() -> None:
         config.training.mini_batches = training.get("mini_batches", 1)
         config.training.epochs = training.get("epochs", 1)
         algorithm = AlgorithmSection(**combination)
+        algorithm.resolve(config.generator.sampling.max_tokens)
         algorithm.validate(config.generator.sampling.max_tokens)
         config.algorithm = algorithm
         rl.learner.loss = build_loss(algorithm, max_tokens=config.generator.sampling.max_tokens)

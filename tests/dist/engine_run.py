@@ -25,7 +25,7 @@ from helpers.launch import REPO
 
 from torchtitan_rl import platform
 from torchtitan_rl.types import RolloutBatch
-from torchtitan_rl.config.job_config import (
+from torchtitan_rl.config import (
     GeneratorSection,
     ModelSection,
     ParallelismSection,

@@ -19,7 +19,7 @@ from helpers.user_envs import Chatter
 
 from torchtitan_rl import platform
 from torchtitan_rl.types import rollout_batch
-from torchtitan_rl.config.job_config import GeneratorSection, ModelSection, TaskSection
+from torchtitan_rl.config import GeneratorSection, ModelSection, TaskSection
 from torchtitan_rl.episodes import Episodes
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.types import Prompt

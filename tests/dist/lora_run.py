@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.checkpoint import export_policy
-from torchtitan_rl.config.job_config import (
+from torchtitan_rl.config import (
     LoRASection,
     ModelSection,
     ParallelismSection,

@@ -26,7 +26,7 @@ from helpers.launch import TINY
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 
 

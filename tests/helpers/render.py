@@ -3,7 +3,7 @@ it (tests/unit/test_envs.py, tests/integration/test_envs.py)."""
 
 from helpers.launch import REPO, TINY
 
-from torchtitan_rl.config.job_config import TaskSection
+from torchtitan_rl.config import TaskSection
 from torchtitan_rl.tasks.render import Renderer, build_renderer
 
 

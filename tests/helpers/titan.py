@@ -4,7 +4,7 @@
 import torch
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import ModelSection
+from torchtitan_rl.config import ModelSection
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 

@@ -18,8 +18,7 @@ import pytest
 from helpers.launch import DEBUG_TOML, TINY, write_toml
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.config.job_config import ModelSection
+from torchtitan_rl.config import ConfigError, ModelSection, parse_args
 from torchtitan_rl.episodes import open_task
 from torchtitan_rl.generator.engine import check_tokenizer_fits
 from torchtitan_rl.launch import check_dump_folder

@@ -1,12 +1,22 @@
-"""JobConfig: defaults < TOML < CLI, type checks, validation errors, TOML round trip.
+"""JobConfig: defaults < TOML < CLI, type checks, validation errors, TOML round trip,
+resolve() then validate().
 
 .venv/bin/python -m pytest tests/unit/test_config.py
 """
 
+import copy
+
 import pytest
 from helpers.launch import DEBUG_TOML, REPO, TINY, write_toml
 
-from torchtitan_rl.config import JobConfig, parse_args, to_toml
+from torchtitan_rl.config import (
+    AlgorithmSection,
+    GeneratorSection,
+    JobConfig,
+    ModelSection,
+    parse_args,
+    to_toml,
+)
 
 # run_configs name assets/ relative to the repo root, as the README's commands do.
 pytestmark = pytest.mark.usefixtures("repo_cwd")
@@ -127,3 +137,56 @@ def test_offpolicy_correction_is_on_by_default_when_off_policy():
     algorithm = config.algorithm
     assert algorithm.offpolicy_correction == "tis"
     assert (algorithm.offpolicy_level, algorithm.offpolicy_ratio_max) == ("token", 2.0)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "generator", "world_size"),
+    [
+        (AlgorithmSection(), GeneratorSection(), 1),
+        (AlgorithmSection(loss="dapo", overlong="soft_penalty"), GeneratorSection(), 1),
+        (
+            AlgorithmSection(loss="gspo", max_offpolicy_steps=2, offpolicy_correction="mis"),
+            GeneratorSection(placement="disaggregated"),
+            2,
+        ),
+    ],
+    ids=["defaults", "dapo preset", "off-policy gspo"],
+)
+def test_resolve_is_idempotent_and_validate_changes_nothing(algorithm, generator, world_size):
+    model = ModelSection(hf_checkpoint=TINY)
+    config = JobConfig(model=model, generator=generator, algorithm=algorithm)
+    with pytest.raises(ValueError, match="needs resolve"):
+        config.validate(world_size)
+    config.resolve()
+    resolved = copy.deepcopy(config)
+    config.resolve()
+    assert config == resolved
+    config.validate(world_size)
+    assert config == resolved
+    assert config.algorithm.clip_eps_high is not None
+    assert config.algorithm.offpolicy_correction != "auto"
+
+
+def test_dapo_preset_is_filled_by_resolve():
+    config = JobConfig(algorithm=AlgorithmSection(loss="dapo", overlong="soft_penalty"))
+    config.resolve()
+    algorithm = config.algorithm
+    assert (algorithm.clip_eps_high, algorithm.aggregation) == (0.28, "token_mean")
+    assert (algorithm.dynamic_sampling, algorithm.max_generation_rounds) == (True, 4)
+    assert algorithm.overlong_buffer == config.generator.sampling.max_tokens // 4
+
+
+@pytest.mark.parametrize(
+    ("name", "entry"),
+    [("debug_cpu", "train"), ("arith_cpu", "train"), ("sft_arith_cpu", "sft")],
+)
+def test_run_configs_are_left_unchanged_by_resolve_and_validate(name, entry):
+    config = parse_args(
+        ["--job.config_file", str(REPO / "run_configs" / f"{name}.toml")], 2, entry=entry
+    )
+    parsed = copy.deepcopy(config)
+    config.resolve(entry)
+    config.validate(2, entry)
+    assert config == parsed
+    if entry == "sft":  # an SFT run reads no [algorithm]: resolve leaves it unset
+        assert config.algorithm == AlgorithmSection()

@@ -11,8 +11,7 @@ import pytest
 from helpers.launch import REPO
 from jinja2 import Environment
 
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.config.job_config import ConfigError, TaskSection
+from torchtitan_rl.config import ConfigError, TaskSection, parse_args
 from torchtitan_rl.episodes import open_task
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
 from torchtitan_rl.tasks.render import build_renderer

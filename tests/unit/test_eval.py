@@ -8,8 +8,7 @@ import math
 
 import pytest
 
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.evaluation import pass_at_k, pass_ks
 from torchtitan_rl.types import EvalShard
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from helpers.launch import REPO
 
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.config.job_config import ConfigError, JobConfig, LoRASection
+from torchtitan_rl.config import ConfigError, JobConfig, LoRASection, parse_args
 
 
 @pytest.mark.parametrize(
@@ -24,6 +23,7 @@ from torchtitan_rl.config.job_config import ConfigError, JobConfig, LoRASection
 def test_bad_lora_values_are_refused(section, message):
     config = JobConfig(lora=section)
     config.model.tokenizer_path = str(REPO / "assets" / "tiny_qwen3")
+    config.resolve()
     with pytest.raises(ConfigError, match=message):
         config.validate()
 

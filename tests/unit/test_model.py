@@ -12,7 +12,7 @@ from helpers.launch import REPO
 from safetensors.torch import load_file, save_file
 
 from torchtitan_rl import platform
-from torchtitan_rl.config.job_config import (
+from torchtitan_rl.config import (
     ConfigError,
     ModelSection,
     ParallelismSection,

@@ -14,7 +14,7 @@ from helpers.launch import REPO
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms.losses import AGGREGATIONS, PolicyLoss
-from torchtitan_rl.config.job_config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import attention, packing
 from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer

@@ -8,8 +8,7 @@ import json
 import pytest
 from helpers.launch import HELPERS, REPO
 
-from torchtitan_rl.config import parse_args
-from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.episodes import open_task
 from torchtitan_rl.tasks.dataset import DatasetKeys, DatasetTask, read_rows
 from torchtitan_rl.tasks.rewards import (

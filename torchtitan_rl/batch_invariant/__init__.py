@@ -109,7 +109,7 @@ def check_kernels(model_config, dtype: str) -> None:
     """
     if not uses_own_kernels():
         return
-    from torchtitan_rl.config.job_config import ConfigError
+    from torchtitan_rl.config import ConfigError
 
     attention = model_config.layers[0].attention
     heads = attention.n_heads

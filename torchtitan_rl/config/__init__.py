@@ -1,6 +1,48 @@
-"""JobConfig: the run's schema, TOML loading and the CLI."""
+"""JobConfig: the run's schema, TOML loading and the CLI. Code outside this package imports
+the config's names from here; each section lives in the module of its concern.
 
-from torchtitan_rl.config.job_config import ConfigError, JobConfig
+    .venv/bin/python -m pytest tests/unit/test_config.py
+"""
+
+from torchtitan_rl.config.algorithm import GROUP_ADVANTAGES, LOSS_PRESETS, AlgorithmSection
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.generator import (
+    GeneratorParallelismSection,
+    GeneratorSection,
+    SamplingSection,
+)
+from torchtitan_rl.config.job import JobSection, ModelSection
+from torchtitan_rl.config.job_config import JobConfig
 from torchtitan_rl.config.manager import load_toml, parse_args, to_toml
+from torchtitan_rl.config.outputs import CheckpointSection, MetricsSection
+from torchtitan_rl.config.task import EvalSection, TaskSection
+from torchtitan_rl.config.training import (
+    LoRASection,
+    ParallelismSection,
+    SFTSection,
+    TrainingSection,
+)
 
-__all__ = ["ConfigError", "JobConfig", "load_toml", "parse_args", "to_toml"]
+__all__ = [
+    "GROUP_ADVANTAGES",
+    "LOSS_PRESETS",
+    "AlgorithmSection",
+    "CheckpointSection",
+    "ConfigError",
+    "EvalSection",
+    "GeneratorParallelismSection",
+    "GeneratorSection",
+    "JobConfig",
+    "JobSection",
+    "LoRASection",
+    "MetricsSection",
+    "ModelSection",
+    "ParallelismSection",
+    "SFTSection",
+    "SamplingSection",
+    "TaskSection",
+    "TrainingSection",
+    "load_toml",
+    "parse_args",
+    "to_toml",
+]

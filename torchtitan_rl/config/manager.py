@@ -22,7 +22,8 @@ from typing import Any, Literal
 import tomli_w
 import tyro
 
-from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.job_config import JobConfig
 
 # Fields that describe one invocation, not the run: left out of the written TOML so that the
 # file, fed back with --job.config_file, reproduces the same config.
@@ -217,14 +218,15 @@ def parse_args(
     prog: str = "torchtitan_rl.train",
     entry: Literal["train", "sft"] = "train",
 ) -> JobConfig:
-    """The validated JobConfig for CLI `argv`: defaults < --job.config_file TOML < flags,
-    checked for an RL run (`entry` train) or an SFT run (sft)."""
+    """The resolved, validated JobConfig for CLI `argv`: defaults < --job.config_file TOML <
+    flags, checked for an RL run (`entry` train) or an SFT run (sft)."""
     config = JobConfig()
     config_file = _config_file_arg(argv)
     if config_file is not None:
         apply_toml(config, load_toml(config_file))
     description = DESCRIPTIONS[entry]
     config = _tyro_cli(config, normalize_bool_args(argv), prog, description)
+    config.resolve(entry)
     config.validate(world_size, entry)
     return config
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.models import checkpoint_stop_ids, model_spec
 from torchtitan_rl.types import Completions, Sample

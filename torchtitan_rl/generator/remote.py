@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.multiprocessing as mp
 
-from torchtitan_rl.config.job_config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection
 
 # What torchrun puts in a rank's environment; the child must not join that world. LOCAL_RANK
 # stays: it is the rank's GPU, which the child must use too.

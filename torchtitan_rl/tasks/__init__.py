@@ -4,7 +4,7 @@ config section chooses from.
     .venv/bin/python -m pytest tests/unit/test_tasks.py
 """
 
-from torchtitan_rl.config.job_config import ConfigError, TaskSection
+from torchtitan_rl.config import ConfigError, TaskSection
 from torchtitan_rl.tasks.base import Task
 from torchtitan_rl.tasks.dataset import DatasetKeys, DatasetTask
 from torchtitan_rl.tasks.toy import EchoDigitsTask, ReverseDigitsTask

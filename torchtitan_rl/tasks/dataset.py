@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.config import ConfigError
 from torchtitan_rl.tasks.rewards import math_reward
 from torchtitan_rl.types import Prompt, is_chat
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from torchtitan_rl.config.job_config import ConfigError
+from torchtitan_rl.config import ConfigError
 from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.tasks.rewards import Scorer, math_reward
 from torchtitan_rl.types import Prompt

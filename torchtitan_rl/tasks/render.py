@@ -11,7 +11,7 @@ tokens (the template writes them). `task.chat_template = false` encodes the prom
 
 from pathlib import Path
 
-from torchtitan_rl.config.job_config import ConfigError, TaskSection
+from torchtitan_rl.config import ConfigError, TaskSection
 from torchtitan_rl.types import Prompt
 
 

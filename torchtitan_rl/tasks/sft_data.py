@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_rl.config.job_config import ConfigError, JobConfig
+from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
 from torchtitan_rl.tasks.render import Renderer, build_renderer

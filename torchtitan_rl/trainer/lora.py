@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan_rl.batch_invariant import ops
-from torchtitan_rl.config.job_config import LoRASection
+from torchtitan_rl.config import LoRASection
 
 # torchtitan module names of the linears each lora.target adapts (fused QKV: one wqkv).
 TARGETS = {

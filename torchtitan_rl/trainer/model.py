@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.config.job_config import ConfigError, ModelSection
+from torchtitan_rl.config import ConfigError, ModelSection
 from torchtitan_rl.models import model_spec
 from torchtitan_rl.trainer.lora import is_lora_key
 

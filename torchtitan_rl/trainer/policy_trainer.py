@@ -31,7 +31,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.config.job_config import (
+from torchtitan_rl.config import (
     LoRASection,
     ModelSection,
     ParallelismSection,

@@ -1,0 +1,133 @@
+"""The [generator] section (vLLM engine) with its [generator.parallelism] and
+[generator.sampling] subsections.
+
+    .venv/bin/python -m pytest tests/unit/test_config.py tests/unit/test_bad_inputs.py
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtitan_rl.config.errors import require
+
+
+@dataclass(kw_only=True, slots=True)
+class GeneratorParallelismSection:
+    tensor_parallel_degree: int = 1
+    """vLLM tensor-parallel degree of one generator replica; replicas = world size / this."""
+
+    def validate(self, world_size: int) -> None:
+        tp = self.tensor_parallel_degree
+        require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
+        # The torchtitan-in-vLLM wrapper keeps full weights and head counts; sharding it needs
+        # the spec's TP plan on vLLM's TP group, which no machine here can verify yet.
+        require(
+            tp == 1,
+            f"generator.parallelism.tensor_parallel_degree = {tp}: generator tensor "
+            "parallelism is not supported yet; use 1 (one replica per rank)",
+        )
+        require(
+            world_size % tp == 0,
+            f"generator.parallelism.tensor_parallel_degree = {tp} does not divide the world "
+            f"size {world_size}: use a divisor of {world_size}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingSection:
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; trainer logprobs are computed on logits / temperature too."""
+    top_p: float = 1.0
+    """Nucleus sampling probability mass, in (0, 1]."""
+    max_tokens: int = 16
+    """Most tokens generated per sample; a completion cut here has finish_reason "length"
+    (algorithm.overlong says what happens to it)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion, besides the checkpoint's stop ids (every eos_token_id of
+    its generation_config.json, e.g. Qwen3's <|im_end|> and <|endoftext|>)."""
+
+    def validate(self) -> None:
+        require(self.n >= 1, f"generator.sampling.n = {self.n}: must be >= 1")
+        require(
+            all(self.stop),
+            f"generator.sampling.stop = {self.stop!r}: an empty string would stop at once; "
+            "remove it",
+        )
+        require(
+            self.temperature > 0,
+            f"generator.sampling.temperature = {self.temperature}: RL samples from the policy, "
+            "so it must be > 0 (1.0 samples the policy as it is)",
+        )
+        require(
+            0 < self.top_p <= 1,
+            f"generator.sampling.top_p = {self.top_p}: must be in (0, 1]; 1.0 disables it",
+        )
+        require(
+            self.max_tokens >= 1,
+            f"generator.sampling.max_tokens = {self.max_tokens}: must be >= 1",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class GeneratorSection:
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every rank trains a shard and holds a generator. disaggregated: the last
+    generator.num_ranks ranks of the torchrun world only generate, the others only train;
+    weights travel by broadcast in buckets after every optimizer step."""
+    num_ranks: int = 1
+    """Generator ranks in disaggregated placement (a multiple of the trainer ranks)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Generator weight and activation dtype."""
+    max_model_len: int = 512
+    """Longest prompt + completion the engine accepts (sizes the KV cache)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use (CUDA only)."""
+    kv_cache_space_gib: int = 1
+    """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    num_kv_blocks: int | None = None
+    """Cap the KV cache at this many blocks (vLLM's num_gpu_blocks_override; a CPU block holds
+    128 tokens); None: as many as kv_cache_space_gib / gpu_memory_utilization allow. When the
+    running sequences outgrow it, vLLM preempts and recomputes some of them."""
+    enforce_eager: bool = True
+    """Run the engine eagerly (no CUDA graphs / torch.compile)."""
+    cpu_packed_gemm: bool = True
+    """On CPU, run GEMMs on oneDNN-packed weight copies as vLLM's own models do: ~1.8x faster
+    generation for debugmodel-sized models, twice the weight memory, and a repack (~3x a
+    memcpy of the weights) in every weight sync. No effect on GPU."""
+    weight_sync_bucket_mb: float = 64.0
+    """Weight sync gathers and copies parameters in buckets of about this size (peak extra
+    memory); a larger parameter forms a bucket of its own."""
+    verify_weight_sync: bool = False
+    """After each sync, compare a checksum of every synced tensor on both sides (slow)."""
+    enable_sleep_mode: bool = False
+    """Free the generator's weight memory while the trainer trains, from the end of generation
+    to the weight sync (which rewrites every weight): on GPU vLLM's level-1 sleep (weights
+    offloaded to host memory, KV cache freed); on CPU, where vLLM has no sleep mode, the weight
+    tensors and their packed GEMM copies are freed and re-allocated for the sync."""
+    parallelism: GeneratorParallelismSection = field(default_factory=GeneratorParallelismSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+
+    def validate(self, world_size: int) -> None:
+        require(
+            self.max_model_len >= 2,
+            f"generator.max_model_len = {self.max_model_len}: must be >= 2",
+        )
+        require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"generator.num_kv_blocks = {self.num_kv_blocks}: must be >= 1, or unset",
+        )
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"generator.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1]",
+        )
+        require(
+            self.weight_sync_bucket_mb > 0,
+            f"generator.weight_sync_bucket_mb = {self.weight_sync_bucket_mb}: must be > 0",
+        )
+        require(
+            self.kv_cache_space_gib > 0,
+            f"generator.kv_cache_space_gib = {self.kv_cache_space_gib}: must be > 0",
+        )
+        self.parallelism.validate(world_size)
+        self.sampling.validate()

@@ -1,0 +1,93 @@
+"""The [job] and [model] sections: where a run writes, its seed, and the model it trains.
+
+    .venv/bin/python -m pytest tests/unit/test_config.py tests/unit/test_bad_inputs.py
+
+The model's directories are checked here; its weights load when the trainer is built.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from torchtitan_rl.config.errors import require
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSection:
+    config_file: str | None = None
+    """TOML file with the run's values; CLI flags override it."""
+    dump_folder: str = "outputs/run"
+    """Folder for the resolved config.toml, metrics, checkpoints and exports."""
+    seed: int = 0
+    """Seed for torch, python and numpy RNGs and the generator's sampling."""
+    dry_run: bool = False
+    """Parse and validate, print the resolved config as TOML, build nothing, exit 0."""
+    verbose: bool = False
+    """Show library output (vLLM, torch, warnings) on the console too; by default it goes only
+    to {dump_folder}/run.log and the console shows this project's lines and errors."""
+    hooks: str | None = None
+    """A class 'module:Class' of rl_trainer.Hooks (a scheduler, a logger), built with the
+    JobConfig and called before and after each step's stages; None: no hooks."""
+
+    def validate(self) -> None:
+        require(self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0")
+        require(
+            bool(self.dump_folder.strip()),
+            "job.dump_folder is empty: set it to a folder for outputs, e.g. 'outputs/run'",
+        )
+        require(
+            self.hooks is None or self.hooks.count(":") == 1,
+            f"job.hooks = {self.hooks!r}: write it as 'module:Class'",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    name: str = "qwen3"
+    """torchtitan model name (a module under torchtitan.models): qwen3 or llama3."""
+    flavor: str = "tiny"
+    """torchtitan flavor of the model, e.g. debugmodel, 0.6B; `tiny` is this project's CPU model."""
+    hf_checkpoint: str | None = None
+    """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
+    tokenizer_path: str | None = None
+    """Directory with tokenizer.json; None: use model.hf_checkpoint."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer compute dtype (FSDP mixed precision); master weights and grads stay float32."""
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """Where tokenizer.json lives: model.tokenizer_path, else model.hf_checkpoint."""
+        return self.tokenizer_path or self.hf_checkpoint
+
+    def validate(self) -> None:
+        from torchtitan_rl.models import SUPPORTED_MODELS, flavors
+
+        require(
+            self.name in SUPPORTED_MODELS,
+            f"model.name = {self.name!r} is not supported: "
+            f"use one of {', '.join(SUPPORTED_MODELS)}",
+        )
+        known = flavors(self.name)
+        require(
+            self.flavor in known,
+            f"model.flavor = {self.flavor!r} is not a {self.name} flavor: "
+            f"use one of {', '.join(known)}",
+        )
+        for name in ("hf_checkpoint", "tokenizer_path"):
+            path = getattr(self, name)
+            require(
+                path is None or os.path.isdir(path),
+                f"model.{name} = {path!r}: no such directory; "
+                "point it at a local HF checkpoint directory (scripts/setup.sh builds assets/)",
+            )
+        require(
+            self.hf_checkpoint is None
+            or os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")),
+            f"model.hf_checkpoint = {self.hf_checkpoint!r} has no config.json: "
+            "point it at an HF checkpoint directory",
+        )
+        require(
+            self.hf_checkpoint is not None or self.tokenizer_path is not None,
+            "model.tokenizer_path and model.hf_checkpoint are both unset: "
+            "set one of them to a directory with tokenizer.json",
+        )

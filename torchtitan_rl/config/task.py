@@ -1,0 +1,168 @@
+"""What the run trains and evaluates on: the [task] and [eval] sections.
+
+    .venv/bin/python -m pytest tests/unit/test_tasks.py tests/unit/test_eval.py
+
+Values only: the datasets, their rows and the reward function are checked when the task is
+opened (tasks.open_task), before any model is built.
+"""
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtitan_rl.config.errors import require
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskSection:
+    name: Literal["echo_digits", "reverse_digits", "dataset", "env"] = "echo_digits"
+    """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'),
+    dataset: the rows of task.dataset_path, scored by math-verify, or env: episodes of the
+    environment task.env on the rows of task.dataset_path (multi-turn, tools)."""
+    num_digits: int = 1
+    """Digits per prompt (echo_digits, reverse_digits)."""
+    dataset_path: str | None = None
+    """A local JSONL, JSON or Parquet file, or a folder of such shards (task.name = dataset)."""
+    prompt_key: str = "prompt"
+    """The row's prompt string, rendered as the user message."""
+    messages_key: str | None = None
+    """The row's chat messages ([{"role", "content"}, ...]) instead of a prompt string."""
+    answer_key: str = "answer"
+    """The row's answer, which the reward compares the completion with."""
+    answer_format: Literal["raw", "gsm8k"] = "raw"
+    """raw: the answer as it is; gsm8k: what follows '####' in the answer (GSM8K's solutions)."""
+    chat_template: bool | None = None
+    """Render prompts with the checkpoint's chat template (transformers' apply_chat_template);
+    false: the prompt text as is. Unset: the template for task.name = dataset when the
+    checkpoint has one, raw text for the toy tasks."""
+    system_prompt: str | None = None
+    """System message put before each prompt's messages (needs the chat template)."""
+    enable_thinking: bool | None = None
+    """Passed to the chat template (Qwen3: false renders an empty think block, so the model
+    answers without reasoning); unset: the template's default."""
+    reward_fn: str | None = None
+    """Custom reward `module:function(prompt, completion, answer) -> float`; None: the task's."""
+    reward_on_error: Literal["zero", "fail"] = "zero"
+    """When the reward function raises or times out: count and log it and give the sample 0,
+    or stop."""
+    reward_timeout_s: float = 30.0
+    """Longest one reward call may take before it counts as failed (reward_on_error); 0
+    disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
+    env: str | None = None
+    """The environment class 'module:Class' (task.name = env), built per episode with
+    task.env_kwargs; torchtitan_rl.tasks.env:Calculator is the built-in example (a calc tool
+    on the arithmetic rows). See README 'Environments and tools'."""
+    env_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Keyword arguments of the environment class (a [task.env_kwargs] table)."""
+    max_turns: int | None = None
+    """Most assistant turns of an episode (task.name = env; unset: 4); an episode still going
+    after it ends as truncated."""
+    env_timeout_s: float = 30.0
+    """Longest one environment reset or step may take (an async step's await is cut); a step
+    that times out or raises scores as task.reward_on_error says. 0: no limit."""
+
+    @property
+    def turns(self) -> int:
+        """Most assistant turns of an episode (1: a single-turn task)."""
+        if self.name != "env":
+            return 1
+        return 4 if self.max_turns is None else self.max_turns
+
+    def validate(self) -> None:
+        """Values only; the dataset, its rows and the reward function are checked when the task
+        is opened (tasks.open_task), before any model is built."""
+        require(self.num_digits >= 1, f"task.num_digits = {self.num_digits}: must be >= 1")
+        require(
+            self.reward_timeout_s >= 0,
+            f"task.reward_timeout_s = {self.reward_timeout_s}: must be >= 0 (0: no limit)",
+        )
+        require(
+            self.name not in ("dataset", "env") or self.dataset_path is not None,
+            f"task.name = {self.name!r} needs task.dataset_path: a JSONL, JSON or Parquet file "
+            '(or a folder of them) of {"prompt": ..., "answer": ...} rows',
+        )
+        require(
+            self.dataset_path is None or self.name in ("dataset", "env"),
+            f"task.dataset_path is set but task.name = {self.name!r} does not read it: set "
+            "task.name = 'dataset', or unset task.dataset_path",
+        )
+        require(
+            self.name != "env" or self.env is not None,
+            "task.name = 'env' needs task.env = 'module:Class', e.g. "
+            "'torchtitan_rl.tasks.env:Calculator'",
+        )
+        for name in ("env", "max_turns"):
+            require(
+                getattr(self, name) is None or self.name == "env",
+                f"task.{name} = {getattr(self, name)!r} but task.name = {self.name!r} runs "
+                "single-turn episodes: set task.name = 'env', or unset it",
+            )
+        require(
+            not self.env_kwargs or self.name == "env",
+            f"task.env_kwargs = {self.env_kwargs!r} but task.name = {self.name!r} builds no "
+            "environment: set task.name = 'env', or remove the table",
+        )
+        require(
+            self.env is None or self.env.count(":") == 1,
+            f"task.env = {self.env!r}: write it as 'module:Class'",
+        )
+        require(
+            self.reward_fn is None or self.name != "env",
+            f"task.reward_fn = {self.reward_fn!r}: with task.name = 'env' the environment "
+            "gives the rewards (EnvStep.reward); unset task.reward_fn",
+        )
+        require(
+            self.max_turns is None or self.max_turns >= 1,
+            f"task.max_turns = {self.max_turns}: must be >= 1",
+        )
+        require(
+            self.env_timeout_s >= 0,
+            f"task.env_timeout_s = {self.env_timeout_s}: must be >= 0 (0: no limit)",
+        )
+        require(
+            self.dataset_path is None or os.path.exists(self.dataset_path),
+            f"task.dataset_path = {self.dataset_path!r}: no such file or folder",
+        )
+        require(
+            self.reward_fn is None or self.reward_fn.count(":") == 1,
+            f"task.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSection:
+    dataset_path: str | None = None
+    """Held-out dataset to evaluate on (as task.dataset_path, read with the task's keys, chat
+    template and reward); None: no evaluation."""
+    interval: int = 0
+    """Evaluate every this many steps (and after the last); 0: only at the start and the end."""
+    at_start: bool = True
+    """Evaluate the starting policy before the first step (not when resuming)."""
+    n: int = 1
+    """Samples per prompt; eval/accuracy is their mean (mean@n), eval/pass@k for k = 1, 2, 4,
+    ... <= n uses the unbiased estimator."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy decoding (then n must be 1)."""
+    max_tokens: int | None = None
+    """Most tokens per completion; unset: generator.sampling.max_tokens."""
+    log_samples: int = 4
+    """Prompts, completions and rewards of this many prompts written to eval.jsonl each time."""
+
+    def validate(self) -> None:
+        for name in ("interval", "log_samples"):
+            require(getattr(self, name) >= 0, f"eval.{name} = {getattr(self, name)}: must be >= 0")
+        require(self.n >= 1, f"eval.n = {self.n}: must be >= 1")
+        require(self.temperature >= 0, f"eval.temperature = {self.temperature}: must be >= 0")
+        require(
+            self.temperature > 0 or self.n == 1,
+            f"eval.n = {self.n} with eval.temperature = 0: greedy samples are all the same; "
+            "set eval.n = 1, or a temperature > 0",
+        )
+        require(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"eval.max_tokens = {self.max_tokens}: must be >= 1",
+        )
+        require(
+            self.dataset_path is None or os.path.exists(self.dataset_path),
+            f"eval.dataset_path = {self.dataset_path!r}: no such file or folder",
+        )
