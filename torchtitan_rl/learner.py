@@ -204,7 +204,7 @@ class Learner:
             where = "on another rank"
         message = (
             f"step {step}: batch_invariant = true but trainer and generator logprobs differ "
-            f"(logprob_diff/max = {largest:.3g}, {where}); see README 'Batch-invariant mode' "
+            f"(logprob_diff/max = {largest:.3g}, {where}); see docs/batch_invariant.md "
             "for the conditions, or set batch_invariant_on_mismatch = 'warn'"
         )
         if self.config.batch_invariant_on_mismatch == "fail":

@@ -192,7 +192,7 @@ def use_platform_attention(model_config) -> None:
 def packed_attention_kernel():
     """Document-causal attention of one packed row: varlen flash attention on CUDA; on CPU,
     which has no varlen kernel and no FlexAttention backward, causal SDPA per document
-    (measured faster than one SDPA with a block-diagonal mask: README, "Packed micro-batches")."""
+    (measured faster than one SDPA with a block-diagonal mask: docs/trainer_and_generator.md)."""
     from torchtitan_rl.trainer import attention
 
     return attention.varlen if device_type() == "cuda" else attention.sdpa_per_document

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest tests/unit/test_batch_invariant.py
 
-Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; /work notes in the README):
+Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; docs/batch_invariant.md):
 - fp32 GEMM: a row's result changes with the number of rows M for M < 12, and is the same for
   every M >= 12 that was tried (up to 4096) and at any position. `linear` pads the rows to a
   multiple of ROW_TILE and runs one GEMM; the backward is the plain one (gradients equal

@@ -84,7 +84,7 @@ class AlgorithmSection:
     kl_beta: float = 0.0
     """Coefficient of the KL penalty to the frozen reference model; 0 builds no reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2, k3); README 'KL' says which gradient each gives."""
+    """KL estimator (Schulman's k1, k2, k3); docs/rl_loop.md says which gradient each gives."""
     kl_in_reward: bool = False
     """Apply the KL penalty in the reward instead of the loss (veRL's use_kl_in_reward): each
     sample's reward loses kl_beta * the sum over its tokens of the estimator on the generator's

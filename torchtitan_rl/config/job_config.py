@@ -32,7 +32,7 @@ class JobConfig:
     batch_invariant: bool = False
     """Global batch-invariant mode: trainer and generator run batch-invariant kernels, so the
     logprob the generator reports for every sampled token equals the trainer's bit for bit
-    (logprob_diff/max = 0). Costs step time (see README); needs model.dtype ==
+    (logprob_diff/max = 0). Costs step time (docs/batch_invariant.md); needs model.dtype ==
     generator.dtype and generator.sampling.top_p = 1."""
     batch_invariant_on_mismatch: Literal["fail", "warn"] = "fail"
     """With batch_invariant = true, a step whose trainer and generator logprobs differ

@@ -51,7 +51,7 @@ class TaskSection:
     env: str | None = None
     """The environment class 'module:Class' (task.name = env), built per episode with
     task.env_kwargs; torchtitan_rl.tasks.env:Calculator is the built-in example (a calc tool
-    on the arithmetic rows). See README 'Environments and tools'."""
+    on the arithmetic rows). See docs/environments.md."""
     env_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments of the environment class (a [task.env_kwargs] table)."""
     max_turns: int | None = None

@@ -7,8 +7,8 @@ torchtitan's attention hands its inner attention `attention_masks` unchanged: No
 right-padded rows, a `Documents` (torchtitan's `VarlenMetadata`: cumulative document starts)
 for packed ones. `platform.packed_attention_kernel()` picks the packed kernel: varlen flash
 attention on CUDA; on CPU (no varlen kernel, no FlexAttention backward) SDPA per document,
-which measured fastest (README, "Packed micro-batches"). Shapes: B rows, L tokens, N heads,
-H head dim.
+which measured fastest (docs/trainer_and_generator.md, "Packed micro-batches"). Shapes: B rows,
+L tokens, N heads, H head dim.
 """
 
 from collections.abc import Callable
