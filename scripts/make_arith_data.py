@@ -5,7 +5,7 @@ split into train (JSONL) and held-out test (Parquet) prompts, plus a few SFT dem
 
 The answer needs three prompt tokens (the operation and both digits), and every held-out prompt
 is unseen in training, so held-out accuracy measures the operation, not recall. Why not sums:
-measured on the tiny model with RL alone (docs/data_and_eval.md, "The arithmetic demo"), single-digit sums
+measured on the tiny model with RL alone (docs/data_and_eval.md), single-digit sums
 collapse to the most frequent answer or are memorized without reaching held-out pairs, while
 max and min generalize. sft.jsonl holds the first SFT_ROWS training rows: demonstrations are
 scarce next to prompts with a checkable answer, so the SFT warm start sees few of them and RL

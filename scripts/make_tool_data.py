@@ -18,7 +18,7 @@ half by default (--tool-fraction); a trace with the tool is
 (compact JSON: one token per character, ~70 for the call), one without it is the user's
 message and the answer. The traces cover the 512 RL training prompts and 1536 more problems
 (none held out): with 128-512 traces the SFT model learned the call's format but copied the
-expression and the result too unreliably to be rewarded (docs/environments.md, run_configs/sft_tools_cpu.toml).
+expression and the result too unreliably to be rewarded (docs/environments.md).
 Held-out test prompts are none of the training or SFT prompts. Prompts and
 answers use digits, + and - only (the tiny tokenizer has no uppercase). The same seed gives the
 same files; they are small and shipped.
