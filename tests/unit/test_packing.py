@@ -15,7 +15,7 @@ from helpers.launch import REPO
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms.losses import AGGREGATIONS, PolicyLoss
 from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
-from torchtitan_rl.trainer import attention, packing
+from torchtitan_rl.trainer import attention, logprobs, packing
 from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import RolloutBatch
@@ -130,6 +130,39 @@ def test_chunked_head_equals_full_logits_in_value_and_gradient(temperature):
     torch.testing.assert_close(hidden.grad, ref_grads[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weight.grad, ref_grads[1], rtol=1e-5, atol=1e-6)
     assert not entropy.requires_grad
+
+
+def test_the_head_chunk_is_bounded_in_bytes_at_a_large_vocabulary(monkeypatch):
+    """Qwen3's vocabulary gets chunks of at most CHUNK_ELEMENTS fp32 logits; a small one keeps
+    HEAD_CHUNK tokens. With the bound lowered to 8 rows of a 50-entry vocabulary, every head
+    projection (forward and recomputed backward) sees at most 8 rows, and the result equals
+    an explicit chunk of 8."""
+    assert logprobs.head_chunk(151_936) * 151_936 <= logprobs.CHUNK_ELEMENTS
+    assert logprobs.head_chunk(151_936) >= 256  # still a GEMM of many rows
+    assert logprobs.head_chunk(2048) == logprobs.HEAD_CHUNK
+
+    g = torch.Generator().manual_seed(1)
+    N, D, V = 29, 8, 50
+    hidden = torch.randn(N, D, generator=g).requires_grad_()
+    weight = torch.randn(V, D, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    explicit, _ = head_logprobs(hidden, weight, targets, chunk=8)
+    explicit.sum().backward()
+    explicit_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    rows_seen = []
+    linear = F.linear
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 8 * V)
+    monkeypatch.setattr(
+        logprobs.F, "linear", lambda x, w: rows_seen.append(x.shape[0]) or linear(x, w)
+    )
+    default, _ = head_logprobs(hidden, weight, targets)
+    default.sum().backward()
+    assert max(rows_seen) == 8 and sum(rows_seen) >= N  # the forward covers every token
+    assert torch.equal(default, explicit)
+    assert torch.equal(hidden.grad, explicit_grads[0])
+    assert torch.equal(weight.grad, explicit_grads[1])
 
 
 # ---- the trainer: packed against padded -----------------------------------------------------

@@ -30,7 +30,8 @@ def _chunk_logprobs(logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperat
 
 
 def _entropy(logp_BCV: torch.Tensor) -> torch.Tensor:
-    return -(logp_BCV.exp() * logp_BCV).sum(-1)
+    # In place on the exp: one [.., V] temporary, not two (at V = 151,936 each is C * 0.6 MB).
+    return -logp_BCV.exp().mul_(logp_BCV).sum(-1)
 
 
 @torch.no_grad()
@@ -74,9 +75,17 @@ def token_logprobs(
     return logprobs_BT, entropy_BT
 
 
-# Tokens per chunk of the fused head: [HEAD_CHUNK, V] fp32 logits at a time (151,936-entry
-# vocabulary: 593 MiB), recomputed in backward instead of saved.
+# Tokens per chunk of the fused head: at most HEAD_CHUNK, and at most CHUNK_ELEMENTS fp32
+# logits (256 MiB) at a time, recomputed in backward instead of saved. A chunk holds about
+# three [C, V] blocks at once (logits, log_softmax, the entropy's exp): at Qwen3's 151,936-entry
+# vocabulary 441 tokens, 0.75 GiB, where 1,024 tokens held 1.7 GiB (scripts/bench/trainer.py
+# --flavor 0.6B measures the step's peak).
 HEAD_CHUNK = 1024
+
+
+def head_chunk(vocab: int) -> int:
+    """Tokens per chunk of `head_logprobs` for a `vocab`-entry output projection."""
+    return max(1, min(HEAD_CHUNK, CHUNK_ELEMENTS // vocab))
 
 
 def _head_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
@@ -127,7 +136,9 @@ class _HeadLogprobs(torch.autograd.Function):
             if ctx.last_logp_CV is not None:
                 probs_CV, ctx.last_logp_CV = ctx.last_logp_CV.exp_(), None
             else:
-                probs_CV = torch.softmax(F.linear(hidden_CD, weight_f) / T, dim=-1)
+                logits_CV = F.linear(hidden_CD, weight_f)
+                probs_CV = torch.softmax(logits_CV.div_(T) if T != 1.0 else logits_CV, dim=-1)
+                del logits_CV
             # d logp(target) / d logits = onehot(target) - softmax, times 1 / T.
             grad_CV = probs_CV.neg_()
             grad_CV.scatter_add_(-1, targets_N[rows, None], torch.ones_like(grad_N[rows, None]))
@@ -150,7 +161,7 @@ def head_logprobs(
     targets_N: torch.Tensor,
     temperature: float = 1.0,
     *,
-    chunk: int = HEAD_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N] (fp32, with gradient to `hidden_ND` and `weight_VD`) and entropies [N] (no
     gradient) of `targets_N` under the output projection `weight_VD` of the final hidden
@@ -159,6 +170,7 @@ def head_logprobs(
     Fuses projection -> log_softmax -> gather per chunk of `chunk` tokens: the same ops, in the
     same order, as `token_logprobs` on full logits, so equal hidden states give equal bits in
     the forward; backward recomputes each chunk, so memory is one [chunk, V] block, not
-    [N, V] logits and their gradient.
+    [N, V] logits and their gradient. `chunk`: tokens per chunk (default `head_chunk(V)`).
     """
+    chunk = chunk or head_chunk(weight_VD.shape[0])
     return _HeadLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk)
