@@ -21,7 +21,11 @@ right-padded to its longest, full logits; "packed" is `optimizer_step` under `--
 it redeals rows over the ranks by tokens, packs them, runs the LM head at scored tokens only.
 Prints one JSON line: real (non-padding) tokens/s of each path (median step),
 `speedup` = packed / padded, each path's rank token loads and `load_imbalance` (max / min),
-peak RSS per rank and of the whole tree, `peak_rss_ratio` = packed / padded (per-rank maxima);
+peak RSS per rank and of the whole tree, `peak_rss_ratio` = packed / padded (per-rank maxima),
+and what the paths do not change: the peak of building the trainer
+(`built_peak_rss_gib_per_rank`) and the gradients and AdamW moments a step adds
+(`grad_adam_gib_per_rank`, 3x the rank's parameter shard); `transient_rss_ratio` is the
+packed / padded ratio of the rest (`transient_gib`: activations, logits, temporaries);
 a path that ran the machine out of memory (available < `--min_free_gib`) reports
 `completed: false`.
 """
@@ -176,6 +180,15 @@ def longtail_child(args) -> None:
     if packed:
         dealt = packing.rebalance([[lengths[i] for i in share] for share in shares])
         shares = [[shares[r][i] for r, i in share] for share in dealt]
+    # What building the trainer peaked at (weights, allocator); a step adds the gradients and
+    # AdamW's two moments (3x this rank's shard of the parameters, the same on both paths) and
+    # its transient memory (activations, logits), which is where the paths differ.
+    built = platform.all_gather_objects(peak_rss_gib())
+    shard_bytes = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).nbytes
+        for p in trainer.named_parameters().values()
+    )
+    state = platform.all_gather_objects(3 * shard_bytes / 2**30)
     times = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
@@ -194,6 +207,8 @@ def longtail_child(args) -> None:
                     len(share) * max((lengths[i] for i in share), default=0) for share in shares
                 ],
                 "peak_rss_gib_per_rank": [round(gib, 3) for gib in rss],
+                "built_peak_rss_gib_per_rank": [round(gib, 3) for gib in built],
+                "grad_adam_gib_per_rank": [round(gib, 3) for gib in state],
             }
         )
     platform.shutdown_distributed()
@@ -239,6 +254,22 @@ def longtail(args, passthrough: list[str]) -> None:
     if "peak_rss_gib_per_rank" in packed and "peak_rss_gib_per_rank" in padded:
         ratio = max(packed["peak_rss_gib_per_rank"]) / max(padded["peak_rss_gib_per_rank"])
         row["peak_rss_ratio"] = round(ratio, 3)
+        # The steps' transient memory: each rank's peak above its build peak and its gradients
+        # and AdamW moments.
+        transient = {
+            path: max(
+                peak - built - state
+                for peak, built, state in zip(
+                    row[path]["peak_rss_gib_per_rank"],
+                    row[path]["built_peak_rss_gib_per_rank"],
+                    row[path]["grad_adam_gib_per_rank"],
+                    strict=True,
+                )
+            )
+            for path in ("packed", "padded")
+        }
+        row["transient_gib"] = {path: round(gib, 3) for path, gib in transient.items()}
+        row["transient_rss_ratio"] = round(transient["packed"] / max(transient["padded"], 1e-9), 3)
     print(json.dumps(row), flush=True)
 
 
