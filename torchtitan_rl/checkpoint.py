@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import ModelWrapper
 
-from torchtitan_rl import console
+from torchtitan_rl import console, platform
 from torchtitan_rl.config import (
     CheckpointSection,
     ConfigError,
@@ -44,12 +44,34 @@ from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer.lora import is_lora_key
 
 MANIFEST = "manifest.json"
+# Room a save keeps beyond `save_bytes`: DCP's metadata, the manifest, and what the estimate
+# leaves out (LR schedule, train state, RNG states: kilobytes).
+SAVE_MARGIN_BYTES = 64 * 2**20
 _NON_MODEL = ("optimizer", "lr_scheduler", "train_state")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(StopRun):
-    """A save failed (e.g. the disk is full); earlier checkpoints are untouched."""
+    """A save failed or could not fit (e.g. the disk is full); earlier checkpoints are
+    untouched."""
+
+
+def save_bytes(trainer) -> int:
+    """This rank's share of a checkpoint, at most: each trained parameter's local shard and
+    AdamW's two moments of it (3x its bytes). Frozen weights (LoRA's base) are not saved."""
+    total = 0
+    for param in trainer.named_parameters().values():
+        if param.requires_grad:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += 3 * local.nbytes
+    return total
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or, before it exists, its parent's)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _reason(error: BaseException) -> str:
@@ -300,8 +322,10 @@ class Checkpointer:
         return self.enabled and (last or step % self.section.interval == 0)
 
     def save(self, step: int) -> None:
-        """Write step-{step}; synchronous, or in the background (checkpoint.async_mode)."""
+        """Write step-{step}; synchronous, or in the background (checkpoint.async_mode).
+        Raises CheckpointError, before writing anything, when it cannot fit (`check_room`)."""
         self.wait()
+        self.check_room(step)
         save = PendingSave(step, self.folder / f"step-{step}.tmp", self.folder / f"step-{step}")
         if self.rank == 0:
             shutil.rmtree(save.tmp, ignore_errors=True)
@@ -319,15 +343,35 @@ class Checkpointer:
         except (OSError, CheckpointException) as e:  # DCP's wraps each rank's error (a
             # BaseException, not an Exception); OSError: disk full, quota, permissions
             shutil.rmtree(save.tmp, ignore_errors=True)
-            steps = self.complete_steps()
-            latest = f"step-{steps[-1]}" if steps else "none"
             raise CheckpointError(
                 f"step {step}: saving the checkpoint to {save.tmp} failed ({_reason(e)}); the "
-                f"latest complete checkpoint is still {latest}: free space and restart to resume"
+                f"latest complete checkpoint is still {self._latest()}: free space and restart "
+                "to resume"
             ) from e
         dist.barrier(group=self.group)  # every rank's files are written
         self._publish(save)
         dist.barrier(group=self.group)
+
+    def check_room(self, step: int) -> None:
+        """Refuse a save that cannot fit, before any byte of it is written: every rank's
+        `save_bytes` summed, plus SAVE_MARGIN_BYTES, against the least free space a rank sees
+        where the checkpoint goes. Every rank of the group decides alike (two all-reduces)."""
+        needed = torch.tensor([save_bytes(self.trainer)], dtype=torch.int64)
+        free = torch.tensor([_free_bytes(self.folder)], dtype=torch.int64)
+        platform.all_reduce_host(needed, group=self.group)
+        platform.all_reduce_host(free, op=dist.ReduceOp.MIN, group=self.group)
+        needed_bytes = int(needed) + SAVE_MARGIN_BYTES
+        if int(free) < needed_bytes:
+            raise CheckpointError(
+                f"step {step}: the checkpoint needs about {needed_bytes / 2**20:.0f} MiB but "
+                f"{self.folder} has {int(free) / 2**20:.0f} MiB free, so nothing was written; "
+                f"the latest complete checkpoint is still {self._latest()}: free space and "
+                "restart to resume"
+            )
+
+    def _latest(self) -> str:
+        steps = self.complete_steps()
+        return f"step-{steps[-1]}" if steps else "none"
 
     def poll(self) -> None:
         """Publish a finished background save as soon as it is done. Rank 0 alone: its save

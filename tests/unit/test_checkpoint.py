@@ -1,14 +1,34 @@
-"""Checkpoint bookkeeping: what makes a checkpoint folder incomplete, and the metric rows a
-resume keeps. Real saves, exports and resumes: tests/integration/test_checkpoint.py and
-test_resume.py.
+"""Checkpoint bookkeeping: what makes a checkpoint folder incomplete, the metric rows a resume
+keeps, and a save refused for want of room (a real save in a world of one). Real saves, exports
+and resumes under torchrun: tests/integration/test_checkpoint.py and test_resume.py.
 
     .venv/bin/python -m pytest tests/unit/test_checkpoint.py
 """
 
 import json
+import shutil
 
-from torchtitan_rl.checkpoint import MANIFEST, invalid_reason
+import pytest
+from helpers.launch import REPO
+
+from torchtitan_rl import platform
+from torchtitan_rl.checkpoint import (
+    MANIFEST,
+    SAVE_MARGIN_BYTES,
+    Checkpointer,
+    CheckpointError,
+    TrainState,
+    invalid_reason,
+    save_bytes,
+)
+from torchtitan_rl.config import (
+    CheckpointSection,
+    ModelSection,
+    ParallelismSection,
+    TrainingSection,
+)
 from torchtitan_rl.metrics import _keep_rows_until
+from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 
 PROMPT, GREEDY_TOKENS = "echo 123:", 8
 
@@ -35,3 +55,45 @@ def test_resume_keeps_metric_rows_up_to_the_checkpoint(tmp_path):
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     _keep_rows_until(path, 0)
     assert path.read_text() == ""
+
+
+def test_a_save_that_cannot_fit_is_refused_before_any_byte_and_keeps_the_last(
+    tmp_path, monkeypatch
+):
+    """A real save (one process, the tiny model) fits in its estimate; with the free space
+    below the estimate the next save raises one line naming the step, the sizes and the latest
+    checkpoint, and writes nothing: no step-2 folder, step-1 still complete."""
+    platform.patch_torchtitan()
+    platform.init_distributed()  # a world of one
+    trainer = PolicyTrainer(
+        model=ModelSection(hf_checkpoint=str(REPO / "assets" / "tiny_qwen3")),
+        training=TrainingSection(),
+        parallelism=ParallelismSection(),
+    )
+    checkpointer = Checkpointer(
+        CheckpointSection(enable=True), str(tmp_path), {"model": {"name": "qwen3"}}
+    )
+    checkpointer.attach(trainer, TrainState())
+    checkpointer.save(1)
+    folder = tmp_path / "checkpoints"
+    written = sum(p.stat().st_size for p in (folder / "step-1").rglob("*") if p.is_file())
+    estimate = save_bytes(trainer)
+    # The estimate covers what a save writes, and not many times over.
+    assert written <= estimate + SAVE_MARGIN_BYTES and estimate <= 2 * written
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: usage._replace(free=estimate + SAVE_MARGIN_BYTES - 1)
+    )
+    with pytest.raises(CheckpointError) as refused:
+        checkpointer.save(2)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("step 2: the checkpoint needs about")
+    assert "so nothing was written; the latest complete checkpoint is still step-1" in message
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1"]
+    assert invalid_reason(folder / "step-1") is None
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    checkpointer.save(2)  # with room, the same save goes through
+    assert invalid_reason(folder / "step-2") is None
