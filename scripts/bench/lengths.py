@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,11 @@ def main() -> None:
         for row in out[:, width:].tolist():
             ends = [i for i, token in enumerate(row) if token in stop_ids]
             hf.append(ends[0] + 1 if ends else len(row))
+        print(
+            f"hf_generate: {len(hf)}/{len(rows)} samples, {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     hf_s = time.perf_counter() - start
 
     a, b = summary(ours), summary(hf)
