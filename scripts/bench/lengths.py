@@ -37,6 +37,57 @@ def summary(lengths: list[int]) -> dict:
     }
 
 
+def hf_lengths(args, prompt_ids: list[list[int]], pad_id: int, stop_ids: list[int]) -> list[int]:
+    """Lengths of `args.n` samples of each prompt from HF `generate`, as TRL calls it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+    torch.manual_seed(0)
+    rows = [p for p in prompt_ids for _ in range(args.n)]
+    lengths = []
+    for first in range(0, len(rows), args.hf_batch):
+        batch = rows[first : first + args.hf_batch]
+        width = max(len(r) for r in batch)
+        # Left-padded, as TRL pads prompts for generate.
+        input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in batch])
+        pads = torch.tensor([width - len(r) for r in batch])
+        attention_mask = (torch.arange(width)[None] >= pads[:, None]).long()
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=args.max_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=stop_ids,
+            pad_token_id=pad_id,
+        )
+        for row in out[:, width:].tolist():
+            ends = [i for i, token in enumerate(row) if token in stop_ids]
+            lengths.append(ends[0] + 1 if ends else len(row))
+        print(f"hf_generate: {len(lengths)}/{len(rows)} samples", file=sys.stderr, flush=True)
+    return lengths
+
+
+def our_lengths(args, prompt_ids: list[list[int]]) -> list[int]:
+    """Lengths of `args.n` samples of each prompt from our generator (vLLM), seeded."""
+    from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection
+    from torchtitan_rl.generator.engine import Generator
+
+    flavor = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())["flavor"]
+    generator = Generator(
+        generator=GeneratorSection(
+            max_model_len=max(len(p) for p in prompt_ids) + args.max_tokens + 8,
+            sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens, temperature=1.0),
+        ),
+        model=ModelSection(hf_checkpoint=args.checkpoint, flavor=flavor),
+    )
+    completions = generator.generate(prompt_ids, seed=0)
+    return [s.sampled_tokens for group in completions.samples for s in group]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=str(REPO / "assets" / "debug_qwen3_L100"))
@@ -50,10 +101,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection, parse_args
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.config import parse_args
     from torchtitan_rl.models import checkpoint_stop_ids
     from torchtitan_rl.tasks import build_task
 
@@ -63,54 +113,16 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     prompt_ids = [tokenizer(text)["input_ids"] for text in texts]
     stop_ids = checkpoint_stop_ids(args.checkpoint)
-    longest = max(len(p) for p in prompt_ids)
 
-    flavor = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())["flavor"]
+    # HF first: vLLM's CPU worker binds this process's threads when it starts ("CPU backend
+    # doesn't allow to use torch.set_num_threads after the thread binding"), and HF's generate
+    # would run under that binding.
     start = time.perf_counter()
-    generator = Generator(
-        generator=GeneratorSection(
-            max_model_len=longest + args.max_tokens + 8,
-            sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens, temperature=1.0),
-        ),
-        model=ModelSection(hf_checkpoint=args.checkpoint, flavor=flavor),
-    )
-    completions = generator.generate(prompt_ids, seed=0)
-    ours = [s.sampled_tokens for group in completions.samples for s in group]
-    ours_s = time.perf_counter() - start
-    del generator
-
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    rows = [p for p in prompt_ids for _ in range(args.n)]
-    hf = []
-    for first in range(0, len(rows), args.hf_batch):
-        batch = rows[first : first + args.hf_batch]
-        width = max(len(r) for r in batch)
-        # Left-padded, as TRL pads prompts for generate.
-        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in batch])
-        pads = torch.tensor([width - len(r) for r in batch])
-        attention_mask = (torch.arange(width)[None] >= pads[:, None]).long()
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=args.max_tokens,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            eos_token_id=stop_ids,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        for row in out[:, width:].tolist():
-            ends = [i for i, token in enumerate(row) if token in stop_ids]
-            hf.append(ends[0] + 1 if ends else len(row))
-        print(
-            f"hf_generate: {len(hf)}/{len(rows)} samples, {time.perf_counter() - start:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+    hf = hf_lengths(args, prompt_ids, tokenizer.pad_token_id, stop_ids)
     hf_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ours = our_lengths(args, prompt_ids)
+    ours_s = time.perf_counter() - start
 
     a, b = summary(ours), summary(hf)
     row = {
