@@ -78,8 +78,8 @@ def token_logprobs(
 # Tokens per chunk of the fused head: at most HEAD_CHUNK, and at most CHUNK_ELEMENTS fp32
 # logits (256 MiB) at a time, recomputed in backward instead of saved. A chunk holds about
 # three [C, V] blocks at once (logits, log_softmax, the entropy's exp): at Qwen3's 151,936-entry
-# vocabulary 441 tokens, 0.75 GiB, where 1,024 tokens held 1.7 GiB (scripts/bench/trainer.py
-# --flavor 0.6B measures the step's peak).
+# vocabulary 441 tokens, 0.75 GiB, where 1,024 tokens and four blocks held 2.3 GiB (the bench
+# scripts/bench/trainer.py --flavor 0.6B measures the step's peak).
 HEAD_CHUNK = 1024
 
 
