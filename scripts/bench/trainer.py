@@ -47,6 +47,7 @@ from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl import platform
+from torchtitan_rl.checkpoint import save_bytes
 from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import packing
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
@@ -181,14 +182,11 @@ def longtail_child(args) -> None:
         dealt = packing.rebalance([[lengths[i] for i in share] for share in shares])
         shares = [[shares[r][i] for r, i in share] for share in dealt]
     # What building the trainer peaked at (weights, allocator); a step adds the gradients and
-    # AdamW's two moments (3x this rank's shard of the parameters, the same on both paths) and
-    # its transient memory (activations, logits), which is where the paths differ.
+    # AdamW's two moments (3x this rank's shard of the trained parameters, as a checkpoint
+    # holds: `save_bytes`; the same on both paths) and its transient memory (activations,
+    # logits), which is where the paths differ.
     built = platform.all_gather_objects(peak_rss_gib())
-    shard_bytes = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).nbytes
-        for p in trainer.named_parameters().values()
-    )
-    state = platform.all_gather_objects(3 * shard_bytes / 2**30)
+    state = platform.all_gather_objects(save_bytes(trainer) / 2**30)
     times = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
