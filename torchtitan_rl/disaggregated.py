@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from torchtitan_rl import batch_invariant, platform
+from torchtitan_rl import batch_invariant, platform, watchdog
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask, open_task
@@ -128,11 +128,16 @@ class GeneratorWorker:
         )
 
     def take_weights(self) -> None:
-        """Receive the next policy version, and evaluate it when it is due."""
-        self.receiver.receive()
+        """Receive the next policy version, and evaluate it when it is due; raises Preempted
+        when the trainers stop the run instead."""
+        # Waiting on the trainers' step: their phases are timed (watchdog.py), not this wait.
+        watchdog.mark(self.generator.policy_version + 1, "wait_weights", timed=False)
+        if not self.receiver.receive():
+            raise watchdog.Preempted("the trainers stopped the run")
         version = self.generator.policy_version
         # A resumed run evaluated its restored version before it stopped (version 0: at_start).
         if self.producer.eval_due(version) and (version > self.start or self.start == 0):
+            watchdog.mark(version, "eval")
             self.evaluations.append(self.producer.evaluate(self.generator, version))
 
     def run(self) -> None:
@@ -147,6 +152,7 @@ class GeneratorWorker:
             while self.generator.policy_version < max(start, step - 1 - k):
                 self.take_weights()
             began = time.perf_counter()
+            watchdog.mark(step, "generate")
             rollouts = self.producer.rollouts(step, self.generator)
             rollout = Rollout(
                 step=step,
@@ -156,6 +162,7 @@ class GeneratorWorker:
                 reward_errors=self.producer.reward_errors,
                 generate_s=time.perf_counter() - began,
                 evaluations=self.evaluations,
+                stop_requested=watchdog.stop_requested(),
             )
             self.evaluations = []
             _send(rollout, trainer, pending)
@@ -229,10 +236,14 @@ class DisaggregatedTrainer:
 
     def begin(self) -> None:
         _start_step(self.topology, self.start_step)
+        watchdog.mark(self.start_step, "weight_sync")
         self.send_weights(self.start_step)
 
     def after_step(self, step: int) -> None:
         self.state.step = self.state.policy_version = step
+
+    def stop(self, step: int) -> None:
+        self.sender.send_stop()  # the generators leave their loop
 
     def end(self) -> None:
         if self.evaluates:  # the evaluation of the last version, in a message of its own
@@ -253,6 +264,8 @@ class DisaggregatedTrainer:
         rollouts: list[Rollout] = [_receive(src) for src in self.sources]
         k = self.config.algorithm.max_offpolicy_steps
         for rollout in rollouts:
+            if rollout.stop_requested:  # a signal to a generator rank: stop after this step
+                watchdog.request_stop(rollout.stop_requested)
             age = self.learner.trainer.policy_version - rollout.version
             if rollout.step != step or age > k:
                 raise StalenessError(
@@ -263,15 +276,18 @@ class DisaggregatedTrainer:
         return rollouts
 
     def train_step(self, step: int) -> dict[str, float]:
+        watchdog.mark(step, "generate")  # the generator ranks' part: their rollouts arrive
         self.hooks.before_step(step)
         start = time.perf_counter()
         messages = self.receive(step)
         received = time.perf_counter()
         self.log_evaluations(step, messages)
         rollouts = Rollouts.cat([m.rollouts for m in messages])
+        watchdog.mark(step, "train")
         learned = self.learner.learn(step, rollouts)
         trained = time.perf_counter()
         self.hooks.after_train(step, learned)
+        watchdog.mark(step, "weight_sync")
         sync = self.send_weights(step)
         synced = time.perf_counter()
         self.hooks.after_sync(step, sync)

@@ -6,7 +6,8 @@ run, report a crash, print the summary.
     .venv/bin/python -m pytest tests/unit/test_bad_inputs.py
 
 Config errors exit with code 2 and one line on stderr; a run that stops (`errors.StopRun`)
-exits 1 after one line; anything else is a crash, shown with its traceback. A real run writes
+exits 1 after one line; anything else is a crash, shown with its traceback. A hang exits 124,
+a preempted run 75 (torchtitan_rl/watchdog.py). A real run writes
 the resolved config to {job.dump_folder}/config.toml; library output goes to
 {job.dump_folder}/run.log unless job.verbose (torchtitan_rl/console.py), and rank 0 ends with
 a summary of the run.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from torchtitan_rl import console, platform
+from torchtitan_rl import console, platform, watchdog
 from torchtitan_rl.config import ConfigError, JobConfig, parse_args, to_toml
 from torchtitan_rl.config.manager import write_config
 from torchtitan_rl.errors import StopRun
@@ -110,6 +111,8 @@ def main(program: Program, argv: list[str] | None = None) -> int:
     try:
         code = run(config, program, opened)
     except Exception:
+        if (earlier := watchdog.fail()) is not None:
+            return follows(earlier, traceback.format_exc())
         report_crash()
         return 1
     if code == 0 and rank == 0:
@@ -123,6 +126,14 @@ def report_crash() -> None:
     console.error(traceback.format_exc().rstrip())
     if console.log_path() is not None:
         console.error(f"see {console.log_path()} for library output")
+
+
+def follows(alarm: str, error: str) -> int:
+    """This rank's error after another rank stopped the run (`alarm`: "failed R" or "hang"):
+    that rank's line is on the console, this one goes to the log. Exit code 1."""
+    first = f"rank {alarm.split()[1]} stopped the run" if alarm != "hang" else "a phase hung"
+    print(f"watchdog: {first}; then this rank got:\n{error}", file=sys.stderr)
+    return 1
 
 
 def say_summary(config, wall_s: float) -> None:
@@ -139,18 +150,37 @@ def run(config: JobConfig, program: Program, opened) -> int:
     """Join the torchrun world and run `program`; returns the exit code (2: a config error, 1:
     the run stopped, each after one line on stderr)."""
     platform.patch_torchtitan()
-    rank, _ = platform.init_distributed()
+    rank, _ = platform.init_distributed(config.job.collective_timeout_s)
+    logs = Path(config.job.dump_folder) / "run*.log"
+    watchdog.start(
+        config.job.phase_timeout_s,
+        checkpointing=config.checkpoint.enable,
+        log_hint="stderr" if config.job.verbose else str(logs),
+    )
     try:
         if rank == 0:
             write_config(config, Path(config.job.dump_folder) / "config.toml")
         program.run(config, opened)
+    except watchdog.Preempted as e:
+        # Every rank stops after the same step; one line says where to resume from.
+        if rank == 0:
+            console.say(str(e))
+        return watchdog.EXIT_PREEMPTED
     except ConfigError as e:
         # Every rank meets the same config error; torchrun collects the exit codes.
+        if (earlier := watchdog.fail()) is not None:
+            return follows(earlier, f"error: {e}")
         console.error(f"error: {e}")
         return 2
     except StopRun as e:
-        # A non-finite value, a failing reward function, a bad weight copy: stop, say why.
+        # A non-finite value, a failing reward function, a bad weight copy, a failed engine:
+        # stop, say why; the other ranks exit at once (watchdog.fail).
+        if (earlier := watchdog.fail()) is not None:
+            return follows(earlier, f"error: {e}")
+        if e.__cause__ is not None:  # the library's own traceback, for the log
+            traceback.print_exception(e.__cause__, file=sys.stderr)
         console.error(f"error: {e}")
         return 1
+    watchdog.stop()
     platform.shutdown_distributed()
     return 0

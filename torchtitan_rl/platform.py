@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
 
@@ -211,11 +212,16 @@ def enable_fsdp_sum_reduction(model: nn.Module) -> None:
 
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the torchrun world (or a world of one without torchrun); returns (rank, world)."""
+    """Join the torchrun world (or a world of one without torchrun); returns (rank, world).
+    `timeout_s` bounds a collective on every process group of the run, the world's and every
+    one created after it (device meshes, dist.new_group)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = dist_backend()
     timeout = timedelta(seconds=timeout_s)
+    # new_group() without a timeout takes torch's module defaults (30 min gloo, 10 min NCCL),
+    # not the world's, and torchtitan's device meshes pass none.
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     die_with_launcher()
     if "RANK" in os.environ:
         if device_type() == "cuda":

@@ -9,12 +9,15 @@ With dynamic sampling, further rounds of prompts until the shard has as many gro
 learning signal (algorithm.dynamic_sampling). Shapes: P prompts, N samples per prompt.
 """
 
+from contextlib import contextmanager
+
 import torch
 
 from torchtitan_rl.algorithms.advantages import zero_variance_P
 from torchtitan_rl.algorithms.dynamic_sampling import fill_informative
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask
+from torchtitan_rl.errors import EngineError
 from torchtitan_rl.evaluation import build_evaluator
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Prompt, Rollouts
@@ -61,13 +64,14 @@ class RolloutProducer:
         rounds: list[Rollouts] = []
         for round in range(algorithm.max_generation_rounds):
             prompts = self.prompts(step, round)
-            scored = self.episodes.run(
-                generator,
-                prompts,
-                seed=self.sampling_seed(step, round),
-                n=sampling.n,
-                max_tokens=sampling.max_tokens,
-            )
+            with _at(f"step {step}"):
+                scored = self.episodes.run(
+                    generator,
+                    prompts,
+                    seed=self.sampling_seed(step, round),
+                    n=sampling.n,
+                    max_tokens=sampling.max_tokens,
+                )
             check_rewards(step, scored.rewards_PN)
             rounds.append(
                 Rollouts(prompts, scored.completions, scored.rewards_PN, env_s=scored.env_s)
@@ -86,7 +90,17 @@ class RolloutProducer:
 
     def evaluate(self, generator, version: int) -> EvalShard:
         """This shard's evaluation of `generator`'s policy (after step `version`)."""
-        return self.evaluator.run(generator, version, self.shard, self.shards)
+        with _at(f"evaluating the policy after step {version}"):
+            return self.evaluator.run(generator, version, self.shard, self.shards)
+
+
+@contextmanager
+def _at(where: str):
+    """Name where an engine failure happened (the step) in its one line."""
+    try:
+        yield
+    except EngineError as e:
+        raise EngineError(f"{where}: {e}") from e.__cause__
 
 
 def check_rewards(step: int, rewards_PN: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from torchtitan_rl import batch_invariant
+from torchtitan_rl import batch_invariant, watchdog
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
 from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.config.manager import import_spec
@@ -135,18 +135,23 @@ class Placement(Protocol):
     def end(self) -> None:
         """After the last step, before the final checkpoint closes."""
 
+    def stop(self, step: int) -> None:
+        """The run stops after `step` (preempted), its checkpoint written."""
+
 
 def train(run: Placement) -> None:
     """Every placement's loop: its steps, each followed by evaluation and a checkpoint when
-    due; then the HF export (checkpoint.export_hf_at_end) and the metrics' close."""
+    due (or when a signal asks the run to stop: watchdog.py); then the HF export
+    (checkpoint.export_hf_at_end) and the metrics' close."""
     config, steps = run.config, run.config.training.steps
     run.begin()
     for step in range(run.start_step + 1, steps + 1):
         run.train_step(step)
         run.after_step(step)
-        if run.checkpointer.should_save(step, last=step == steps):
-            run.checkpointer.save(step)
-        run.checkpointer.poll()
+        if watchdog.end_step(run.checkpointer, step, last=step == steps, group=run.group):
+            run.stop(step)
+            raise watchdog.Preempted(watchdog.preempted_line(run.checkpointer, step))
+    watchdog.mark(steps, "end")
     run.end()
     run.checkpointer.close()
     if config.checkpoint.export_hf_at_end:
@@ -219,26 +224,33 @@ class RLTrainer:
     def end(self) -> None:
         pass
 
+    def stop(self, step: int) -> None:
+        pass
+
     def evaluate(self, step: int) -> dict[str, float] | None:
         """When due: evaluate the generator's policy (the weights after `step`) on every
         rank's shard of the eval set; rank 0 logs eval/* to metrics.jsonl and samples to
         eval.jsonl."""
         if not self.producer.eval_due(step):
             return None
+        watchdog.mark(step, "eval")
         result = self.producer.evaluate(self.generator, step)
         return log_eval(self.metrics, step, [result], self.group)
 
     def train_step(self, step: int) -> dict[str, float]:
+        watchdog.mark(step, "generate")
         self.hooks.before_step(step)
         start = time.perf_counter()
         rollouts = self.producer.rollouts(step, self.generator)
         self.generator.release_memory()  # generator.enable_sleep_mode: the trainer gets it
         generated = time.perf_counter()
 
+        watchdog.mark(step, "train")
         learned = self.learner.learn(step, rollouts)
         trained = time.perf_counter()
         self.hooks.after_train(step, learned)
 
+        watchdog.mark(step, "weight_sync")
         self.generator.reclaim_memory()
         sync = self.weight_sync.sync(self.learner.trainer, self.generator)
         synced = time.perf_counter()

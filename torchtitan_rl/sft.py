@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_rl import launch, platform
+from torchtitan_rl import launch, platform, watchdog
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.evaluation import eval_due
@@ -77,13 +77,15 @@ class SFTTrainer:
         if evaluating and self.start_step == 0 and eval_due(self.config.eval, 0, steps):
             self.evaluate(0)
         for step in range(self.start_step + 1, steps + 1):
+            watchdog.mark(step, "train")
             self.train_step(step)
             if evaluating and eval_due(self.config.eval, step, steps):
+                watchdog.mark(step, "eval")
                 self.evaluate(step)
             self.state.step = step
-            if self.checkpointer.should_save(step, last=step == steps):
-                self.checkpointer.save(step)
-            self.checkpointer.poll()
+            if watchdog.end_step(self.checkpointer, step, last=step == steps, group=None):
+                raise watchdog.Preempted(watchdog.preempted_line(self.checkpointer, step))
+        watchdog.mark(steps, "end")
         self.checkpointer.close()
         if self.config.checkpoint.export_hf_at_end:
             hf = Path(self.config.job.dump_folder) / "hf"

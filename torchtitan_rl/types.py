@@ -200,6 +200,9 @@ class Rollout:
     generate_s: float
     evaluations: list[EvalShard]
     """This rank's evaluations of the policy versions it took since its previous message."""
+    stop_requested: str | None = None
+    """The signal that asked this generator rank to stop (watchdog.py): the trainers stop
+    after the step, and tell the generators so."""
 
 
 @dataclass(frozen=True, slots=True)

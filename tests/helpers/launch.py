@@ -88,6 +88,35 @@ def logged_steps(folder: Path) -> set[int]:
     return steps
 
 
+def assert_resumed_as(reference: Path, resumed: Path, resumed_from: int, exact: bool) -> None:
+    """The run in `resumed`, stopped and resumed from step `resumed_from`, logged what the
+    uninterrupted run in `reference` did: the same rows (none missing or doubled), every
+    non-timing metric after `resumed_from` equal (`exact`) or within 1e-6, and, when both
+    exported, the same final weights bit for bit."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    expected, got = keyed_rows(reference), keyed_rows(resumed)
+    assert [key for key, _ in got] == [key for key, _ in expected]
+    got = dict(got)
+    for key, row in expected:
+        if key[0] <= resumed_from:
+            continue
+        for metric, value in row.items():
+            if metric.startswith(TIMING):
+                continue
+            if exact:
+                assert got[key][metric] == value, (key, metric)
+            else:
+                assert got[key][metric] == pytest.approx(value, rel=1e-6, abs=1e-7), (key, metric)
+    if (reference / "hf").is_dir() or (resumed / "hf").is_dir():
+        final, uninterrupted = (load_file(f / "hf/model.safetensors") for f in (resumed, reference))
+        assert final.keys() == uninterrupted.keys()
+        for name, tensor in uninterrupted.items():
+            assert torch.equal(final[name], tensor), name
+
+
 def wait_for_step(process: subprocess.Popen, folder: Path, step: int) -> None:
     """Poll (every 5 ms) until the run in `folder` has logged `step`; fail if it ends first."""
     deadline = time.monotonic() + 300

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from helpers import runs
-from helpers.launch import TIMING, keyed_rows, kill_tree, run_train, start_train, wait_for_step
-from safetensors.torch import load_file
+from helpers.launch import assert_resumed_as, kill_tree, run_train, start_train, wait_for_step
 from torch.distributed.checkpoint import FileSystemReader
 
 from torchtitan_rl.checkpoint import invalid_reason
@@ -104,24 +102,4 @@ def test_a_killed_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
         model_keys = [k for k in saved if not k.startswith(("optimizer", "lr_scheduler", "train"))]
         assert len(model_keys) == 20 and all(".lora_" in k for k in model_keys), model_keys
 
-    expected, resumed = keyed_rows(reference), keyed_rows(out)
-    # The killed run's rows after the checkpoint were replaced: none is missing or doubled.
-    assert [key for key, _ in resumed] == [key for key, _ in expected]
-    resumed = dict(resumed)
-    for key, row in expected:
-        if key[0] <= case.resumed_from:
-            continue
-        for metric, value in row.items():
-            if metric.startswith(TIMING):
-                continue
-            if case.exact:
-                assert resumed[key][metric] == value, (key, metric)
-            else:
-                assert resumed[key][metric] == pytest.approx(value, rel=1e-6, abs=1e-7), (
-                    key,
-                    metric,
-                )
-    final, uninterrupted = (load_file(f / "hf" / "model.safetensors") for f in (out, reference))
-    assert final.keys() == uninterrupted.keys()
-    for tensor_name, tensor in uninterrupted.items():
-        assert torch.equal(final[tensor_name], tensor), tensor_name
+    assert_resumed_as(reference, out, case.resumed_from, exact=case.exact)

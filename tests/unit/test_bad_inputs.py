@@ -32,6 +32,16 @@ pytestmark = pytest.mark.usefixtures("repo_cwd")
 BAD_INPUTS = {
     "unknown section": ("[trainng]\nsteps = 3\n", [], ["'trainng'", "did you mean training"]),
     "unknown key": ("[training]\nstep = 3\n", [], ["'training.step'", "did you mean steps"]),
+    "collective timeout before the watchdog": (
+        "[job]\nphase_timeout_s = 600\ncollective_timeout_s = 300\n",
+        [],
+        ["job.collective_timeout_s = 300", "job.phase_timeout_s = 600", "at least 660"],
+    ),
+    "negative phase timeout": (
+        "",
+        ["--job.phase_timeout_s", "-1"],
+        ["job.phase_timeout_s = -1", "0: no watchdog"],
+    ),
     "unknown nested key": (
         "[generator.sampling]\ntemprature = 0.7\n",
         [],

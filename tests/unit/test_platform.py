@@ -114,3 +114,12 @@ def test_shared_memory_gather_needs_room_in_dev_shm(monkeypatch):
     assert shared.gather(4, torch.float32).tolist() == [[0.0, 1.0, 2.0, 3.0]]
     with pytest.raises(ValueError, match="does not fit a 64-byte slot"):
         shared.my_slot(17, torch.float32)
+
+
+def test_every_process_group_takes_the_collective_timeout():
+    """torch gives a group created after the world (a device mesh's, dist.new_group) its own
+    default (30 min on gloo); init_distributed makes it the run's job.collective_timeout_s."""
+    platform.init_distributed()  # a world of one, timeout_s = 600 (as every unit test calls it)
+    world = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    later = dist.new_group([0])._get_backend(torch.device("cpu")).options._timeout
+    assert world.total_seconds() == later.total_seconds() == 600

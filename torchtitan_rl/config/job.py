@@ -11,6 +11,10 @@ from typing import Literal
 
 from torchtitan_rl.config.errors import require
 
+# What the watchdog needs after a phase overruns to dump every rank's stacks and exit
+# (watchdog.DUMP_WAIT_S, polls), before a collective's own timeout fires.
+COLLECTIVE_MARGIN_S = 60.0
+
 
 @dataclass(kw_only=True, slots=True)
 class JobSection:
@@ -28,6 +32,16 @@ class JobSection:
     hooks: str | None = None
     """A class 'module:Class' of rl_trainer.Hooks (a scheduler, a logger), built with the
     JobConfig and called before and after each step's stages; None: no hooks."""
+    phase_timeout_s: float = 1800.0
+    """The longest any phase of a step (generate, train, weight_sync, eval, checkpoint) may run
+    on any rank before the watchdog stops the run: every rank's Python stacks go to its run
+    log, one line names the step, the phase and the ranks stuck in it, exit code 124
+    (torchtitan_rl/watchdog.py). 30 min: ten times what a phase of a large run takes (a step's
+    generation, a full checkpoint); 0 turns the watchdog off."""
+    collective_timeout_s: float = 1920.0
+    """Timeout of every process group (gloo and NCCL): a collective waiting longer raises.
+    At least job.phase_timeout_s + 60 s, so that the watchdog, which names the stuck rank,
+    speaks first."""
 
     def validate(self) -> None:
         require(self.seed >= 0, f"job.seed = {self.seed}: a seed must be >= 0; set job.seed = 0")
@@ -38,6 +52,17 @@ class JobSection:
         require(
             self.hooks is None or self.hooks.count(":") == 1,
             f"job.hooks = {self.hooks!r}: write it as 'module:Class'",
+        )
+        require(
+            self.phase_timeout_s >= 0,
+            f"job.phase_timeout_s = {self.phase_timeout_s}: must be >= 0 (0: no watchdog)",
+        )
+        least = self.phase_timeout_s + COLLECTIVE_MARGIN_S
+        require(
+            self.collective_timeout_s >= least,
+            f"job.collective_timeout_s = {self.collective_timeout_s:g} would end a stuck "
+            f"collective before the watchdog (job.phase_timeout_s = {self.phase_timeout_s:g}) "
+            f"names the stuck rank: set it to at least {least:g}",
         )
 
 

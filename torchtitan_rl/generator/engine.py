@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.models import checkpoint_stop_ids, model_spec
 from torchtitan_rl.types import Completions, Sample
@@ -170,6 +171,7 @@ class Generator:
             seeds = [seed + i * (n or sampling.n) for i in range(count)]
         else:
             seeds = _each(seed, count)
+        requests = []
         for i, prompt in enumerate(prompt_token_ids):
             params = SamplingParams(
                 n=n or sampling.n,
@@ -189,10 +191,23 @@ class Generator:
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            self.engine.add_request(str(first + i), tokens_input(list(prompt)), params)
+            requests.append((str(first + i), tokens_input(list(prompt)), params))
+        try:
+            finished = self._run(requests, first, progress)
+        except Exception as e:  # vLLM's own failure: the run stops with it (errors.EngineError)
+            raise EngineError(f"the generator's engine raised {e!r}") from e
+        return Completions(
+            prompts=[list(p) for p in prompt_token_ids],
+            samples=[_samples(finished[i]) for i in range(len(prompt_token_ids))],
+        )
 
+    def _run(self, requests: list, first: int, progress: bool) -> dict:
+        """Add `requests` (id, prompt, params) and step the engine until all are finished;
+        their outputs by index (request id - `first`)."""
+        for request in requests:
+            self.engine.add_request(*request)
         finished = {}
-        bar = _progress_bar(len(prompt_token_ids)) if progress else None
+        bar = _progress_bar(len(requests)) if progress else None
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
@@ -201,10 +216,7 @@ class Generator:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return Completions(
-            prompts=[list(p) for p in prompt_token_ids],
-            samples=[_samples(finished[i]) for i in range(len(prompt_token_ids))],
-        )
+        return finished
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks; required after every weight update (stale KV otherwise)."""

@@ -14,6 +14,8 @@ to refresh (repack, prefix-cache reset).
 
 import os
 import queue
+import signal
+import traceback
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -21,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.errors import EngineError
 
 # What torchrun puts in a rank's environment; the child must not join that world. LOCAL_RANK
 # stays: it is the rank's GPU, which the child must use too.
@@ -62,6 +65,10 @@ def _serve(generator, model, seed, invariant, requests, replies) -> None:
     from torchtitan_rl.generator.engine import Generator
 
     platform.die_with_parent()  # no engine outlives its rank
+    # A scheduler's SIGTERM/SIGUSR1 is for the rank, which finishes its step and checkpoints
+    # (watchdog.py); the engine must serve it meanwhile, and dies with it.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
     try:
         platform.init_distributed()  # a world of one, on the parent's device (LOCAL_RANK)
@@ -89,7 +96,8 @@ def _serve(generator, model, seed, invariant, requests, replies) -> None:
             elif command == "refresh":
                 engine.refresh_after_weight_update()
                 replies.put(("ok", None))
-        except Exception as e:  # handed to the parent, which raises it
+        except Exception as e:  # handed to the parent, which raises it; the traceback: the log
+            traceback.print_exc()
             replies.put(("error", e))
 
 
@@ -125,13 +133,15 @@ class RemoteGenerator:
                 break
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RuntimeError(
-                        f"the generator process died (exit code {self.process.exitcode})"
+                    raise EngineError(
+                        f"the generator's engine process died (exit code {self.process.exitcode})"
                     ) from None
         if status == "config_error":
             raise ConfigError(value)
-        if status == "error":
+        if isinstance(value, EngineError):
             raise value
+        if status == "error":
+            raise EngineError(f"the generator's engine raised {value!r}") from value
         return value
 
     def named_parameters(self) -> dict[str, torch.Tensor]:

@@ -27,6 +27,9 @@ from torchtitan_rl.weight_sync.base import (
     whole,
 )
 
+# The header's version when no weights follow: the run stops (preempted).
+STOP = -1
+
 
 class BroadcastSender:
     """Trainer ranks: send `sources` (PolicyTrainer.sync_sources) to the generator ranks of
@@ -76,6 +79,11 @@ class BroadcastSender:
         )
         return stats, (weights_digest(self.digests) if verify and self.is_leader else None)
 
+    def send_stop(self) -> None:
+        """Tell the generators the run stops: a header with no weights (version STOP)."""
+        if self.is_leader:
+            dist.broadcast(torch.tensor([STOP, 0]), self.leader, self.group)
+
 
 class BroadcastReceiver:
     """Generator ranks: receive the weights from `leader` into `generator`'s parameters."""
@@ -86,12 +94,15 @@ class BroadcastReceiver:
         self.plan: Plan | None = None
 
     @torch.no_grad()
-    def receive(self) -> None:
-        """One sync: written in place, the engine refreshed, the policy version taken."""
+    def receive(self) -> bool:
+        """One sync: written in place, the engine refreshed, the policy version taken; False
+        when the trainers sent STOP instead (the run stops: `BroadcastSender.send_stop`)."""
         params = self.generator.named_parameters()
         header = torch.zeros(2, dtype=torch.long)
         dist.broadcast(header, self.leader, self.group)
         version, everything = int(header[0]), bool(header[1])
+        if version == STOP:
+            return False
         if everything and self.plan is None:
             names = [None]
             dist.broadcast_object_list(names, self.leader, self.group)
@@ -112,6 +123,7 @@ class BroadcastReceiver:
                 target.copy_(piece.view_as(target))
         self.generator.refresh_after_weight_update()
         self.generator.policy_version = version
+        return True
 
     def digest(self) -> str:
         """The digest of the weights this generator holds (`base.weights_digest`)."""

@@ -1,0 +1,231 @@
+"""Long runs on shared clusters: a rank that hangs, a scheduler's SIGTERM, an engine that
+fails. Each fault is injected into a real run: torchrun with 2 ranks, the real vLLM engine.
+
+    .venv/bin/python -m pytest tests/integration/test_long_runs.py
+
+The watchdog itself, in one process: tests/unit/test_watchdog.py. A checkpoint that cannot
+fit: tests/unit/test_checkpoint.py; a failing checkpoint write: test_faults.py.
+"""
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from helpers import runs
+from helpers.launch import (
+    DEBUG_TOML,
+    HELPERS,
+    REPO,
+    assert_resumed_as,
+    environment,
+    kill_tree,
+    launcher,
+    metric_rows,
+    run_train,
+    wait_for_step,
+)
+
+from torchtitan_rl.checkpoint import invalid_reason
+from torchtitan_rl.watchdog import EXIT_HANG, EXIT_PREEMPTED
+
+HOOKS_ENV = {"PYTHONPATH": HELPERS}
+
+
+def start(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """torchrun with 2 ranks of torchtitan_rl.train, its console piped."""
+    return subprocess.Popen(
+        [*launcher(2), "-m", "torchtitan_rl.train", *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment(env),
+        start_new_session=True,
+    )
+
+
+def processes_under(process: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(process.pid).children(recursive=True)
+
+
+def assert_all_gone(processes: list[psutil.Process]) -> None:
+    alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_a_rank_stuck_in_a_phase_is_named_its_stacks_logged_and_every_rank_exits(tmp_path):
+    """Rank 1 sleeps at the end of step 2's train phase; rank 0 waits for it in its weight
+    sync. With job.phase_timeout_s = 10: one line names the step, the phase and rank 1, every
+    rank's stacks are in its log, the ranks exit 124, torchrun ends, no process is left."""
+    flags = (
+        *("--job.config_file", DEBUG_TOML, "--training.steps", "4"),
+        *("--job.hooks", "user_hooks:HangsInTrainOnRank1", "--job.phase_timeout_s", "10"),
+        *("--job.collective_timeout_s", "70", "--job.dump_folder", str(tmp_path)),
+    )
+    process = start(*flags, env=HOOKS_ENV)
+    try:
+        wait_for_step(process, tmp_path, 1)
+        ranks = processes_under(process)
+        stuck_at = time.monotonic()  # step 2 starts about now
+        _, stderr = process.communicate(timeout=120)
+        took = time.monotonic() - stuck_at
+    finally:
+        kill_tree(process)
+    assert process.returncode != 0
+    assert errors(stderr) == [
+        "error: step 2: rank 1 did not finish phase 'train' within job.phase_timeout_s = 10 s "
+        "(rank 0 in 'weight_sync' of step 2); the Python stacks of every rank are in "
+        f"{tmp_path}/run*.log: raise job.phase_timeout_s if the phase is slow, not stuck"
+    ]
+    # Both ranks' exit codes, in torchrun's report of the failed ranks.
+    assert stderr.count(f"exitcode  : {EXIT_HANG} ") == 2, stderr[-3000:]
+    # 10 s of phase, <= 1 s to notice, the stacks: far from the 70 s a collective would take.
+    assert took < 40, took
+    stuck = (tmp_path / "run.rank1.log").read_text()
+    assert "watchdog: rank 1: a phase ran past job.phase_timeout_s; stacks:" in stuck
+    assert re.search(r'File ".*user_hooks\.py", line \d+ in after_train', stuck)
+    waiting = (tmp_path / "run.log").read_text()
+    assert "watchdog: rank 0: a phase ran past job.phase_timeout_s; stacks:" in waiting
+    assert re.search(r'File ".*weight_sync/local\.py", line \d+ in sync', waiting)
+    assert_all_gone(ranks)
+
+
+def preempt(
+    flags: tuple[str, ...], out: Path, after_step: int, sig: signal.Signals, rank: int | None
+) -> int:
+    """Launch, and once `after_step` is logged send `sig` to torchrun (rank None), which
+    forwards it to every rank, or to one rank; returns the step the run stopped after."""
+    process = start(*flags, "--job.dump_folder", str(out))
+    try:
+        wait_for_step(process, out, after_step)
+        ranks = processes_under(process)
+        if rank is None:
+            process.send_signal(sig)
+        else:
+            next(p for p in ranks if p.environ().get("RANK") == str(rank)).send_signal(sig)
+        stdout, stderr = process.communicate(timeout=60)  # torchrun's grace period: 30 s
+    finally:
+        kill_tree(process)
+    stops = re.findall(
+        rf"^step (\d+): stopped by {sig.name} \(exit code 75\): saved (.*); launch the same "
+        "command to resume$",
+        stdout,
+        re.M,
+    )
+    assert len(stops) == 1, stdout + stderr[-3000:]
+    step, saved = int(stops[0][0]), Path(stops[0][1])
+    assert saved == out / "checkpoints" / f"step-{step}" and invalid_reason(saved) is None
+    assert step >= after_step
+    if rank is not None:  # torchrun, not signalled itself, reports every rank's exit code
+        assert stderr.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, stderr[-3000:]
+    assert "SIGKILL" not in stderr  # every rank was done within torchrun's grace period
+    assert_all_gone(ranks)
+    return step
+
+
+def test_sigterm_colocated_finishes_the_step_checkpoints_and_resumes_as_uninterrupted(
+    reference_run, tmp_path
+):
+    """The reference run's flags (checkpoints every 3 steps), SIGTERM after step 4: the run
+    saves the step it is in although no checkpoint is due, and the relaunch ends as the
+    uninterrupted reference did."""
+    out = tmp_path / "preempted"
+    step = preempt(runs.REFERENCE, out, after_step=4, sig=signal.SIGTERM, rank=None)
+    assert step % 3 and step < 6, step  # not a due checkpoint, and not the last step
+    resumed = run_train(*runs.REFERENCE, "--job.dump_folder", str(out), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{step}'}" in resumed.stdout
+    assert_resumed_as(reference_run.folder, out, step, exact=False)
+
+
+def test_sigusr1_to_the_generator_rank_stops_a_disaggregated_run_that_resumes_exactly(tmp_path):
+    """k = 0 disaggregated with DAPO: SIGUSR1 to the generator rank alone after step 2. Its
+    next rollout carries the request, the trainer stops after that step (checkpoint written)
+    and tells the generator; the relaunch ends as an uninterrupted run, row for row."""
+    flags = (
+        *("--job.config_file", DEBUG_TOML, "--generator.placement", "disaggregated"),
+        *("--generator.verify_weight_sync", "true", "--algorithm.loss", "dapo"),
+        *("--training.steps", "5", "--checkpoint.enable", "true", "--checkpoint.interval", "10"),
+    )
+    reference = tmp_path / "uninterrupted"
+    result = run_train(*flags, "--job.dump_folder", str(reference), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "preempted"
+    step = preempt(flags, out, after_step=2, sig=signal.SIGUSR1, rank=1)
+    assert step < 5, step
+    resumed = run_train(*flags, "--job.dump_folder", str(out), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{step}'}" in resumed.stdout
+    assert_resumed_as(reference, out, step, exact=False)
+    metrics = metric_rows(out)
+    # The generator took the restored weights before sampling the next step.
+    assert metrics[step]["rollout_version/min"] == step
+    assert {row["weight_sync/verified"] for row in metrics} == {1.0}
+
+
+def test_an_engine_that_raises_on_one_rank_ends_the_run_at_once_with_one_line(tmp_path):
+    """Rank 1's vLLM engine raises inside its step at step 2: one line names the step and the
+    engine's error, the traceback is in rank 1's log, rank 0 does not wait out a timeout, the
+    step-1 checkpoint is intact."""
+    flags = (
+        *("--job.config_file", DEBUG_TOML, "--training.steps", "4"),
+        *("--checkpoint.enable", "true", "--checkpoint.interval", "1"),
+        *("--job.hooks", "user_hooks:EngineRaisesOnRank1", "--job.dump_folder", str(tmp_path)),
+    )
+    process = start(*flags, env=HOOKS_ENV)
+    try:
+        wait_for_step(process, tmp_path, 1)
+        ranks = processes_under(process)
+        failing_at = time.monotonic()
+        _, stderr = process.communicate(timeout=120)
+        took = time.monotonic() - failing_at
+    finally:
+        kill_tree(process)
+    assert process.returncode != 0
+    assert errors(stderr) == [
+        "error: step 2: the generator's engine raised RuntimeError('injected fault: the KV "
+        "cache is corrupt')"
+    ]
+    assert "torchtitan_rl/" not in stderr  # no traceback of ours on the console
+    assert took < 30, took
+    log = (tmp_path / "run.rank1.log").read_text()
+    assert re.search(r'File ".*user_hooks\.py", line \d+, in step_raises', log)
+    # Rank 0 left at the alarm, or at the error of a collective with rank 1 gone: quietly.
+    assert "watchdog: rank 1 stopped the run; " in (tmp_path / "run.log").read_text()
+    assert invalid_reason(tmp_path / "checkpoints" / "step-1") is None
+    assert_all_gone(ranks)
+
+
+def test_a_dead_engine_process_ends_a_disaggregated_run_at_once_with_one_line(tmp_path):
+    """The generator rank's engine process is SIGKILLed after step 2: the generator rank says
+    so in one line naming the step, the trainer rank exits at once, no process is left."""
+    flags = (
+        *("--job.config_file", DEBUG_TOML, "--generator.placement", "disaggregated"),
+        *("--training.steps", "20", "--job.dump_folder", str(tmp_path)),
+    )
+    process = start(*flags)
+    try:
+        wait_for_step(process, tmp_path, 2)
+        ranks = processes_under(process)
+        rank_1 = next(p for p in ranks if p.environ().get("RANK") == "1")
+        engine = next(p for p in rank_1.children() if "spawn_main" in " ".join(p.cmdline()))
+        engine.kill()
+        killed_at = time.monotonic()
+        _, stderr = process.communicate(timeout=120)
+        took = time.monotonic() - killed_at
+    finally:
+        kill_tree(process)
+    assert process.returncode != 0
+    (line,) = errors(stderr)
+    assert re.fullmatch(
+        r"error: step \d+: the generator's engine process died \(exit code -9\)", line
+    ), line
+    assert took < 30, took
+    assert_all_gone(ranks)
