@@ -22,6 +22,10 @@ that is due (eval.interval) as soon as it takes those weights, between its steps
 result with its next rollout (the last version's in a message of its own after the last step);
 trainer rank 0 logs the sum, naming the version (eval/policy_version) at the step it arrived.
 
+Preemption (watchdog.py): a generator rank asked to stop says so with its next rollout; the
+trainers stop after that step, write a checkpoint, and trainer rank 0 sends the generators a
+stop header where the next weights would come (`BroadcastSender.send_stop`).
+
 Resume: trainers restore the checkpoint and broadcast its weights first. Rollouts that were in
 flight when the run stopped are discarded and regenerated: prompts and seeds are functions of
 the step, so the regenerated rollouts sample the same prompts.

@@ -1,4 +1,5 @@
 """Disaggregated placement: 1 trainer rank + 1 generator rank under torchrun, k = 0 and 1.
+k = 0 with DAPO, preempted and resumed: tests/integration/test_long_runs.py.
 
 .venv/bin/python -m pytest tests/integration/test_disaggregated.py
 
@@ -51,32 +52,6 @@ def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_w
     # Measured with the 68-token tiny checkpoint: 0.865, a plateau from step 70 (colocated,
     # the same run reaches 0.996; with the earlier 64-token checkpoint this was above 0.9).
     assert sum(r["reward/mean"] for r in last) / 10 > 0.8
-
-
-def test_synchronous_k0_dapo_then_resume_from_a_checkpoint(tmp_path):
-    """k = 0 with DAPO: dynamic sampling runs on the generator rank (the same
-    RolloutProducer.rollouts): flat groups are replaced by further rounds of prompts, and the
-    trainer logs what it took. Then a second launch resumes from the step-4 checkpoint."""
-    flags = (
-        *DISAGGREGATED,
-        *("--algorithm.loss", "dapo", "--checkpoint.enable", "true", "--checkpoint.interval", "2"),
-    )
-    first = run_train(*flags, "--training.steps", "4", "--job.dump_folder", str(tmp_path), nproc=2)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert [row["policy_age/max"] for row in metric_rows(tmp_path)] == [0.0] * 4
-
-    second = run_train(*flags, "--training.steps", "6", "--job.dump_folder", str(tmp_path), nproc=2)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step-4'}" in second.stdout
-    metrics = metric_rows(tmp_path)
-    assert [row["step"] for row in metrics] == [1, 2, 3, 4, 5, 6]
-    # The generator got the restored weights (version 4) before sampling step 5.
-    assert [row["rollout_version/min"] for row in metrics[4:]] == [4.0, 5.0]
-    assert {row["weight_sync/verified"] for row in metrics} == {1.0}
-    for row in metrics:
-        # The tiny model starts near reward 0: most groups are flat, so it takes more rounds.
-        assert 1 < row["dynamic_sampling/rounds"] <= 4
-        assert row["dynamic_sampling/generated_groups"] > 32
 
 
 def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_path):

@@ -148,7 +148,9 @@ def test_sigterm_colocated_finishes_the_step_checkpoints_and_resumes_as_uninterr
 def test_sigusr1_to_the_generator_rank_stops_a_disaggregated_run_that_resumes_exactly(tmp_path):
     """k = 0 disaggregated with DAPO: SIGUSR1 to the generator rank alone after step 2. Its
     next rollout carries the request, the trainer stops after that step (checkpoint written)
-    and tells the generator; the relaunch ends as an uninterrupted run, row for row."""
+    and tells the generator; the relaunch ends as an uninterrupted run, row for row. Dynamic
+    sampling runs on the generator rank (the same RolloutProducer.rollouts): flat groups are
+    replaced by further rounds of prompts, and the trainer logs what it took."""
     flags = (
         *("--job.config_file", DEBUG_TOML, "--generator.placement", "disaggregated"),
         *("--generator.verify_weight_sync", "true", "--algorithm.loss", "dapo"),
@@ -157,6 +159,11 @@ def test_sigusr1_to_the_generator_rank_stops_a_disaggregated_run_that_resumes_ex
     reference = tmp_path / "uninterrupted"
     result = run_train(*flags, "--job.dump_folder", str(reference), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    for row in metric_rows(reference):
+        assert row["policy_age/max"] == 0.0
+        # The tiny model starts near reward 0: most groups are flat, so it takes more rounds.
+        assert 1 < row["dynamic_sampling/rounds"] <= 4
+        assert row["dynamic_sampling/generated_groups"] > 32
     out = tmp_path / "preempted"
     step = preempt(flags, out, after_step=2, sig=signal.SIGUSR1, rank=1)
     assert step < 5, step
@@ -166,7 +173,7 @@ def test_sigusr1_to_the_generator_rank_stops_a_disaggregated_run_that_resumes_ex
     assert_resumed_as(reference, out, step, exact=False)
     metrics = metric_rows(out)
     # The generator took the restored weights before sampling the next step.
-    assert metrics[step]["rollout_version/min"] == step
+    assert [row["rollout_version/min"] for row in metrics[step:]] == list(range(step, 5))
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
 
 
