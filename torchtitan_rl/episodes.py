@@ -33,7 +33,7 @@ from torchtitan_rl.tasks import Task, build_task, dataset_keys
 from torchtitan_rl.tasks.dataset import read_rows
 from torchtitan_rl.tasks.env import Environment, EnvStep, SingleTurn, load_env
 from torchtitan_rl.tasks.render import Renderer, build_renderer
-from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn
+from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_rewards
 from torchtitan_rl.types import Completions, Prompt, Sample, Scored, is_chat
 
 
@@ -155,9 +155,28 @@ class Episodes:
                     going, following.samples, strict=True
                 )
             ]
+        began = time.perf_counter()
+        parts_PN = await self._score(groups)
+        env_s += time.perf_counter() - began
         samples = [[e.sample(finish[id(e)]) for e in group] for group in groups]
         rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
-        return Scored(Completions(first_ids, samples), rewards_PN, env_s)
+        return Scored(Completions(first_ids, samples), rewards_PN, env_s, parts_PN)
+
+    async def _score(self, groups: list[list[Episode]]) -> dict[str, torch.Tensor]:
+        """Score the answers of single-turn episodes, all at once (batched and async reward
+        functions take them together); each reward function's values [P, N] by name, when
+        the run has several."""
+        answered = [e for group in groups for e in group if isinstance(e.env, SingleTurn)]
+        answered = [e for e in answered if e.env.answer is not None]
+        if not answered:
+            return {}
+        prompts, answers = [e.prompt for e in answered], [e.env.answer for e in answered]
+        rewards, parts = await self.scorer.score(prompts, answers)
+        for episode, reward in zip(answered, rewards, strict=True):
+            episode.reward += reward
+        shape = (len(groups), len(groups[0]))
+        whole = len(answered) == shape[0] * shape[1]
+        return {name: torch.tensor(v).view(shape) for name, v in parts.items()} if whole else {}
 
     async def _reset(self, groups: list[list[Episode]]) -> list[list[int]]:
         """Open every episode; the first prompt's ids of each group."""
@@ -289,12 +308,18 @@ def open_task(config: JobConfig) -> OpenTask:
     section = config.task
     task = build_task(section, seed=config.job.seed)
     renderer = build_renderer(section, config.model.tokenizer_dir, config.training.max_prompt_len)
-    reward_fn = load_reward_fn(section.reward_fn) if section.reward_fn else None
-    scorer = Scorer(task, reward_fn, section.reward_on_error, section.reward_timeout_s)
+    rewards = load_rewards(section.reward_fn, section.rewards)
+    scorer = Scorer(
+        task,
+        rewards,
+        section.reward_on_error,
+        section.reward_timeout_s,
+        log_each=bool(section.rewards),
+    )
     if section.name == "env":
         make_env = load_env(section.env, section.env_kwargs)
     else:
-        make_env = lambda: SingleTurn(scorer)  # noqa: E731
+        make_env = SingleTurn
     episodes = Episodes(
         renderer,
         make_env,

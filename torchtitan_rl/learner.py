@@ -270,10 +270,14 @@ def rollout_metrics(
             float(sum(s.turns for s in samples)),
             float(sum(s.tool_calls for s in samples)),
             float(sum(s.tool_errors for s in samples)),
+            *(float(v.sum()) for _, v in sorted(rollouts.reward_parts_PN.items())),
         ],
         dtype=torch.float64,
     )
     platform.all_reduce_host(sums, group=group)
+    names = sorted(rollouts.reward_parts_PN)
+    part_sums = sums[len(sums) - len(names) :].tolist()
+    sums = sums[: len(sums) - len(names)]
     longest = torch.tensor([float(max((s.sampled_tokens for s in samples), default=0))])
     platform.all_reduce_host(longest, op=dist.ReduceOp.MAX, group=group)
     reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
@@ -300,4 +304,6 @@ def rollout_metrics(
         "env/turns": turns / samples,
         "env/tool_calls": tool_calls / samples,
         "env/tool_error_rate": tool_errors / max(tool_calls, 1.0),
+        # Each reward function's own mean (task.rewards), before its weight.
+        **{f"reward/{name}": total / samples for name, total in zip(names, part_sums, strict=True)},
     }

@@ -74,7 +74,13 @@ class RolloutProducer:
                 )
             check_rewards(step, scored.rewards_PN)
             rounds.append(
-                Rollouts(prompts, scored.completions, scored.rewards_PN, env_s=scored.env_s)
+                Rollouts(
+                    prompts,
+                    scored.completions,
+                    scored.rewards_PN,
+                    env_s=scored.env_s,
+                    reward_parts_PN=scored.reward_parts_PN,
+                )
             )
             if not algorithm.dynamic_sampling:
                 return rounds[0]

@@ -84,6 +84,8 @@ class Scored:
     completions: Completions
     rewards_PN: torch.Tensor
     env_s: float
+    reward_parts_PN: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each reward function's own values, by name, when a run has several (task.rewards)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +106,8 @@ class Rollouts:
     """Groups without learning signal kept because the rounds ran out (dynamic sampling)."""
     env_s: float = 0.0
     """Seconds spent in the environments (rewards included; summed by `cat`)."""
+    reward_parts_PN: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each reward function's own values [P, N], by name (task.rewards with several)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -128,6 +132,7 @@ class Rollouts:
                 samples=[self.completions.samples[i] for i in index],
             ),
             rewards_PN=self.rewards_PN[keep_P],
+            reward_parts_PN={k: v[keep_P] for k, v in self.reward_parts_PN.items()},
         )
 
     @staticmethod
@@ -145,6 +150,10 @@ class Rollouts:
             generated_groups=sum(part.generated_groups or len(part) for part in parts),
             short_groups=sum(part.short_groups for part in parts),
             env_s=sum(part.env_s for part in parts),
+            reward_parts_PN={
+                name: torch.cat([part.reward_parts_PN[name] for part in parts])
+                for name in parts[0].reward_parts_PN
+            },
         )
 
 

@@ -79,7 +79,7 @@ def main() -> None:
         episodes = Episodes(
             renderer,
             lambda: Chatter(turns=3),
-            Scorer(None, None, "zero"),
+            Scorer(None, [], "zero"),
             stop_ids=checkpoint_stop_ids(TINY),
             max_turns=4,
             max_model_len=max_model_len,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 from helpers.launch import (
     DEBUG_TOML,
     HELPERS,
@@ -139,9 +140,12 @@ def test_a_failing_checkpoint_write_stops_the_run_with_one_line(tmp_path):
     assert logged_steps(tmp_path) == {1, 2}
 
 
-def test_a_run_on_a_dataset_with_a_user_reward_that_raises(tmp_path):
+def test_a_run_with_a_reward_that_raises_and_a_batched_async_one(tmp_path):
+    """task.rewards: a per-sample function that raises on odd answers (counted, scored 0)
+    and a batched async one, called once per step with the step's 256 completions."""
     rows = [{"prompt": f"echo {d}:", "answer": str(d)} for d in range(10)]
     (tmp_path / "echo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    calls = tmp_path / "batch_calls"
     result = run_train(
         *("--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path / "run")),
         "--training.steps",
@@ -150,13 +154,19 @@ def test_a_run_on_a_dataset_with_a_user_reward_that_raises(tmp_path):
         "dataset",
         "--task.dataset_path",
         str(tmp_path / "echo.jsonl"),
-        "--task.reward_fn",
-        "user_rewards:raises_on_odd",
-        env={"PYTHONPATH": HELPERS},
+        "--task.rewards",
+        *("user_rewards:raises_on_odd", "1.0", "user_rewards:async_batch_starts_with_answer", "1"),
+        env={"PYTHONPATH": HELPERS, "TORCHTITAN_RL_CALLS_TO": str(calls)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in metrics]
     # Every step draws odd answers, whose reward raises: counted (cumulatively), scored 0.
     assert 0 < rows[0]["reward/errors"] < rows[1]["reward/errors"]
-    assert all(0.0 <= r["reward/mean"] <= 0.5 for r in rows)
+    for row in rows:
+        assert 0.0 <= row["reward/raises_on_odd"] <= 0.5
+        assert row["reward/mean"] == pytest.approx(
+            row["reward/raises_on_odd"] + row["reward/async_batch_starts_with_answer"]
+        )
+    # One call per step (a world of one: one rank), with all of the step's completions.
+    assert (tmp_path / "batch_calls.rank0").read_text().split() == ["256", "256"]

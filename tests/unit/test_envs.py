@@ -59,7 +59,7 @@ class Scripted:
 
 
 def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):
-    scorer = Scorer(None, None, on_error)
+    scorer = Scorer(None, [], on_error)
     runner = Episodes(
         renderer,
         make_env,

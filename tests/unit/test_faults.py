@@ -5,13 +5,14 @@ test_model.py (test_non_finite_step_stops_without_touching_weights).
     .venv/bin/python -m pytest tests/unit/test_faults.py
 """
 
+import asyncio
 import time
 
 import pytest
 import torch
 from helpers.launch import HELPERS
 
-from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_reward_fn, math_reward, time_limit
+from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_rewards, math_reward, time_limit
 from torchtitan_rl.tasks.toy import EchoDigitsTask
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError, check_finite
 from torchtitan_rl.types import Prompt
@@ -30,29 +31,33 @@ def test_a_non_finite_logprob_is_named():
         check_finite(7, "generator", logprobs, mask)
 
 
+def score(scorer: Scorer, prompts: list[Prompt], completions: list[str]) -> list[float]:
+    return asyncio.run(scorer.score(prompts, completions))[0]
+
+
 def test_reward_errors_count_as_zero_or_stop_the_run(monkeypatch):
     monkeypatch.syspath_prepend(HELPERS)
-    fn = load_reward_fn("user_rewards:raises_on_odd")
+    rewards = load_rewards("user_rewards:raises_on_odd", {})
     task = EchoDigitsTask()
     odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
-    zero = Scorer(task, fn, on_error="zero")
-    assert [zero(odd, "3"), zero(even, "4"), zero(odd, "3")] == [0.0, 1.0, 0.0]
+    zero = Scorer(task, rewards, on_error="zero")
+    assert score(zero, [odd, even, odd], ["3", "4", "3"]) == [0.0, 1.0, 0.0]
     assert zero.errors == 2
     with pytest.raises(RewardError, match=r"raised ValueError\(.*\) on prompt 'echo 3:'"):
-        Scorer(task, fn, on_error="fail")(odd, "3")
+        score(Scorer(task, rewards, on_error="fail"), [odd], ["3"])
 
 
 def test_a_hanging_reward_times_out_and_counts_or_stops(monkeypatch):
     monkeypatch.syspath_prepend(HELPERS)
-    fn = load_reward_fn("user_rewards:hangs_on_odd")
+    rewards = load_rewards("user_rewards:hangs_on_odd", {})
     task = EchoDigitsTask()
     odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
-    zero = Scorer(task, fn, on_error="zero", timeout_s=0.2)
+    zero = Scorer(task, rewards, on_error="zero", timeout_s=0.2)
     start = time.monotonic()
-    assert [zero(odd, "3"), zero(even, "4")] == [0.0, 1.0]
+    assert score(zero, [odd, even], ["3", "4"]) == [0.0, 1.0]
     assert zero.errors == 1 and time.monotonic() - start < 5
     with pytest.raises(RewardError, match=r"took longer than task.reward_timeout_s = 0.2 s on"):
-        Scorer(task, fn, on_error="fail", timeout_s=0.2)(odd, "3")
+        score(Scorer(task, rewards, on_error="fail", timeout_s=0.2), [odd], ["3"])
     # The built-in math reward runs under the same limit without math-verify's own alarms.
     with time_limit(5.0):
         assert math_reward("2 + 2?", "so \\boxed{4}", "4") == 1.0

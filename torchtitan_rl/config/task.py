@@ -6,6 +6,7 @@ Values only: the datasets, their rows and the reward function are checked when t
 opened (tasks.open_task), before any model is built.
 """
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,7 +42,13 @@ class TaskSection:
     """Passed to the chat template (Qwen3: false renders an empty think block, so the model
     answers without reasoning); unset: the template's default."""
     reward_fn: str | None = None
-    """Custom reward `module:function(prompt, completion, answer) -> float`; None: the task's."""
+    """Custom reward `module:function(prompt, completion, answer) -> float`; None: the task's.
+    It may be `async`, or batched (`@torchtitan_rl.tasks.rewards.batched`: lists in, a list
+    out, one call per step and rank; docs/data_and_eval.md)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Several reward functions and their weights, a [task.rewards] table of
+    "module:function" = weight: the reward is the weighted sum, and each function's mean is
+    logged as reward/<function>. Instead of task.reward_fn."""
     reward_on_error: Literal["zero", "fail"] = "zero"
     """When the reward function raises or times out: count and log it and give the sample 0,
     or stop."""
@@ -127,6 +134,26 @@ class TaskSection:
             self.reward_fn is None or self.reward_fn.count(":") == 1,
             f"task.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
         )
+        require(
+            not (self.reward_fn and self.rewards),
+            f"task.reward_fn = {self.reward_fn!r} and task.rewards are both set: list every "
+            "function with its weight in task.rewards, or keep only task.reward_fn",
+        )
+        require(
+            not self.rewards or self.name != "env",
+            "task.rewards is set but with task.name = 'env' the environment gives the rewards "
+            "(EnvStep.reward): remove the [task.rewards] table",
+        )
+        for spec, weight in self.rewards.items():
+            require(
+                spec.count(":") == 1,
+                f"task.rewards[{spec!r}]: write the function as 'module:function'",
+            )
+            require(
+                math.isfinite(weight) and weight != 0,
+                f"task.rewards[{spec!r}] = {weight}: a weight must be finite and not 0 (a "
+                "function of weight 0 changes nothing: remove it)",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

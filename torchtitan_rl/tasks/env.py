@@ -8,7 +8,8 @@ turn with environment messages (tool results, a user's reply), whether the episo
 and a reward that adds to the episode's. Tokens are the episode runner's business
 (`tasks.episodes`), which never re-encodes what the model sampled.
 
-A single-turn task is the one-step case (`SingleTurn`): its step scores the answer and ends.
+A single-turn task is the one-step case (`SingleTurn`): its step takes the answer and ends;
+the episode runner scores the answers.
 A user environment is any class with these two coroutines, named `module:Class` in
 `task.env` and built once per episode with `task.env_kwargs`.
 """
@@ -23,7 +24,7 @@ from typing import Protocol
 
 from torchtitan_rl.config import ConfigError
 from torchtitan_rl.config.manager import import_spec
-from torchtitan_rl.tasks.rewards import Scorer, math_reward
+from torchtitan_rl.tasks.rewards import math_reward
 from torchtitan_rl.types import Prompt
 
 
@@ -56,17 +57,19 @@ class Environment(Protocol):
 
 
 class SingleTurn:
-    """A single-turn task as an environment: the prompt's messages, one answer, its reward."""
+    """A single-turn task as an environment: the prompt's messages, one answer. The episode
+    runner scores a step's answers together (`Scorer.score`: batched and async reward
+    functions), so the step itself gives no reward."""
 
-    def __init__(self, scorer: Scorer):
-        self.scorer = scorer
+    def __init__(self):
+        self.answer: str | None = None
 
     async def reset(self, prompt: Prompt) -> tuple[list[dict], None]:
-        self.prompt = prompt
         return list(prompt.messages or [{"role": "user", "content": prompt.text}]), None
 
     async def step(self, message: dict) -> EnvStep:
-        return EnvStep([], done=True, reward=self.scorer(self.prompt, message["content"]))
+        self.answer = message["content"]
+        return EnvStep([], done=True)
 
 
 def load_env(spec: str, kwargs: dict) -> Callable[[], Environment]:

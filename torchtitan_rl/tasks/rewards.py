@@ -3,14 +3,18 @@
 .venv/bin/python -m pytest tests/unit/test_tasks.py
 """
 
+import asyncio
 import functools
+import inspect
 import re
 import signal
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from torchtitan_rl import console
+from torchtitan_rl.config import ConfigError
 from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.tasks.base import Task
@@ -45,9 +49,62 @@ def _math_verify():
     return math_verify
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, field: str = "task.reward_fn") -> RewardFn:
     """The function named by 'package.module:function'; a ConfigError if it does not import."""
-    return import_spec(spec, "task.reward_fn", "function")
+    return import_spec(spec, field, "function")
+
+
+def batched(fn):
+    """Declare a reward function batched: `fn(prompts, completions, answers) -> list[float]`,
+    called once with a step's completions (this rank's), e.g. to send them to a judge model in
+    one request. May be `async`, as may a per-sample function."""
+    fn.batched = True
+    return fn
+
+
+@dataclass(frozen=True, slots=True)
+class Reward:
+    """One reward function of a run, and its weight in the sum that is the reward."""
+
+    name: str
+    """Its function's name: metrics log its mean as reward/<name>."""
+    fn: Callable
+    weight: float = 1.0
+
+    @property
+    def batched(self) -> bool:
+        return bool(getattr(self.fn, "batched", False))
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+
+def load_rewards(reward_fn: str | None, rewards: dict[str, float]) -> list[Reward]:
+    """The reward functions of task.reward_fn (one, weight 1) or task.rewards (spec ->
+    weight), imported; [] for the task's own reward."""
+    specs = {reward_fn: 1.0} if reward_fn else rewards
+    loaded = [
+        Reward(spec.split(":")[1], load_reward_fn(spec, _field(reward_fn, spec)), weight)
+        for spec, weight in specs.items()
+    ]
+    names = [r.name for r in loaded]
+    for name in names:
+        if name in ("mean", "std", "errors"):
+            raise ConfigError(
+                f"task.rewards: a function called {name!r} would log as reward/{name}, which "
+                "the run's own reward figures use; rename it"
+            )
+        if names.count(name) > 1:
+            raise ConfigError(
+                f"task.rewards names two functions called {name!r}: their metrics would both "
+                f"be reward/{name}; rename one"
+            )
+    return loaded
+
+
+def _field(reward_fn: str | None, spec: str) -> str:
+    return "task.reward_fn" if reward_fn else f"task.rewards[{spec!r}]"
 
 
 class RewardError(StopRun):
@@ -79,26 +136,99 @@ def time_limit(seconds: float):
 
 
 class Scorer:
-    """Scores completions with the task's reward (or `reward_fn`), applying the error policy:
-    a reward function that raises or runs past `timeout_s` is counted and logged, and the
-    sample gets 0 ("zero") or the run stops ("fail")."""
+    """Scores completions with the task's reward or the run's reward functions (their weighted
+    sum), applying the error policy: a reward function that raises, runs past `timeout_s` or
+    returns something that is not one number per sample is counted and logged, and the sample
+    gets 0 ("zero") or the run stops ("fail")."""
 
     def __init__(
-        self, task: Task, reward_fn: RewardFn | None, on_error: str, timeout_s: float = 0.0
+        self,
+        task: Task,
+        rewards: list[Reward],
+        on_error: str,
+        timeout_s: float = 0.0,
+        log_each: bool = False,
     ):
-        self.task, self.reward_fn, self.on_error = task, reward_fn, on_error
-        self.timeout_s = timeout_s
+        """`log_each`: give each reward function's values too (reward/<name>: task.rewards)."""
+        self.task, self.rewards, self.on_error = task, rewards, on_error
+        self.timeout_s, self.log_each = timeout_s, log_each
         self.errors = 0
 
-    def __call__(self, prompt: Prompt, completion: str) -> float:
+    @property
+    def names(self) -> list[str]:
+        """The reward functions whose values `score` gives one by one."""
+        return [r.name for r in self.rewards] if self.log_each else []
+
+    async def score(
+        self, prompts: list[Prompt], completions: list[str]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """The reward of each completion of `prompts[i]`, and each reward function's own
+        values by name (`names`). Batched functions take one call; async ones run
+        concurrently, each call within `timeout_s`."""
+        if not self.rewards:
+            return [self._task_reward(p, c) for p, c in zip(prompts, completions, strict=True)], {}
+        parts = {}
+        for reward in self.rewards:
+            if reward.batched:
+                parts[reward.name] = await self._batch(reward, prompts, completions)
+            elif reward.is_async:
+                pairs = zip(prompts, completions, strict=True)
+                calls = [self._one_async(reward, p, c) for p, c in pairs]
+                parts[reward.name] = list(await asyncio.gather(*calls))
+            else:
+                calls = zip(prompts, completions, strict=True)
+                parts[reward.name] = [self._one(reward, p, c) for p, c in calls]
+        total = [
+            sum(r.weight * parts[r.name][i] for r in self.rewards) for i in range(len(prompts))
+        ]
+        return total, {name: parts[name] for name in self.names}
+
+    def _what(self, who: str, e: Exception) -> str:
+        if isinstance(e, RewardTimeout | TimeoutError):
+            return f"{who} took longer than task.reward_timeout_s = {self.timeout_s:g} s"
+        if isinstance(e, TypeError | ValueError) and str(e).startswith("returned "):
+            return f"{who} {e}"
+        return f"{who} raised {e!r}"
+
+    def _task_reward(self, prompt: Prompt, completion: str) -> float:
         try:
             with time_limit(self.timeout_s):
-                if self.reward_fn is not None:
-                    return float(self.reward_fn(prompt.text, completion, prompt.answer))
-                return float(self.task.reward(prompt, completion))
+                return _number(self.task.reward(prompt, completion))
+        except Exception as e:  # a task's reward on a completion: counted as the user's are
+            return self.failed(self._what("the task's reward", e), prompt, e)
+
+    def _one(self, reward: Reward, prompt: Prompt, completion: str) -> float:
+        try:
+            with time_limit(self.timeout_s):
+                return _number(reward.fn(prompt.text, completion, prompt.answer))
         except Exception as e:  # user code: any exception is the reward function's failure
-            what = str(e) if isinstance(e, RewardTimeout) else f"raised {e!r}"
-            return self.failed(f"the reward function {what}", prompt, e)
+            return self.failed(self._what(f"the reward function {reward.name}", e), prompt, e)
+
+    async def _one_async(self, reward: Reward, prompt: Prompt, completion: str) -> float:
+        try:
+            async with asyncio.timeout(self.timeout_s or None):
+                return _number(await reward.fn(prompt.text, completion, prompt.answer))
+        except Exception as e:  # user code: any exception is the reward function's failure
+            return self.failed(self._what(f"the reward function {reward.name}", e), prompt, e)
+
+    async def _batch(
+        self, reward: Reward, prompts: list[Prompt], completions: list[str]
+    ) -> list[float]:
+        args = ([p.text for p in prompts], completions, [p.answer for p in prompts])
+        try:
+            if reward.is_async:
+                async with asyncio.timeout(self.timeout_s or None):
+                    values = await reward.fn(*args)
+            else:
+                with time_limit(self.timeout_s):
+                    values = reward.fn(*args)
+            values = list(values)
+            if len(values) != len(prompts):
+                raise ValueError(f"returned {len(values)} values for {len(prompts)} completions")
+            return [_number(v) for v in values]
+        except Exception as e:  # user code: the whole batch failed
+            what = self._what(f"the batched reward function {reward.name}", e)
+            return [self.failed(what, p, e) for p in prompts]
 
     def failed(self, what: str, prompt: Prompt, cause: BaseException | None = None) -> float:
         """The reward of a sample whose scoring failed (`what` did): 0, counted and logged
@@ -109,3 +239,11 @@ class Scorer:
         if self.errors == 1:
             console.warn(f"warning: {what}; such samples get reward 0")
         return 0.0
+
+
+def _number(value) -> float:
+    """A reward as a float; anything but a number (a string, a list, None) is the reward
+    function's error."""
+    if isinstance(value, str | bytes | bool) or not hasattr(value, "__float__"):
+        raise TypeError(f"returned {value!r:.60}, not a number")
+    return float(value)
