@@ -142,12 +142,9 @@ def kill_tree(process: subprocess.Popen) -> None:
     psutil.wait_procs(victims, timeout=30)
 
 
-def run(
-    command: list[str], env: dict[str, str] | None = None, timeout_s: float = 600
-) -> subprocess.CompletedProcess:
-    """Run `command` from the repo root; the result, not checked. A command still running
-    after `timeout_s` is killed with everything under it."""
-    process = subprocess.Popen(
+def start_piped(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `command` from the repo root, its stdout and stderr piped as text."""
+    return subprocess.Popen(
         command,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -156,6 +153,14 @@ def run(
         env=environment(env),
         start_new_session=True,
     )
+
+
+def run(
+    command: list[str], env: dict[str, str] | None = None, timeout_s: float = 600
+) -> subprocess.CompletedProcess:
+    """Run `command` from the repo root; the result, not checked. A command still running
+    after `timeout_s` is killed with everything under it."""
+    process = start_piped(command, env)
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -18,13 +19,12 @@ from helpers import runs
 from helpers.launch import (
     DEBUG_TOML,
     HELPERS,
-    REPO,
     assert_resumed_as,
-    environment,
     kill_tree,
     launcher,
     metric_rows,
     run_train,
+    start_piped,
     wait_for_step,
 )
 
@@ -36,15 +36,34 @@ HOOKS_ENV = {"PYTHONPATH": HELPERS}
 
 def start(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """torchrun with 2 ranks of torchtitan_rl.train, its console piped."""
-    return subprocess.Popen(
-        [*launcher(2), "-m", "torchtitan_rl.train", *flags],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment(env),
-        start_new_session=True,
-    )
+    return start_piped([*launcher(2), "-m", "torchtitan_rl.train", *flags], env)
+
+
+@dataclass
+class Ended:
+    """How a run with a fault ended: its exit code and stderr, the seconds from the fault's
+    step to its end, and the processes it had then."""
+
+    returncode: int
+    stderr: str
+    seconds: float
+    processes: list[psutil.Process]
+
+
+def run_into(flags: tuple[str, ...], out: Path, step: int, env=None, fault=None) -> Ended:
+    """Launch; once `step` is logged call `fault(processes)` (if any) and wait for the end."""
+    process = start(*flags, "--job.dump_folder", str(out), env=env)
+    try:
+        wait_for_step(process, out, step)
+        processes = processes_under(process)
+        if fault is not None:
+            fault(processes)
+        began = time.monotonic()
+        _, stderr = process.communicate(timeout=120)
+        seconds = time.monotonic() - began
+    finally:
+        kill_tree(process)
+    return Ended(process.returncode, stderr, seconds, processes)
 
 
 def processes_under(process: subprocess.Popen) -> list[psutil.Process]:
@@ -67,34 +86,26 @@ def test_a_rank_stuck_in_a_phase_is_named_its_stacks_logged_and_every_rank_exits
     flags = (
         *("--job.config_file", DEBUG_TOML, "--training.steps", "4"),
         *("--job.hooks", "user_hooks:HangsInTrainOnRank1", "--job.phase_timeout_s", "10"),
-        *("--job.collective_timeout_s", "70", "--job.dump_folder", str(tmp_path)),
+        *("--job.collective_timeout_s", "70"),
     )
-    process = start(*flags, env=HOOKS_ENV)
-    try:
-        wait_for_step(process, tmp_path, 1)
-        ranks = processes_under(process)
-        stuck_at = time.monotonic()  # step 2 starts about now
-        _, stderr = process.communicate(timeout=120)
-        took = time.monotonic() - stuck_at
-    finally:
-        kill_tree(process)
-    assert process.returncode != 0
-    assert errors(stderr) == [
+    ended = run_into(flags, tmp_path, 1, env=HOOKS_ENV)  # step 2 starts as step 1 is logged
+    assert ended.returncode != 0
+    assert errors(ended.stderr) == [
         "error: step 2: rank 1 did not finish phase 'train' within job.phase_timeout_s = 10 s "
         "(rank 0 in 'weight_sync' of step 2); the Python stacks of every rank are in "
         f"{tmp_path}/run*.log: raise job.phase_timeout_s if the phase is slow, not stuck"
     ]
     # Both ranks' exit codes, in torchrun's report of the failed ranks.
-    assert stderr.count(f"exitcode  : {EXIT_HANG} ") == 2, stderr[-3000:]
+    assert ended.stderr.count(f"exitcode  : {EXIT_HANG} ") == 2, ended.stderr[-3000:]
     # 10 s of phase, <= 1 s to notice, the stacks: far from the 70 s a collective would take.
-    assert took < 40, took
+    assert ended.seconds < 40, ended.seconds
     stuck = (tmp_path / "run.rank1.log").read_text()
     assert "watchdog: rank 1: a phase ran past job.phase_timeout_s; stacks:" in stuck
     assert re.search(r'File ".*user_hooks\.py", line \d+ in after_train', stuck)
     waiting = (tmp_path / "run.log").read_text()
     assert "watchdog: rank 0: a phase ran past job.phase_timeout_s; stacks:" in waiting
     assert re.search(r'File ".*weight_sync/local\.py", line \d+ in sync', waiting)
-    assert_all_gone(ranks)
+    assert_all_gone(ended.processes)
 
 
 def preempt(
@@ -184,30 +195,22 @@ def test_an_engine_that_raises_on_one_rank_ends_the_run_at_once_with_one_line(tm
     flags = (
         *("--job.config_file", DEBUG_TOML, "--training.steps", "4"),
         *("--checkpoint.enable", "true", "--checkpoint.interval", "1"),
-        *("--job.hooks", "user_hooks:EngineRaisesOnRank1", "--job.dump_folder", str(tmp_path)),
+        *("--job.hooks", "user_hooks:EngineRaisesOnRank1"),
     )
-    process = start(*flags, env=HOOKS_ENV)
-    try:
-        wait_for_step(process, tmp_path, 1)
-        ranks = processes_under(process)
-        failing_at = time.monotonic()
-        _, stderr = process.communicate(timeout=120)
-        took = time.monotonic() - failing_at
-    finally:
-        kill_tree(process)
-    assert process.returncode != 0
-    assert errors(stderr) == [
+    ended = run_into(flags, tmp_path, 1, env=HOOKS_ENV)
+    assert ended.returncode != 0
+    assert errors(ended.stderr) == [
         "error: step 2: the generator's engine raised RuntimeError('injected fault: the KV "
         "cache is corrupt')"
     ]
-    assert "torchtitan_rl/" not in stderr  # no traceback of ours on the console
-    assert took < 30, took
+    assert "torchtitan_rl/" not in ended.stderr  # no traceback of ours on the console
+    assert ended.seconds < 30, ended.seconds
     log = (tmp_path / "run.rank1.log").read_text()
     assert re.search(r'File ".*user_hooks\.py", line \d+, in step_raises', log)
     # Rank 0 left at the alarm, or at the error of a collective with rank 1 gone: quietly.
     assert "watchdog: rank 1 stopped the run; " in (tmp_path / "run.log").read_text()
     assert invalid_reason(tmp_path / "checkpoints" / "step-1") is None
-    assert_all_gone(ranks)
+    assert_all_gone(ended.processes)
 
 
 def test_a_dead_engine_process_ends_a_disaggregated_run_at_once_with_one_line(tmp_path):
@@ -215,24 +218,19 @@ def test_a_dead_engine_process_ends_a_disaggregated_run_at_once_with_one_line(tm
     so in one line naming the step, the trainer rank exits at once, no process is left."""
     flags = (
         *("--job.config_file", DEBUG_TOML, "--generator.placement", "disaggregated"),
-        *("--training.steps", "20", "--job.dump_folder", str(tmp_path)),
+        *("--training.steps", "20"),
     )
-    process = start(*flags)
-    try:
-        wait_for_step(process, tmp_path, 2)
-        ranks = processes_under(process)
-        rank_1 = next(p for p in ranks if p.environ().get("RANK") == "1")
+
+    def kill_the_engine(processes: list[psutil.Process]) -> None:
+        rank_1 = next(p for p in processes if p.environ().get("RANK") == "1")
         engine = next(p for p in rank_1.children() if "spawn_main" in " ".join(p.cmdline()))
         engine.kill()
-        killed_at = time.monotonic()
-        _, stderr = process.communicate(timeout=120)
-        took = time.monotonic() - killed_at
-    finally:
-        kill_tree(process)
-    assert process.returncode != 0
-    (line,) = errors(stderr)
+
+    ended = run_into(flags, tmp_path, 2, fault=kill_the_engine)
+    assert ended.returncode != 0
+    (line,) = errors(ended.stderr)
     assert re.fullmatch(
         r"error: step \d+: the generator's engine process died \(exit code -9\)", line
     ), line
-    assert took < 30, took
-    assert_all_gone(ranks)
+    assert ended.seconds < 30, ended.seconds
+    assert_all_gone(ended.processes)
