@@ -9,6 +9,8 @@ session of its own (a test signals it without signalling pytest).
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -167,6 +169,50 @@ def run(
         kill_tree(process)  # no rank outlives its test
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def preempt(
+    flags: tuple[str, ...],
+    out: Path,
+    after_step: int,
+    sig: signal.Signals,
+    rank: int | None,
+    module: str = "torchtitan_rl.train",
+) -> int:
+    """Launch `module` with 2 ranks, and once `after_step` is logged send `sig` to torchrun
+    (rank None), which forwards it to every rank, or to one rank. The run must finish its step,
+    write a complete checkpoint, say so in one line and end, every rank gone; returns the step
+    it stopped after (watchdog.py)."""
+    from torchtitan_rl.checkpoint import invalid_reason
+    from torchtitan_rl.watchdog import EXIT_PREEMPTED
+
+    command = [*launcher(2), "-m", module, *flags, "--job.dump_folder", str(out)]
+    process = start_piped(command)
+    try:
+        wait_for_step(process, out, after_step)
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        if rank is None:
+            process.send_signal(sig)
+        else:
+            next(p for p in ranks if p.environ().get("RANK") == str(rank)).send_signal(sig)
+        stdout, stderr = process.communicate(timeout=60)  # torchrun's grace period: 30 s
+    finally:
+        kill_tree(process)
+    stops = re.findall(
+        rf"^step (\d+): stopped by {sig.name} \(exit code 75\): saved (.*); launch the same "
+        "command to resume$",
+        stdout,
+        re.M,
+    )
+    assert len(stops) == 1, stdout + stderr[-3000:]
+    step, saved = int(stops[0][0]), Path(stops[0][1])
+    assert saved == out / "checkpoints" / f"step-{step}" and invalid_reason(saved) is None
+    assert step >= after_step
+    if rank is not None:  # torchrun, not signalled itself, reports every rank's exit code
+        assert stderr.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, stderr[-3000:]
+    assert "SIGKILL" not in stderr  # every rank was done within torchrun's grace period
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return step
 
 
 def run_train(

@@ -23,13 +23,14 @@ from helpers.launch import (
     kill_tree,
     launcher,
     metric_rows,
+    preempt,
     run_train,
     start_piped,
     wait_for_step,
 )
 
 from torchtitan_rl.checkpoint import invalid_reason
-from torchtitan_rl.watchdog import EXIT_HANG, EXIT_PREEMPTED
+from torchtitan_rl.watchdog import EXIT_HANG
 
 HOOKS_ENV = {"PYTHONPATH": HELPERS}
 
@@ -106,39 +107,6 @@ def test_a_rank_stuck_in_a_phase_is_named_its_stacks_logged_and_every_rank_exits
     assert "watchdog: rank 0: a phase ran past job.phase_timeout_s; stacks:" in waiting
     assert re.search(r'File ".*weight_sync/local\.py", line \d+ in sync', waiting)
     assert_all_gone(ended.processes)
-
-
-def preempt(
-    flags: tuple[str, ...], out: Path, after_step: int, sig: signal.Signals, rank: int | None
-) -> int:
-    """Launch, and once `after_step` is logged send `sig` to torchrun (rank None), which
-    forwards it to every rank, or to one rank; returns the step the run stopped after."""
-    process = start(*flags, "--job.dump_folder", str(out))
-    try:
-        wait_for_step(process, out, after_step)
-        ranks = processes_under(process)
-        if rank is None:
-            process.send_signal(sig)
-        else:
-            next(p for p in ranks if p.environ().get("RANK") == str(rank)).send_signal(sig)
-        stdout, stderr = process.communicate(timeout=60)  # torchrun's grace period: 30 s
-    finally:
-        kill_tree(process)
-    stops = re.findall(
-        rf"^step (\d+): stopped by {sig.name} \(exit code 75\): saved (.*); launch the same "
-        "command to resume$",
-        stdout,
-        re.M,
-    )
-    assert len(stops) == 1, stdout + stderr[-3000:]
-    step, saved = int(stops[0][0]), Path(stops[0][1])
-    assert saved == out / "checkpoints" / f"step-{step}" and invalid_reason(saved) is None
-    assert step >= after_step
-    if rank is not None:  # torchrun, not signalled itself, reports every rank's exit code
-        assert stderr.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, stderr[-3000:]
-    assert "SIGKILL" not in stderr  # every rank was done within torchrun's grace period
-    assert_all_gone(ranks)
-    return step
 
 
 def test_sigterm_colocated_finishes_the_step_checkpoints_and_resumes_as_uninterrupted(

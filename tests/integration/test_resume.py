@@ -1,22 +1,33 @@
-"""Kill a run mid-way, launch the same command again: it resumes from the last complete
+"""Stop a run mid-way, launch the same command again: it resumes from the last complete
 checkpoint and ends as the uninterrupted run of the session did, row for row and bit for bit.
 
     .venv/bin/python -m pytest tests/integration/test_resume.py
 
 One harness, three runs: RL (one rank SIGKILLed: the launcher stops the other quickly, and a
-torn and an unfinished checkpoint are skipped on resume), LoRA RL and SFT (the launcher and
-every rank SIGKILLed). Real torchrun with 2 ranks, DCP files, the real vLLM engine.
+torn and an unfinished checkpoint are skipped on resume), LoRA RL (the launcher and every rank
+SIGKILLed) and SFT (SIGTERM to torchrun: the step finishes and its checkpoint is written,
+watchdog.py). Real torchrun with 2 ranks, DCP files, the real vLLM engine. RL preempted,
+colocated and disaggregated: test_long_runs.py.
 """
 
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import pytest
 from helpers import runs
-from helpers.launch import assert_resumed_as, kill_tree, run_train, start_train, wait_for_step
+from helpers.launch import (
+    assert_resumed_as,
+    kill_tree,
+    preempt,
+    run_train,
+    start_train,
+    wait_for_step,
+)
 from torch.distributed.checkpoint import FileSystemReader
 
 from torchtitan_rl.checkpoint import invalid_reason
@@ -27,17 +38,20 @@ class Case:
     reference: str  # the session fixture of the uninterrupted run
     flags: tuple[str, ...]
     module: str
-    kill_after: int  # the step whose row is logged before the kill
-    resumed_from: int  # the last complete checkpoint then
+    kill_after: int  # the step whose row is logged before the stop
+    resumed_from: int | None  # the last complete checkpoint then (None: the preempted step's)
     last_step: int
-    kill_one_rank: bool  # True: SIGKILL rank 1 alone; False: the launcher and every rank
+    stop: Literal["kill_rank_1", "kill_all", "sigterm"]
+    """SIGKILL rank 1 alone, or the launcher and every rank; or SIGTERM to the launcher."""
     exact: bool  # rows equal exactly (else within 1e-6)
 
 
 CASES = {
-    "rl": Case("reference_run", runs.REFERENCE, "torchtitan_rl.train", 4, 3, 6, True, False),
-    "lora": Case("lora_run", runs.LORA, "torchtitan_rl.train", 4, 3, 6, False, False),
-    "sft": Case("sft_run", runs.SFT, "torchtitan_rl.sft", 12, 10, 30, False, True),
+    "rl": Case(
+        "reference_run", runs.REFERENCE, "torchtitan_rl.train", 4, 3, 6, "kill_rank_1", False
+    ),
+    "lora": Case("lora_run", runs.LORA, "torchtitan_rl.train", 4, 3, 6, "kill_all", False),
+    "sft": Case("sft_run", runs.SFT, "torchtitan_rl.sft", 12, None, 30, "sigterm", True),
 }
 
 
@@ -70,29 +84,36 @@ def tear(checkpoints: Path, complete: int, torn: int, unfinished: int) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_a_killed_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
+def test_a_stopped_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
     case = CASES[name]
     reference = request.getfixturevalue(case.reference)
     reference = getattr(reference, "folder", reference)
     out = tmp_path / "killed"
     flags = (*case.flags, "--job.dump_folder", str(out))
-    process = start_train(*flags, nproc=2, module=case.module)
-    if case.kill_one_rank:
-        kill_one_rank(process, out, case.kill_after)
+    resumed_from = case.resumed_from
+    if case.stop == "sigterm":
+        resumed_from = preempt(
+            case.flags, out, case.kill_after, signal.SIGTERM, rank=None, module=case.module
+        )
+        assert resumed_from % 10, resumed_from  # a step whose checkpoint was not due
     else:
-        try:
-            wait_for_step(process, out, case.kill_after)
-        finally:
-            kill_tree(process)
+        process = start_train(*flags, nproc=2, module=case.module)
+        if case.stop == "kill_rank_1":
+            kill_one_rank(process, out, case.kill_after)
+        else:
+            try:
+                wait_for_step(process, out, case.kill_after)
+            finally:
+                kill_tree(process)
     checkpoints = out / "checkpoints"
-    assert invalid_reason(checkpoints / f"step-{case.resumed_from}") is None
+    assert invalid_reason(checkpoints / f"step-{resumed_from}") is None
     assert not (checkpoints / f"step-{case.last_step}").exists(), "killed too late"
     if name == "rl":
-        tear(checkpoints, case.resumed_from, torn=5, unfinished=6)
+        tear(checkpoints, resumed_from, torn=5, unfinished=6)
 
     result = run_train(*flags, nproc=2, module=case.module)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resumed from {checkpoints / f'step-{case.resumed_from}'}" in result.stdout
+    assert f"resumed from {checkpoints / f'step-{resumed_from}'}" in result.stdout
     if name == "rl":
         assert f"skipping checkpoint {checkpoints / 'step-5'}: __1_0.distcp has" in result.stderr
         assert f"removing {checkpoints / 'step-6.tmp'}" in result.stderr
@@ -102,4 +123,4 @@ def test_a_killed_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
         model_keys = [k for k in saved if not k.startswith(("optimizer", "lr_scheduler", "train"))]
         assert len(model_keys) == 20 and all(".lora_" in k for k in model_keys), model_keys
 
-    assert_resumed_as(reference, out, case.resumed_from, exact=case.exact)
+    assert_resumed_as(reference, out, resumed_from, exact=case.exact)
