@@ -105,6 +105,8 @@ class Watchdog:
         self.store = _store(self.world)
         self.phase: Phase | None = None
         """Where the loop is; None before its first `mark`."""
+        self.entered = time.monotonic()
+        """When this rank entered its phase (the monotonic clock, for the timeout)."""
         self.published: Phase | None = None
         self.signal: str | None = None
         self.started = False
@@ -166,7 +168,7 @@ class Watchdog:
             self.store.set(f"phase/{self.rank}", phase.encode())
             self.published = phase
         overran = bool(self.timeout_s) and phase is not None and phase.timed
-        overran = overran and time.time() - phase.since > self.timeout_s
+        overran = overran and time.monotonic() - self.entered > self.timeout_s
         if overran:
             _raise_alarm(self.store, "hang")
         alarm = self.store.get("alarm").decode() if self.store.check(["alarm"]) else None
@@ -226,6 +228,8 @@ def stop() -> None:
 def mark(step: int, phase: str, timed: bool = True) -> None:
     """This rank enters `phase` of `step` (`timed`: bounded by job.phase_timeout_s)."""
     if _watchdog is not None:
+        # The wall clock orders phases across ranks; a clock's step must not time one out.
+        _watchdog.entered = time.monotonic()
         _watchdog.phase = Phase(step, phase, time.time(), timed)
         _watchdog.started = True
 
