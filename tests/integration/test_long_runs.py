@@ -124,16 +124,20 @@ def test_sigterm_colocated_finishes_the_step_checkpoints_and_resumes_as_uninterr
     assert_resumed_as(reference_run.folder, out, step, exact=False)
 
 
-def test_sigusr1_to_the_generator_rank_stops_a_disaggregated_run_that_resumes_exactly(tmp_path):
-    """k = 0 disaggregated with DAPO: SIGUSR1 to the generator rank alone after step 2. Its
-    next rollout carries the request, the trainer stops after that step (checkpoint written)
-    and tells the generator; the relaunch ends as an uninterrupted run, row for row. Dynamic
-    sampling runs on the generator rank (the same RolloutProducer.rollouts): flat groups are
-    replaced by further rounds of prompts, and the trainer logs what it took."""
+def test_a_disaggregated_run_preempted_twice_ends_as_the_uninterrupted_run(tmp_path):
+    """k = 0 disaggregated with DAPO, 6 steps. First SIGUSR1 to the generator rank alone
+    after step 2: its next rollout carries the request, the trainer stops after that step
+    (checkpoint written) and tells the generator. The relaunch resumes, and SIGTERM to torchrun
+    (forwarded to both ranks) stops it again; the third launch ends as an uninterrupted run,
+    row for row. Dynamic sampling runs on the generator rank (the same
+    RolloutProducer.rollouts): flat groups are replaced by further rounds of prompts, and the
+    trainer logs what it took."""
+    steps = 6
     flags = (
         *("--job.config_file", DEBUG_TOML, "--generator.placement", "disaggregated"),
         *("--generator.verify_weight_sync", "true", "--algorithm.loss", "dapo"),
-        *("--training.steps", "5", "--checkpoint.enable", "true", "--checkpoint.interval", "10"),
+        *("--training.steps", str(steps), "--checkpoint.enable", "true"),
+        *("--checkpoint.interval", "10"),
     )
     reference = tmp_path / "uninterrupted"
     result = run_train(*flags, "--job.dump_folder", str(reference), nproc=2)
@@ -144,15 +148,16 @@ def test_sigusr1_to_the_generator_rank_stops_a_disaggregated_run_that_resumes_ex
         assert 1 < row["dynamic_sampling/rounds"] <= 4
         assert row["dynamic_sampling/generated_groups"] > 32
     out = tmp_path / "preempted"
-    step = preempt(flags, out, after_step=2, sig=signal.SIGUSR1, rank=1)
-    assert step < 5, step
+    first = preempt(flags, out, after_step=2, sig=signal.SIGUSR1, rank=1)
+    second = preempt(flags, out, after_step=first + 1, sig=signal.SIGTERM, rank=None)
+    assert first < second < steps, (first, second)
     resumed = run_train(*flags, "--job.dump_folder", str(out), nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoints' / f'step-{step}'}" in resumed.stdout
-    assert_resumed_as(reference, out, step, exact=False)
+    assert f"resumed from {out / 'checkpoints' / f'step-{second}'}" in resumed.stdout
+    assert_resumed_as(reference, out, first, exact=False)
     metrics = metric_rows(out)
-    # The generator took the restored weights before sampling the next step.
-    assert [row["rollout_version/min"] for row in metrics[step:]] == list(range(step, 5))
+    # After each resume the generator took the restored weights before sampling.
+    assert [row["rollout_version/min"] for row in metrics] == [max(s - 1, 0) for s in range(1, 7)]
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
 
 
