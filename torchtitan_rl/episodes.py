@@ -166,17 +166,16 @@ class Episodes:
         """Score the answers of single-turn episodes, all at once (batched and async reward
         functions take them together); each reward function's values [P, N] by name, when
         the run has several."""
-        answered = [e for group in groups for e in group if isinstance(e.env, SingleTurn)]
-        answered = [e for e in answered if e.env.answer is not None]
-        if not answered:
+        episodes = [e for group in groups for e in group]
+        if not isinstance(episodes[0].env, SingleTurn):  # an environment gave its rewards
             return {}
-        prompts, answers = [e.prompt for e in answered], [e.env.answer for e in answered]
+        # Every single-turn episode took one answer (SingleTurn.step cannot fail).
+        prompts, answers = [e.prompt for e in episodes], [e.env.answer for e in episodes]
         rewards, parts = await self.scorer.score(prompts, answers)
-        for episode, reward in zip(answered, rewards, strict=True):
+        for episode, reward in zip(episodes, rewards, strict=True):
             episode.reward += reward
         shape = (len(groups), len(groups[0]))
-        whole = len(answered) == shape[0] * shape[1]
-        return {name: torch.tensor(v).view(shape) for name, v in parts.items()} if whole else {}
+        return {name: torch.tensor(values).view(shape) for name, values in parts.items()}
 
     async def _reset(self, groups: list[list[Episode]]) -> list[list[int]]:
         """Open every episode; the first prompt's ids of each group."""

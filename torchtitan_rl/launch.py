@@ -131,7 +131,7 @@ def report_crash() -> None:
 def follows(alarm: str, error: str) -> int:
     """This rank's error after another rank stopped the run (`alarm`: "failed R" or "hang"):
     that rank's line is on the console, this one goes to the log. Exit code 1."""
-    first = f"rank {alarm.split()[1]} stopped the run" if alarm != "hang" else "a phase hung"
+    first = watchdog.what_happened(alarm)
     print(f"watchdog: {first}; then this rank got:\n{error}", file=sys.stderr)
     return 1
 

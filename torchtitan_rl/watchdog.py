@@ -109,8 +109,6 @@ class Watchdog:
         """When this rank entered its phase (the monotonic clock, for the timeout)."""
         self.published: Phase | None = None
         self.signal: str | None = None
-        self.started = False
-        """Whether the loop marked a phase: a signal before that has no step to finish."""
         self.poll_s = min(1.0, timeout_s / 10) if timeout_s else 1.0
         self.done = threading.Event()
         self.read_fd, self.write_fd = os.pipe()
@@ -137,10 +135,11 @@ class Watchdog:
         if self.signal is not None:
             return
         self.signal = name
-        if not self.started or not self.checkpointing:
+        # No phase marked yet: no step to finish.
+        if self.phase is None or not self.checkpointing:
             reason = (
                 "no step has run yet"
-                if not self.started
+                if self.phase is None
                 else "checkpointing is off (checkpoint.enable = false)"
             )
             line = f"stopped by {name} (exit code {EXIT_PREEMPTED}): {reason}, so nothing was saved"
@@ -175,8 +174,7 @@ class Watchdog:
         if alarm == "hang":
             self._hang(saw_it=overran)
         elif alarm is not None and alarm != f"failed {self.rank}":  # a peer's "failed R"
-            rank = alarm.split()[1]
-            print(f"watchdog: rank {rank} stopped the run; exiting", file=sys.stderr, flush=True)
+            print(f"watchdog: {what_happened(alarm)}; exiting", file=sys.stderr, flush=True)
             platform.exit_process(EXIT_FAILED)
 
     def _hang(self, saw_it: bool) -> None:
@@ -231,7 +229,6 @@ def mark(step: int, phase: str, timed: bool = True) -> None:
         # The wall clock orders phases across ranks; a clock's step must not time one out.
         _watchdog.entered = time.monotonic()
         _watchdog.phase = Phase(step, phase, time.time(), timed)
-        _watchdog.started = True
 
 
 def request_stop(reason: str) -> None:
@@ -290,6 +287,11 @@ def fail() -> str | None:
     except Exception:  # the store is gone: torchrun is tearing the world down anyway
         return None
     return None if alarm == mine else alarm
+
+
+def what_happened(alarm: str) -> str:
+    """The run's alarm ("hang", or "failed R") in words."""
+    return "a phase hung" if alarm == "hang" else f"rank {alarm.split()[1]} stopped the run"
 
 
 def _raise_alarm(store: dist.Store, alarm: str) -> str:

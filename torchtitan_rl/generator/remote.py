@@ -138,9 +138,9 @@ class RemoteGenerator:
                     ) from None
         if status == "config_error":
             raise ConfigError(value)
-        if isinstance(value, EngineError):
-            raise value
         if status == "error":
+            if isinstance(value, EngineError):  # vLLM's failure, named by Generator.generate
+                raise value
             raise EngineError(f"the generator's engine raised {value!r}") from value
         return value
 

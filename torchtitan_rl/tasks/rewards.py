@@ -115,6 +115,10 @@ class RewardTimeout(Exception):
     """One reward call ran past task.reward_timeout_s."""
 
 
+class WrongReturn(Exception):
+    """A reward function returned something other than a number per sample."""
+
+
 @contextmanager
 def time_limit(seconds: float):
     """Raise RewardTimeout in the block after `seconds` (0: no limit). SIGALRM interrupts
@@ -186,7 +190,7 @@ class Scorer:
     def _what(self, who: str, e: Exception) -> str:
         if isinstance(e, RewardTimeout | TimeoutError):
             return f"{who} took longer than task.reward_timeout_s = {self.timeout_s:g} s"
-        if isinstance(e, TypeError | ValueError) and str(e).startswith("returned "):
+        if isinstance(e, WrongReturn):
             return f"{who} {e}"
         return f"{who} raised {e!r}"
 
@@ -224,7 +228,7 @@ class Scorer:
                     values = reward.fn(*args)
             values = list(values)
             if len(values) != len(prompts):
-                raise ValueError(f"returned {len(values)} values for {len(prompts)} completions")
+                raise WrongReturn(f"returned {len(values)} values for {len(prompts)} completions")
             return [_number(v) for v in values]
         except Exception as e:  # user code: the whole batch failed
             what = self._what(f"the batched reward function {reward.name}", e)
@@ -245,5 +249,5 @@ def _number(value) -> float:
     """A reward as a float; anything but a number (a string, a list, None) is the reward
     function's error."""
     if isinstance(value, str | bytes | bool) or not hasattr(value, "__float__"):
-        raise TypeError(f"returned {value!r:.60}, not a number")
+        raise WrongReturn(f"returned {value!r:.60}, not a number")
     return float(value)
