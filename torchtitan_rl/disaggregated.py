@@ -211,7 +211,7 @@ class DisaggregatedTrainer:
         task = task or open_task(config)
         # The generators evaluate and send the results; this side logs them.
         self.evaluates = build_evaluator(config, task) is not None
-        self.learner = Learner(config, task.renderer, topology.trainer_group)
+        self.learner = Learner(config, task.renderer_of, topology.trainer_group)
         self.state = TrainState()
         self.checkpointer.attach(self.learner.trainer, self.state)
         self.start_step = self.checkpointer.load(resume_path) if resume_path else 0

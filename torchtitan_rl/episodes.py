@@ -21,6 +21,7 @@ turn would not fit generator.max_model_len.
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,9 +33,20 @@ from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks import Task, build_task, dataset_keys
 from torchtitan_rl.tasks.dataset import read_rows
 from torchtitan_rl.tasks.env import Environment, EnvStep, SingleTurn, load_env
+from torchtitan_rl.tasks.mixture import Mixture
 from torchtitan_rl.tasks.render import Renderer, build_renderer
-from torchtitan_rl.tasks.rewards import RewardError, Scorer, load_rewards
+from torchtitan_rl.tasks.rewards import Reward, RewardError, Scorer, load_rewards
 from torchtitan_rl.types import Completions, Prompt, Sample, Scored, is_chat
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """What one source of prompts (the task, or a source of task.sources) brings to its
+    episodes: how its prompts render, its environment, and its turn limit."""
+
+    renderer: Renderer
+    make_env: Callable[[], Environment]
+    max_turns: int
 
 
 @dataclass(slots=True)
@@ -42,6 +54,7 @@ class Episode:
     """One episode in progress."""
 
     prompt: Prompt
+    source: Source
     env: Environment
     messages: list[dict] = field(default_factory=list)
     """Every message so far, the system prompt's and the opening ones included."""
@@ -79,19 +92,18 @@ class Episodes:
 
     def __init__(
         self,
-        renderer: Renderer,
-        make_env: Callable[[], Environment],
+        sources: dict[str, Source],
         scorer: Scorer,
         *,
         stop_ids: list[int],
-        max_turns: int,
         max_model_len: int,
         timeout_s: float,
     ):
-        """`stop_ids`: the checkpoint's stop tokens (a turn may also end on a stop string)."""
-        self.renderer, self.make_env, self.scorer = renderer, make_env, scorer
+        """`sources[prompt.source]` runs the episodes of each prompt ("": a run of one task).
+        `stop_ids`: the checkpoint's stop tokens (a turn may also end on a stop string)."""
+        self.sources, self.scorer = sources, scorer
         self.stop_ids = set(stop_ids)
-        self.max_turns, self.max_model_len, self.timeout_s = max_turns, max_model_len, timeout_s
+        self.max_model_len, self.timeout_s = max_model_len, timeout_s
         self._loop: asyncio.Runner | None = None
 
     def run(
@@ -116,7 +128,7 @@ class Episodes:
     async def _run(self, generator, prompts, seed, n, temperature, max_tokens) -> Scored:
         env_s = 0.0
         began = time.perf_counter()
-        groups = [[Episode(p, self.make_env()) for _ in range(n)] for p in prompts]
+        groups = [[self._open(p) for _ in range(n)] for p in prompts]
         first_ids = await self._reset(groups)
         env_s += time.perf_counter() - began
         completions = generator.generate(
@@ -162,20 +174,32 @@ class Episodes:
         rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
         return Scored(Completions(first_ids, samples), rewards_PN, env_s, parts_PN)
 
+    def _open(self, prompt: Prompt) -> Episode:
+        source = self.sources[prompt.source]
+        return Episode(prompt, source, source.make_env())
+
     async def _score(self, groups: list[list[Episode]]) -> dict[str, torch.Tensor]:
-        """Score the answers of single-turn episodes, all at once (batched and async reward
-        functions take them together); each reward function's values [P, N] by name, when
-        the run has several."""
+        """Score the answers of single-turn episodes, all at once (a source's batched and
+        async reward functions take them together); each reward function's values [P, N] by
+        name, when the run has several (NaN where a sample is not its function's)."""
         episodes = [e for group in groups for e in group]
-        if not isinstance(episodes[0].env, SingleTurn):  # an environment gave its rewards
-            return {}
-        # Every single-turn episode took one answer (SingleTurn.step cannot fail).
-        prompts, answers = [e.prompt for e in episodes], [e.env.answer for e in episodes]
-        rewards, parts = await self.scorer.score(prompts, answers)
-        for episode, reward in zip(episodes, rewards, strict=True):
+        # An environment gave its episodes' rewards; every single-turn episode took one
+        # answer (SingleTurn.step cannot fail).
+        answered = [e for e in episodes if isinstance(e.env, SingleTurn)]
+        prompts, answers = [e.prompt for e in answered], [e.env.answer for e in answered]
+        rewards, parts = [], {name: [] for name in self.scorer.names}
+        if answered:
+            rewards, parts = await self.scorer.score(prompts, answers)
+        for episode, reward in zip(answered, rewards, strict=True):
             episode.reward += reward
         shape = (len(groups), len(groups[0]))
-        return {name: torch.tensor(values).view(shape) for name, values in parts.items()}
+        where = {id(e): i for i, e in enumerate(answered)}
+        return {
+            name: torch.tensor(
+                [values[where[id(e)]] if id(e) in where else math.nan for e in episodes]
+            ).view(shape)
+            for name, values in parts.items()
+        }
 
     async def _reset(self, groups: list[list[Episode]]) -> list[list[int]]:
         """Open every episode; the first prompt's ids of each group."""
@@ -197,14 +221,15 @@ class Episodes:
             if any(other != mine[0] for other in mine[1:]):
                 raise ConfigError(
                     f"task.env: reset() opened the episodes of one prompt differently "
-                    f"({group[0].prompt.source or group[0].prompt.text!r}); a group's episodes "
+                    f"({group[0].prompt.row or group[0].prompt.text!r}); a group's episodes "
                     "must start alike (GRPO compares them): make reset depend on the row only"
                 )
             prompt = dataclasses.replace(group[0].prompt, messages=tuple(messages))
+            renderer = group[0].source.renderer
             for episode in group:
-                episode.messages = self.renderer.messages(prompt)
+                episode.messages = renderer.messages(prompt)
                 episode.tools = tools
-            first_ids.append(self.renderer.encode([prompt], tools=tools)[0])
+            first_ids.append(renderer.encode([prompt], tools=tools)[0])
         return first_ids
 
     async def _call(self, coroutine, what: str):
@@ -228,7 +253,7 @@ class Episodes:
         environment failed (scored by task.reward_on_error)."""
         episode.add(sample.token_ids, sample.logprobs)
         episode.turns += 1
-        message = {"role": "assistant", "content": self.renderer.decode(sample.token_ids)}
+        message = {"role": "assistant", "content": episode.source.renderer.decode(sample.token_ids)}
         try:
             step = await self._call(episode.env.step(message), "step")
             _check_step(step)
@@ -250,10 +275,10 @@ class Episodes:
         episode.tool_errors += step.tool_errors
         if step.done:
             return sample.finish_reason
-        if sample.finish_reason != "stop" or episode.turns >= self.max_turns:
+        if sample.finish_reason != "stop" or episode.turns >= episode.source.max_turns:
             return "length"
         last = sample.token_ids[-1] if sample.token_ids else None
-        reply_ids = self.renderer.reply_ids(
+        reply_ids = episode.source.renderer.reply_ids(
             episode.messages[:-1],
             step.messages,
             episode.tools,
@@ -289,48 +314,85 @@ def _check_step(step) -> None:
 
 @dataclass(slots=True)
 class OpenTask:
-    """What a run needs of its task section, opened and checked: the prompts' source, their
-    renderer, the scorer, the episode runner, and the held-out eval prompts (empty without
-    eval.dataset_path)."""
+    """What a run needs of its task section, opened and checked: the prompts' task (a Mixture
+    with task.sources), each source's renderer, environment and turn limit, the scorer, the
+    episode runner, and the held-out eval prompts (each tagged with its source; empty without
+    an eval set)."""
 
     task: Task
-    renderer: Renderer
+    sources: dict[str, Source]
     scorer: Scorer
     episodes: Episodes
     eval_prompts: list[Prompt]
 
+    @property
+    def renderer(self) -> Renderer:
+        """The first source's renderer. Every source shares the checkpoint's tokenizer, so it
+        decodes any completion; `renderer_of` renders a prompt as its source does."""
+        return next(iter(self.sources.values())).renderer
+
+    def renderer_of(self, prompt: Prompt) -> Renderer:
+        return self.sources[prompt.source].renderer
+
 
 def open_task(config: JobConfig) -> OpenTask:
-    """Open the task of `config`: read and check every dataset row (file:row), render every
-    prompt (too long after the chat template?), import the reward function. Runs before any
-    model or engine is built, so bad data fails in seconds with one line."""
+    """Open the task of `config`, every source of a mixture: read and check every dataset row
+    (file:row), render every prompt (too long after the chat template?), import the reward
+    functions. Runs before any model or engine is built, so bad data fails in seconds with one
+    line."""
     section = config.task
-    task = build_task(section, seed=config.job.seed)
-    renderer = build_renderer(section, config.model.tokenizer_dir, config.training.max_prompt_len)
-    rewards = load_rewards(section.reward_fn, section.rewards)
+    tasks, sources, rewards, eval_prompts = {}, {}, {}, []
+    for name, source in section.named_sources.items():
+        at = f"task.sources.{name}" if name else "task"
+        tasks[name] = build_task(source, seed=config.job.seed, at=at)
+        renderer = build_renderer(
+            source, config.model.tokenizer_dir, config.training.max_prompt_len, at=at
+        )
+        rewards[name] = load_rewards(source.reward_fn, source.rewards, at)
+        make_env = SingleTurn
+        if source.name == "env":
+            make_env = load_env(source.env, source.env_kwargs, at)
+        sources[name] = Source(renderer, make_env, source.turns)
+        held_out = []
+        eval_path = source.eval_dataset_path if name else config.eval.dataset_path
+        if eval_path is not None:
+            field = f"{at}.eval_dataset_path" if name else "eval.dataset_path"
+            held_out = read_rows(eval_path, dataset_keys(source, at), field)
+            eval_prompts += [dataclasses.replace(p, source=name) for p in held_out]
+        renderer.encode(tasks[name].every_prompt() + held_out)  # each fits, or one line says which
+    _check_reward_names(rewards)
+    if section.sources:
+        weights = {name: source.weight for name, source in section.sources.items()}
+        task = Mixture(tasks, weights, seed=config.job.seed)
+    else:
+        task = tasks[""]
     scorer = Scorer(
         task,
         rewards,
         section.reward_on_error,
         section.reward_timeout_s,
-        log_each=bool(section.rewards),
+        log_each=any(s.rewards for s in section.named_sources.values()),
     )
-    if section.name == "env":
-        make_env = load_env(section.env, section.env_kwargs)
-    else:
-        make_env = SingleTurn
     episodes = Episodes(
-        renderer,
-        make_env,
+        sources,
         scorer,
         stop_ids=checkpoint_stop_ids(config.model.hf_checkpoint or config.model.tokenizer_dir),
-        max_turns=section.turns,
         max_model_len=config.generator.max_model_len,
         timeout_s=section.env_timeout_s,
     )
-    eval_prompts = []
-    if config.eval.dataset_path is not None:
-        keys = dataset_keys(section)
-        eval_prompts = read_rows(config.eval.dataset_path, keys, "eval.dataset_path")
-    renderer.encode(task.every_prompt() + eval_prompts)  # each fits, or one line says which
-    return OpenTask(task, renderer, scorer, episodes, eval_prompts)
+    return OpenTask(task, sources, scorer, episodes, eval_prompts)
+
+
+def _check_reward_names(rewards: dict[str, list[Reward]]) -> None:
+    """Sources may share a reward function (one reward/<name> figure over their samples), but
+    two different functions of one name would log as one figure."""
+    seen: dict[str, tuple[str, Reward]] = {}
+    for source, loaded in rewards.items():
+        for reward in loaded:
+            other = seen.setdefault(reward.name, (source, reward))
+            if other[1].fn is not reward.fn:
+                raise ConfigError(
+                    f"task.sources.{source}.rewards and task.sources.{other[0]}.rewards name two "
+                    f"different functions called {reward.name!r}: both would log as "
+                    f"reward/{reward.name}; rename one"
+                )

@@ -11,6 +11,7 @@ samples, in the run and in scripts/eval.py.
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +21,9 @@ from torchtitan_rl.episodes import Episodes, OpenTask
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.tasks.render import Renderer
 from torchtitan_rl.types import EvalShard, Prompt
+
+# The totals summed for each source of a mixture as well ("name/source"), pass@k's too.
+SOURCE_TOTALS = ("prompts", "samples", "correct", "tokens")
 
 # Eval seeds: their own range, far from the training samples' (RLTrainer.sampling_seed).
 EVAL_SEED_BASE = 2**61
@@ -72,14 +76,17 @@ class Evaluator:
         self,
         section: EvalSection,
         prompts: list[Prompt],
-        renderer: Renderer,
+        renderer_of: Callable[[Prompt], Renderer],
         episodes: Episodes,
         *,
         seed: int,
         max_tokens: int,
     ):
-        """`max_tokens`: generator.sampling.max_tokens, used when eval.max_tokens is unset."""
-        self.section, self.prompts, self.renderer = section, prompts, renderer
+        """`renderer_of(prompt)`: the renderer of the prompt's source; `max_tokens`:
+        generator.sampling.max_tokens, used when eval.max_tokens is unset."""
+        self.section, self.prompts, self.renderer_of = section, prompts, renderer_of
+        # A mixture's evaluated sources: their figures are summed apart too (name/source).
+        self.sources = sorted({p.source for p in prompts} - {""})
         self.episodes = episodes
         self.seed = EVAL_SEED_BASE + seed * 2**32
         self.max_tokens = section.max_tokens or max_tokens
@@ -96,7 +103,10 @@ class Evaluator:
         first, end = shard * len(self.prompts) // shards, (shard + 1) * len(self.prompts) // shards
         prompts = self.prompts[first:end]
         names = ["prompts", "samples", "correct", "reward", "tokens", "truncated", "tool_calls"]
-        totals = dict.fromkeys(names + [f"pass@{k}" for k in pass_ks(n)], 0.0)
+        passes = [f"pass@{k}" for k in pass_ks(n)]
+        totals = dict.fromkeys(names + passes, 0.0)
+        by_source = [*SOURCE_TOTALS, *passes]
+        totals |= dict.fromkeys((f"{x}/{s}" for s in self.sources for x in by_source), 0.0)
         samples = []
         if prompts:
             scored = self.episodes.run(
@@ -109,22 +119,29 @@ class Evaluator:
             )
             groups = zip(prompts, scored.completions.samples, scored.rewards_PN, strict=True)
             for prompt, group, rewards_N in groups:
-                texts = [self.renderer.decode(s.token_ids) for s in group]
+                renderer = self.renderer_of(prompt)
+                texts = [renderer.decode(s.token_ids) for s in group]
                 rewards = rewards_N.tolist()
                 correct = sum(r >= 1.0 for r in rewards)
-                totals["prompts"] += 1
-                totals["samples"] += n
-                totals["correct"] += correct
-                totals["reward"] += sum(rewards)
-                totals["tokens"] += sum(s.sampled_tokens for s in group)
-                totals["truncated"] += sum(s.finish_reason == "length" for s in group)
-                totals["tool_calls"] += sum(s.tool_calls for s in group)
-                for k in pass_ks(n):
-                    totals[f"pass@{k}"] += pass_at_k(n, correct, k)
+                figures = {
+                    "prompts": 1,
+                    "samples": n,
+                    "correct": correct,
+                    "reward": sum(rewards),
+                    "tokens": sum(s.sampled_tokens for s in group),
+                    "truncated": sum(s.finish_reason == "length" for s in group),
+                    "tool_calls": sum(s.tool_calls for s in group),
+                    **{f"pass@{k}": pass_at_k(n, correct, k) for k in pass_ks(n)},
+                }
+                for name, value in figures.items():
+                    totals[name] += value
+                    if prompt.source and name in by_source:
+                        totals[f"{name}/{prompt.source}"] += value
                 if len(samples) < self.section.log_samples:
                     samples.append(
                         {
-                            "prompt": self.renderer.text(prompt),
+                            **({"source": prompt.source} if prompt.source else {}),
+                            "prompt": renderer.text(prompt),
                             "answer": prompt.answer,
                             "completions": texts,
                             "messages": [s.messages for s in group],
@@ -142,7 +159,7 @@ def build_evaluator(config: JobConfig, opened: OpenTask) -> Evaluator | None:
     return Evaluator(
         config.eval,
         opened.eval_prompts,
-        opened.renderer,
+        opened.renderer_of,
         opened.episodes,
         seed=config.job.seed,
         max_tokens=config.generator.sampling.max_tokens,

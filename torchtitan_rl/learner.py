@@ -6,6 +6,8 @@ the metrics of it; used alike by every placement's trainer ranks.
 Shapes: P prompts on this rank, N samples per prompt, B = P * N sequences, T tokens.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -25,7 +27,7 @@ from torchtitan_rl.trainer.policy_trainer import (
     check_finite,
     optimizer_steps_per_step,
 )
-from torchtitan_rl.types import RolloutBatch, Rollouts, rollout_batch
+from torchtitan_rl.types import Prompt, RolloutBatch, Rollouts, rollout_batch
 
 
 class InvarianceError(StopRun):
@@ -53,8 +55,10 @@ class Learner:
     """The policy (`trainer`), the frozen KL reference (built only with a KL penalty), the
     advantage estimator and the loss, over the trainer ranks `group` (None: the world)."""
 
-    def __init__(self, config: JobConfig, renderer: Renderer, group=None):
-        self.config, self.renderer, self.group = config, renderer, group
+    def __init__(self, config: JobConfig, renderer_of: Callable[[Prompt], Renderer], group=None):
+        """`renderer_of(prompt)`: the renderer of the prompt's source (OpenTask.renderer_of),
+        for the rollout log."""
+        self.config, self.renderer_of, self.group = config, renderer_of, group
         self.trainer = build_policy(config, group)
         # The frozen reference for the KL penalty: the starting policy, sharded like it, never
         # stepped (its optimizer state is never allocated).
@@ -231,10 +235,12 @@ class Learner:
             row = p * n  # batch rows are prompt-major
             sampled = batch.loss_mask_BT[row].bool()
             diffs = trainer_logprobs_BT[row][sampled] - batch.generator_logprobs_BT[row][sampled]
+            renderer = self.renderer_of(prompt)
             samples.append(
                 {
-                    "prompt": self.renderer.text(prompt),
-                    "completion": self.renderer.decode(sample.token_ids),
+                    **({"source": prompt.source} if prompt.source else {}),
+                    "prompt": renderer.text(prompt),
+                    "completion": renderer.decode(sample.token_ids),
                     "messages": sample.messages,
                     "reward": float(rollouts.rewards_PN[p, 0]),
                     "token_ids": sample.token_ids,
@@ -270,14 +276,25 @@ def rollout_metrics(
             float(sum(s.turns for s in samples)),
             float(sum(s.tool_calls for s in samples)),
             float(sum(s.tool_errors for s in samples)),
-            *(float(v.sum()) for _, v in sorted(rollouts.reward_parts_PN.items())),
         ],
         dtype=torch.float64,
     )
-    platform.all_reduce_host(sums, group=group)
+    # Each reward function's sum and count (NaN: a sample of a source without it), then each
+    # source's reward sum, sample count and sampled tokens.
     names = sorted(rollouts.reward_parts_PN)
-    part_sums = sums[len(sums) - len(names) :].tolist()
-    sums = sums[: len(sums) - len(names)]
+    sources = list(config.task.sources)
+    by_name = [
+        (float(v.nansum()), float((~v.isnan()).sum()))
+        for _, v in sorted(rollouts.reward_parts_PN.items())
+    ]
+    by_source = [source_sums(rollouts, source) for source in sources]
+    extra = [x for pair in by_name for x in pair] + [x for sums_ in by_source for x in sums_]
+    base = len(sums)
+    sums = torch.cat([sums, torch.tensor(extra, dtype=torch.float64)])
+    platform.all_reduce_host(sums, group=group)
+    part_sums = sums[base : base + 2 * len(names)].view(-1, 2).tolist()
+    per_source = sums[base + 2 * len(names) :].view(-1, 3).tolist()
+    sums = sums[:base]
     longest = torch.tensor([float(max((s.sampled_tokens for s in samples), default=0))])
     platform.all_reduce_host(longest, op=dist.ReduceOp.MAX, group=group)
     reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
@@ -305,5 +322,27 @@ def rollout_metrics(
         "env/tool_calls": tool_calls / samples,
         "env/tool_error_rate": tool_errors / max(tool_calls, 1.0),
         # Each reward function's own mean (task.rewards), before its weight.
-        **{f"reward/{name}": total / samples for name, total in zip(names, part_sums, strict=True)},
+        **{
+            f"reward/{name}": total / count
+            for name, (total, count) in zip(names, part_sums, strict=True)
+            if count
+        },
+        # Each source's (task.sources), over the steps it drew prompts in.
+        **{
+            key: value
+            for source, (total, count, tokens) in zip(sources, per_source, strict=True)
+            if count
+            for key, value in (
+                (f"reward/mean/{source}", total / count),
+                (f"response_length/mean/{source}", tokens / count),
+            )
+        },
     }
+
+
+def source_sums(rollouts: Rollouts, source: str) -> tuple[float, float, float]:
+    """Reward sum, sample count and sampled tokens of the groups of `source`."""
+    keep_P = torch.tensor([p.source == source for p in rollouts.prompts], dtype=torch.bool)
+    rewards_PN = rollouts.rewards_PN[keep_P]
+    tokens = float(rollouts.lengths_PN()[keep_P].sum())
+    return float(rewards_PN.sum()), float(rewards_PN.numel()), tokens

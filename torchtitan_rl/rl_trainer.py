@@ -181,7 +181,7 @@ class RLTrainer:
         task = task or open_task(config)
         # Every rank generates its share of the prompts.
         self.producer = RolloutProducer(config, task, self.rank, dist.get_world_size())
-        self.learner = Learner(config, task.renderer)
+        self.learner = Learner(config, task.renderer_of)
         self.generator = Generator(
             generator=config.generator, model=config.model, seed=config.job.seed + self.rank
         )

@@ -20,11 +20,14 @@ class Prompt:
     text: str
     answer: str
     """What a reward function compares the completion with."""
-    source: str = ""
+    row: str = ""
     """Where the prompt comes from, for errors: "file:row" for dataset rows."""
     messages: tuple[dict, ...] | None = None
     """The row's chat messages ({"role", "content"}), when it has them; `text` is then the
     last user message's content."""
+    source: str = ""
+    """The name of the mixture's source it was drawn from (task.sources); "" in a run of one
+    task."""
 
 
 def is_chat(messages) -> bool:
@@ -190,8 +193,15 @@ class EvalShard:
             "eval/prompts": t["prompts"],
             "time/eval_s": self.seconds,
         }
-        for key in sorted(k for k in t if k.startswith("pass@")):
+        for key in sorted(k for k in t if k.startswith("pass@") and "/" not in k):
             metrics[f"eval/{key}"] = t[key] / prompts
+        # A mixture's sources, each over its own eval set: totals named "correct/<source>".
+        for source in sorted(k.partition("/")[2] for k in t if k.startswith("samples/")):
+            samples, prompts = max(t[f"samples/{source}"], 1.0), max(t[f"prompts/{source}"], 1.0)
+            metrics[f"eval/accuracy/{source}"] = t[f"correct/{source}"] / samples
+            metrics[f"eval/response_length/{source}"] = t[f"tokens/{source}"] / samples
+            for key in sorted(k for k in t if k.startswith("pass@") and k.endswith(f"/{source}")):
+                metrics[f"eval/{key}"] = t[key] / prompts
         return metrics
 
 

@@ -20,7 +20,7 @@ from helpers.user_envs import Chatter
 from torchtitan_rl import platform
 from torchtitan_rl.types import rollout_batch
 from torchtitan_rl.config import GeneratorSection, ModelSection, TaskSection
-from torchtitan_rl.episodes import Episodes
+from torchtitan_rl.episodes import Episodes, Source
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.types import Prompt
 from torchtitan_rl.tasks.render import build_renderer
@@ -77,11 +77,9 @@ def main() -> None:
     for name, max_model_len in (("episodes", 128), ("short", 72)):
         recording = Recording(generator)
         episodes = Episodes(
-            renderer,
-            lambda: Chatter(turns=3),
-            Scorer(None, [], "zero"),
+            {"": Source(renderer, lambda: Chatter(turns=3), max_turns=4)},
+            Scorer(None, {}, "zero"),
             stop_ids=checkpoint_stop_ids(TINY),
-            max_turns=4,
             max_model_len=max_model_len,
             timeout_s=5.0,
         )

@@ -50,8 +50,8 @@ def test_parquet_jsonl_json_and_a_folder_of_shards_give_the_same_prompts(tmp_pat
     folder = read_rows(str(shards), DatasetKeys())
     assert as_tuples(jsonl) == as_tuples(parquet) == as_tuples(plain_json) == as_tuples(folder)
     assert [p.text for p in jsonl] == [r["prompt"] for r in ROWS]
-    assert parquet[2].source == f"{tmp_path / 'a.parquet'}:3"
-    assert folder[5].source == f"{shards / 'part-1.parquet'}:2"
+    assert parquet[2].row == f"{tmp_path / 'a.parquet'}:3"
+    assert folder[5].row == f"{shards / 'part-1.parquet'}:2"
 
 
 def test_keys_messages_and_gsm8k_answers(tmp_path):

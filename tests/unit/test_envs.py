@@ -12,7 +12,7 @@ from helpers.render import chatter_renderer, encode
 from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.episodes import Episodes, open_task
+from torchtitan_rl.episodes import Episodes, Source, open_task
 from torchtitan_rl.rl_trainer import load_hooks
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
@@ -59,13 +59,11 @@ class Scripted:
 
 
 def episodes(renderer, make_env, *, max_turns=4, max_model_len=512, on_error="zero", timeout=5.0):
-    scorer = Scorer(None, [], on_error)
+    scorer = Scorer(None, {}, on_error)
     runner = Episodes(
-        renderer,
-        make_env,
+        {"": Source(renderer, make_env, max_turns)},
         scorer,
         stop_ids=[IM_END, 1],
-        max_turns=max_turns,
         max_model_len=max_model_len,
         timeout_s=timeout,
     )
@@ -291,7 +289,8 @@ def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_pat
     assert config.episode_tokens == 3 * config.generator.sampling.max_tokens
     opened = open_task(config)  # what the run builds from them
     episodes = opened.episodes
-    assert (episodes.max_turns, episodes.timeout_s, episodes.stop_ids) == (3, 2.5, {1, 4})
+    assert episodes.sources[""].max_turns == 3
+    assert (episodes.timeout_s, episodes.stop_ids) == (2.5, {1, 4})
     assert isinstance(episodes.make_env(), Chatter) and episodes.make_env().turns == 5
 
 

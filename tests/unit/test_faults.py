@@ -40,11 +40,11 @@ def test_reward_errors_count_as_zero_or_stop_the_run(monkeypatch):
     rewards = load_rewards("user_rewards:raises_on_odd", {})
     task = EchoDigitsTask()
     odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
-    zero = Scorer(task, rewards, on_error="zero")
+    zero = Scorer(task, {"": rewards}, on_error="zero")
     assert score(zero, [odd, even, odd], ["3", "4", "3"]) == [0.0, 1.0, 0.0]
     assert zero.errors == 2
     with pytest.raises(RewardError, match=r"raised ValueError\(.*\) on prompt 'echo 3:'"):
-        score(Scorer(task, rewards, on_error="fail"), [odd], ["3"])
+        score(Scorer(task, {"": rewards}, on_error="fail"), [odd], ["3"])
 
 
 def test_a_hanging_reward_times_out_and_counts_or_stops(monkeypatch):
@@ -52,12 +52,12 @@ def test_a_hanging_reward_times_out_and_counts_or_stops(monkeypatch):
     rewards = load_rewards("user_rewards:hangs_on_odd", {})
     task = EchoDigitsTask()
     odd, even = Prompt(text="echo 3:", answer="3"), Prompt(text="echo 4:", answer="4")
-    zero = Scorer(task, rewards, on_error="zero", timeout_s=0.2)
+    zero = Scorer(task, {"": rewards}, on_error="zero", timeout_s=0.2)
     start = time.monotonic()
     assert score(zero, [odd, even], ["3", "4"]) == [0.0, 1.0]
     assert zero.errors == 1 and time.monotonic() - start < 5
     with pytest.raises(RewardError, match=r"took longer than task.reward_timeout_s = 0.2 s on"):
-        score(Scorer(task, rewards, on_error="fail", timeout_s=0.2), [odd], ["3"])
+        score(Scorer(task, {"": rewards}, on_error="fail", timeout_s=0.2), [odd], ["3"])
     # The built-in math reward runs under the same limit without math-verify's own alarms.
     with time_limit(5.0):
         assert math_reward("2 + 2?", "so \\boxed{4}", "4") == 1.0

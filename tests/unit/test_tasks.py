@@ -107,7 +107,7 @@ def test_async_batched_and_weighted_reward_functions_sum_and_log_each(monkeypatc
         ("shorter_is_better", False, False),
         ("async_batch_starts_with_answer", True, True),
     ]
-    scorer = Scorer(EchoDigitsTask(), rewards, "zero", timeout_s=5.0, log_each=True)
+    scorer = Scorer(EchoDigitsTask(), {"": rewards}, "zero", timeout_s=5.0, log_each=True)
     prompts = [Prompt(text=f"echo {d}:", answer=str(d)) for d in range(6)]
     completions = ["0", "1x", "9", "3", "44", "x"]
     user_rewards.BATCH_CALLS.clear()
@@ -134,11 +134,13 @@ def test_a_reward_function_that_returns_the_wrong_thing_scores_as_reward_on_erro
         ("user_rewards:not_a_number", "not_a_number returned '1.0', not a number"),
     ):
         rewards = load_rewards(None, {spec: 1.0, "user_rewards:starts_with_answer": 1.0})
-        zero = Scorer(EchoDigitsTask(), rewards, "zero", log_each=True)
+        zero = Scorer(EchoDigitsTask(), {"": rewards}, "zero", log_each=True)
         total, parts = asyncio.run(zero.score(prompts, ["0", "1", "2"]))
         assert total == [1.0, 1.0, 1.0] and zero.errors == 3  # the wrong one scores 0
         with pytest.raises(RewardError, match=message):
-            asyncio.run(Scorer(EchoDigitsTask(), rewards, "fail").score(prompts, ["0", "1", "2"]))
+            asyncio.run(
+                Scorer(EchoDigitsTask(), {"": rewards}, "fail").score(prompts, ["0", "1", "2"])
+            )
 
 
 def test_reward_tables_that_cannot_work_are_refused(monkeypatch):

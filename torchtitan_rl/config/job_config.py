@@ -116,8 +116,9 @@ class JobConfig:
         """Most tokens one sample can sample: generator.sampling.max_tokens per turn, over
         task.max_turns turns within generator.max_model_len (the length the "constant" loss
         normalizer and algorithm.overlong measure against)."""
-        most = self.task.turns * self.generator.sampling.max_tokens
-        return most if self.task.turns == 1 else min(most, self.generator.max_model_len)
+        turns = self.task.most_turns
+        most = turns * self.generator.sampling.max_tokens
+        return most if turns == 1 else min(most, self.generator.max_model_len)
 
     def resolve(self, entry: Literal["train", "sft"] = "train") -> None:
         """Fill the fields left unset with the values they stand for: algorithm.loss's preset
@@ -153,6 +154,11 @@ class JobConfig:
         """An SFT run: the fields it uses fit, and those only RL uses keep their defaults (a
         value there would change nothing)."""
         self.parallelism.validate(world_size)
+        require(
+            not self.task.sources,
+            "task.sources: an SFT run trains on one dataset; give it task.dataset_path (a "
+            "folder of shards reads them all), and keep the mixture for the RL run",
+        )
         require(
             self.task.name == "dataset",
             f"task.name = {self.task.name!r}: SFT trains on the rows of a dataset; set "
@@ -194,6 +200,11 @@ class JobConfig:
         )
         if self.batch_invariant:
             self._validate_batch_invariant()
+        require(
+            self.eval.dataset_path is None or not self.task.sources,
+            "eval.dataset_path is set beside task.sources: each source reads its held-out "
+            "rows with its own keys; set task.sources.NAME.eval_dataset_path instead",
+        )
         require(
             self.eval.dataset_path is None or self.task.name in ("dataset", "env"),
             f"eval.dataset_path is set but task.name = {self.task.name!r}: evaluation reads "

@@ -127,6 +127,11 @@ def _check_type(value: Any, tp: Any, dotted: str) -> Any:
         if isinstance(value, dict):
             _, item_type = typing.get_args(tp)
             return {k: _check_type(v, item_type, f"{dotted}.{k}") for k, v in value.items()}
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):  # a table of sections, e.g. [task.sources.NAME]
+            section = tp()
+            apply_toml(section, value, f"{dotted}.")
+            return section
     elif tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value
@@ -239,8 +244,17 @@ def to_dict(config: Any, prefix: str = "") -> dict[str, Any]:
         dotted = f"{prefix}{f.name}"
         if dotted in INVOCATION_FIELDS or value is None:
             continue
-        out[f.name] = to_dict(value, f"{dotted}.") if dataclasses.is_dataclass(value) else value
+        out[f.name] = _plain(value, dotted)
     return out
+
+
+def _plain(value: Any, dotted: str) -> Any:
+    """A field's value as TOML values: a section as a table, a table of sections as tables."""
+    if dataclasses.is_dataclass(value):
+        return to_dict(value, f"{dotted}.")
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{dotted}.{k}") for k, v in value.items()}
+    return value
 
 
 def to_toml(config: JobConfig) -> str:

@@ -2,20 +2,26 @@
 
     .venv/bin/python -m pytest tests/unit/test_tasks.py tests/unit/test_eval.py
 
-Values only: the datasets, their rows and the reward function are checked when the task is
-opened (tasks.open_task), before any model is built.
+A run has one task ([task] alone) or a weighted mixture of sources ([task.sources.NAME]
+tables, each with the fields of a task plus its weight and eval set). Values only: the
+datasets, their rows and the reward functions are checked when the task is opened
+(episodes.open_task), before any model is built.
 """
 
 import math
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from torchtitan_rl.config.errors import require
+from torchtitan_rl.config.errors import first_change, require
 
 
 @dataclass(kw_only=True, slots=True)
-class TaskSection:
+class SourceSection:
+    """Where prompts come from and how they are rewarded: the fields of a one-task [task]
+    section, and of each [task.sources.NAME] of a mixture."""
+
     name: Literal["echo_digits", "reverse_digits", "dataset", "env"] = "echo_digits"
     """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'),
     dataset: the rows of task.dataset_path, scored by math-verify, or env: episodes of the
@@ -49,12 +55,6 @@ class TaskSection:
     """Several reward functions and their weights, a [task.rewards] table of
     "module:function" = weight: the reward is the weighted sum, and each function's mean is
     logged as reward/<function>. Instead of task.reward_fn."""
-    reward_on_error: Literal["zero", "fail"] = "zero"
-    """When the reward function raises or times out: count and log it and give the sample 0,
-    or stop."""
-    reward_timeout_s: float = 30.0
-    """Longest one reward call may take before it counts as failed (reward_on_error); 0
-    disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
     env: str | None = None
     """The environment class 'module:Class' (task.name = env), built per episode with
     task.env_kwargs; torchtitan_rl.tasks.env:Calculator is the built-in example (a calc tool
@@ -64,9 +64,6 @@ class TaskSection:
     max_turns: int | None = None
     """Most assistant turns of an episode (task.name = env; unset: 4); an episode still going
     after it ends as truncated."""
-    env_timeout_s: float = 30.0
-    """Longest one environment reset or step may take (an async step's await is cut); a step
-    that times out or raises scores as task.reward_on_error says. 0: no limit."""
 
     @property
     def turns(self) -> int:
@@ -75,85 +72,168 @@ class TaskSection:
             return 1
         return 4 if self.max_turns is None else self.max_turns
 
-    def validate(self) -> None:
-        """Values only; the dataset, its rows and the reward function are checked when the task
-        is opened (tasks.open_task), before any model is built."""
-        require(self.num_digits >= 1, f"task.num_digits = {self.num_digits}: must be >= 1")
-        require(
-            self.reward_timeout_s >= 0,
-            f"task.reward_timeout_s = {self.reward_timeout_s}: must be >= 0 (0: no limit)",
-        )
+    def validate(self, at: str = "task") -> None:
+        """Values only (`at`: the section's dotted name, task or task.sources.NAME); the
+        dataset, its rows and the reward functions are checked when the task is opened."""
+        require(self.num_digits >= 1, f"{at}.num_digits = {self.num_digits}: must be >= 1")
         require(
             self.name not in ("dataset", "env") or self.dataset_path is not None,
-            f"task.name = {self.name!r} needs task.dataset_path: a JSONL, JSON or Parquet file "
+            f"{at}.name = {self.name!r} needs {at}.dataset_path: a JSONL, JSON or Parquet file "
             '(or a folder of them) of {"prompt": ..., "answer": ...} rows',
         )
         require(
             self.dataset_path is None or self.name in ("dataset", "env"),
-            f"task.dataset_path is set but task.name = {self.name!r} does not read it: set "
-            "task.name = 'dataset', or unset task.dataset_path",
+            f"{at}.dataset_path is set but {at}.name = {self.name!r} does not read it: set "
+            f"{at}.name = 'dataset', or unset {at}.dataset_path",
         )
         require(
             self.name != "env" or self.env is not None,
-            "task.name = 'env' needs task.env = 'module:Class', e.g. "
+            f"{at}.name = 'env' needs {at}.env = 'module:Class', e.g. "
             "'torchtitan_rl.tasks.env:Calculator'",
         )
         for name in ("env", "max_turns"):
             require(
                 getattr(self, name) is None or self.name == "env",
-                f"task.{name} = {getattr(self, name)!r} but task.name = {self.name!r} runs "
-                "single-turn episodes: set task.name = 'env', or unset it",
+                f"{at}.{name} = {getattr(self, name)!r} but {at}.name = {self.name!r} runs "
+                f"single-turn episodes: set {at}.name = 'env', or unset it",
             )
         require(
             not self.env_kwargs or self.name == "env",
-            f"task.env_kwargs = {self.env_kwargs!r} but task.name = {self.name!r} builds no "
-            "environment: set task.name = 'env', or remove the table",
+            f"{at}.env_kwargs = {self.env_kwargs!r} but {at}.name = {self.name!r} builds no "
+            f"environment: set {at}.name = 'env', or remove the table",
         )
         require(
             self.env is None or self.env.count(":") == 1,
-            f"task.env = {self.env!r}: write it as 'module:Class'",
+            f"{at}.env = {self.env!r}: write it as 'module:Class'",
         )
         require(
             self.reward_fn is None or self.name != "env",
-            f"task.reward_fn = {self.reward_fn!r}: with task.name = 'env' the environment "
-            "gives the rewards (EnvStep.reward); unset task.reward_fn",
+            f"{at}.reward_fn = {self.reward_fn!r}: with {at}.name = 'env' the environment "
+            f"gives the rewards (EnvStep.reward); unset {at}.reward_fn",
         )
         require(
             self.max_turns is None or self.max_turns >= 1,
-            f"task.max_turns = {self.max_turns}: must be >= 1",
+            f"{at}.max_turns = {self.max_turns}: must be >= 1",
+        )
+        require(
+            self.dataset_path is None or os.path.exists(self.dataset_path),
+            f"{at}.dataset_path = {self.dataset_path!r}: no such file or folder",
+        )
+        require(
+            self.reward_fn is None or self.reward_fn.count(":") == 1,
+            f"{at}.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
+        )
+        require(
+            not (self.reward_fn and self.rewards),
+            f"{at}.reward_fn = {self.reward_fn!r} and {at}.rewards are both set: list every "
+            f"function with its weight in {at}.rewards, or keep only {at}.reward_fn",
+        )
+        require(
+            not self.rewards or self.name != "env",
+            f"{at}.rewards is set but with {at}.name = 'env' the environment gives the rewards "
+            f"(EnvStep.reward): remove the [{at}.rewards] table",
+        )
+        for spec, weight in self.rewards.items():
+            require(
+                spec.count(":") == 1,
+                f"{at}.rewards[{spec!r}]: write the function as 'module:function'",
+            )
+            require(
+                math.isfinite(weight) and weight != 0,
+                f"{at}.rewards[{spec!r}] = {weight}: a weight must be finite and not 0 (a "
+                "function of weight 0 changes nothing: remove it)",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightedSource(SourceSection):
+    """One [task.sources.NAME] of a mixture: a task's fields, its share of each step's prompts
+    and its own eval set."""
+
+    weight: float = 1.0
+    """The source's share of each step's prompts is weight / (sum of the weights), drawn per
+    step (seeded by job.seed and the step)."""
+    eval_dataset_path: str | None = None
+    """The source's held-out rows (read with its keys, chat template and rewards); unset: the
+    source is not evaluated. Its figures are eval/accuracy/NAME and eval/pass@k/NAME."""
+
+    def validate(self, at: str = "task") -> None:
+        SourceSection.validate(self, at)
+        require(
+            math.isfinite(self.weight) and self.weight > 0,
+            f"{at}.weight = {self.weight}: must be > 0 (remove the source to leave it out)",
+        )
+        require(
+            self.eval_dataset_path is None or self.name in ("dataset", "env"),
+            f"{at}.eval_dataset_path is set but {at}.name = {self.name!r}: evaluation reads "
+            f"rows like a dataset's; set {at}.name = 'dataset', or unset it",
+        )
+        require(
+            self.eval_dataset_path is None or os.path.exists(self.eval_dataset_path),
+            f"{at}.eval_dataset_path = {self.eval_dataset_path!r}: no such file or folder",
+        )
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskSection(SourceSection):
+    """The run's task: its own fields (one source), or a mixture in task.sources; and the
+    rules that hold for every source."""
+
+    sources: dict[str, WeightedSource] = field(default_factory=dict)
+    """A weighted mixture of sources, [task.sources.NAME] tables with a task's fields plus
+    weight and eval_dataset_path (the task's own fields then stay unset). Each source's
+    figures are logged as reward/mean/NAME, response_length/mean/NAME, eval/accuracy/NAME.
+    On the CLI: --task.sources.NAME.FIELD value (sources themselves come from the TOML)."""
+    reward_on_error: Literal["zero", "fail"] = "zero"
+    """When the reward function raises or times out: count and log it and give the sample 0,
+    or stop."""
+    reward_timeout_s: float = 30.0
+    """Longest one reward call may take before it counts as failed (reward_on_error); 0
+    disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
+    env_timeout_s: float = 30.0
+    """Longest one environment reset or step may take (an async step's await is cut); a step
+    that times out or raises scores as task.reward_on_error says. 0: no limit."""
+
+    @property
+    def named_sources(self) -> dict[str, SourceSection]:
+        """The run's sources by name: task.sources, or the task itself as the one source ""."""
+        return dict(self.sources) if self.sources else {"": self}
+
+    @property
+    def most_turns(self) -> int:
+        """Most assistant turns of an episode of any source."""
+        return max(source.turns for source in self.named_sources.values())
+
+    def validate(self) -> None:
+        require(
+            self.reward_timeout_s >= 0,
+            f"task.reward_timeout_s = {self.reward_timeout_s}: must be >= 0 (0: no limit)",
         )
         require(
             self.env_timeout_s >= 0,
             f"task.env_timeout_s = {self.env_timeout_s}: must be >= 0 (0: no limit)",
         )
+        if not self.sources:
+            SourceSection.validate(self, "task")
+            return
+        own = {f.name: getattr(self, f.name) for f in fields(SourceSection)}
+        changed = first_change(SourceSection(**own), SourceSection(), "task")
         require(
-            self.dataset_path is None or os.path.exists(self.dataset_path),
-            f"task.dataset_path = {self.dataset_path!r}: no such file or folder",
+            changed is None,
+            f"{changed[0] if changed else ''} = {changed[1] if changed else ''!r} is set beside "
+            "task.sources: with a mixture every source holds its own fields; move it into "
+            "each [task.sources.NAME] that needs it",
         )
-        require(
-            self.reward_fn is None or self.reward_fn.count(":") == 1,
-            f"task.reward_fn = {self.reward_fn!r}: write it as 'module:function'",
-        )
-        require(
-            not (self.reward_fn and self.rewards),
-            f"task.reward_fn = {self.reward_fn!r} and task.rewards are both set: list every "
-            "function with its weight in task.rewards, or keep only task.reward_fn",
-        )
-        require(
-            not self.rewards or self.name != "env",
-            "task.rewards is set but with task.name = 'env' the environment gives the rewards "
-            "(EnvStep.reward): remove the [task.rewards] table",
-        )
-        for spec, weight in self.rewards.items():
+        for name, source in self.sources.items():
             require(
-                spec.count(":") == 1,
-                f"task.rewards[{spec!r}]: write the function as 'module:function'",
+                _SOURCE_NAME.fullmatch(name) is not None,
+                f"task.sources.{name}: a source's name goes into metric names and CLI flags; "
+                "use letters, digits, '_' and '-' only",
             )
-            require(
-                math.isfinite(weight) and weight != 0,
-                f"task.rewards[{spec!r}] = {weight}: a weight must be finite and not 0 (a "
-                "function of weight 0 changes nothing: remove it)",
-            )
+            source.validate(f"task.sources.{name}")
 
 
 @dataclass(kw_only=True, slots=True)

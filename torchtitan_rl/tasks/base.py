@@ -14,6 +14,11 @@ class Task(Protocol):
         `round` > 0: further, different prompts for the step (dynamic sampling's rounds)."""
         ...
 
+    def rows(self, start: int, count: int, round: int = 0) -> list[Prompt]:
+        """Positions start .. start + count of the task's endless stream of prompts (a
+        mixture's source is read from a cursor, tasks.mixture)."""
+        ...
+
     def reward(self, prompt: Prompt, completion: str) -> float:
         """Reward of `completion` (decoded text, without the stop token) for `prompt`."""
         ...

@@ -35,6 +35,8 @@ class DatasetKeys:
     answer_key: str | None = "answer"
     """None: rows need no answer (SFT rows of messages carry theirs as assistant turns)."""
     answer_format: str = "raw"
+    at: str = "task"
+    """The config section these keys come from (task, or task.sources.NAME), for errors."""
 
 
 def dataset_files(path: str, field: str = "task.dataset_path") -> list[Path]:
@@ -106,40 +108,40 @@ def _unreadable(file: Path, keys: DatasetKeys, field: str, error: Exception) -> 
     return f"{field}: cannot read {file} ({reason})"
 
 
-def _prompt(row: dict, keys: DatasetKeys, source: str) -> Prompt:
+def _prompt(row: dict, keys: DatasetKeys, where: str) -> Prompt:
     messages = None
     if keys.messages_key is not None:
-        messages = _messages(row.get(keys.messages_key), keys.messages_key, source)
+        messages = _messages(row.get(keys.messages_key), keys, where)
         text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     else:
         text = row.get(keys.prompt_key)
         if not isinstance(text, str):
             raise ConfigError(
-                f'{source}: needs a string "{keys.prompt_key}" (task.prompt_key); '
+                f'{where}: needs a string "{keys.prompt_key}" ({keys.at}.prompt_key); '
                 f"the row has {sorted(row)}"
             )
         if not text.strip():
-            raise ConfigError(f"{source}: the prompt is empty")
+            raise ConfigError(f"{where}: the prompt is empty")
     answer = ""
     if keys.answer_key is not None:
         if row.get(keys.answer_key) is None:
             raise ConfigError(
-                f'{source}: needs an "{keys.answer_key}" (task.answer_key); the row has '
+                f'{where}: needs an "{keys.answer_key}" ({keys.at}.answer_key); the row has '
                 f"{sorted(row)}"
             )
-        answer = _answer(str(row[keys.answer_key]), keys.answer_format, source)
+        answer = _answer(str(row[keys.answer_key]), keys.answer_format, where)
     return Prompt(
         text=text,
         answer=answer,
-        source=source,
+        row=where,
         messages=messages,
     )
 
 
-def _messages(value, key: str, source: str) -> tuple[dict, ...]:
+def _messages(value, keys: DatasetKeys, source: str) -> tuple[dict, ...]:
     if not (value and is_chat(value)):
         raise ConfigError(
-            f'{source}: "{key}" (task.messages_key) must be a non-empty list of '
+            f'{source}: "{keys.messages_key}" ({keys.at}.messages_key) must be a non-empty list of '
             '{"role": ..., "content": ...} messages'
         )
     if not any(m["content"].strip() for m in value):
@@ -177,21 +179,27 @@ def _shuffled(rows: int, stream: int, round: int) -> tuple[int, ...]:
 class DatasetTask:
     """Cycles through the dataset in a fresh seeded order every epoch; math-verify rewards."""
 
-    def __init__(self, path: str, keys: DatasetKeys, seed: int = 0):
-        self.rows = read_rows(path, keys)
+    def __init__(
+        self, path: str, keys: DatasetKeys, seed: int = 0, field: str = "task.dataset_path"
+    ):
+        self.table = read_rows(path, keys, field)
         self.seed = seed
 
     def prompts(self, step: int, count: int, round: int = 0) -> list[Prompt]:
-        start = (step - 1) * count
+        return self.rows((step - 1) * count, count, round)
+
+    def rows(self, start: int, count: int, round: int = 0) -> list[Prompt]:
+        """Positions start .. start + count of the endless stream of rows (a mixture reads a
+        source from its cursor)."""
         return [self._row(i, round) for i in range(start, start + count)]
 
     def _row(self, index: int, round: int = 0) -> Prompt:
         """Row `index` of the dataset read in epochs, each shuffled; round r > 0 reads its own
         shuffles (dynamic sampling's further prompts)."""
-        return self.rows[epoch_order(len(self.rows), index, self.seed, round)]
+        return self.table[epoch_order(len(self.table), index, self.seed, round)]
 
     def every_prompt(self) -> list[Prompt]:
-        return self.rows
+        return self.table
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return math_reward(prompt.text, completion, prompt.answer)

@@ -72,21 +72,22 @@ class SingleTurn:
         return EnvStep([], done=True)
 
 
-def load_env(spec: str, kwargs: dict) -> Callable[[], Environment]:
+def load_env(spec: str, kwargs: dict, at: str = "task") -> Callable[[], Environment]:
     """A factory of the environment class named 'package.module:Class', built with `kwargs`
-    (task.env_kwargs); one ConfigError line if it does not import or does not take them."""
-    cls = import_spec(spec, "task.env", "class")
+    (the env_kwargs of section `at`: task or task.sources.NAME); one ConfigError line if it
+    does not import or does not take them."""
+    cls = import_spec(spec, f"{at}.env", "class")
     for name in ("reset", "step"):
         if not callable(getattr(cls, name, None)):
             raise ConfigError(
-                f"task.env = {spec!r}: {cls.__name__} has no {name}() method; an environment "
+                f"{at}.env = {spec!r}: {cls.__name__} has no {name}() method; an environment "
                 "has async reset(prompt) and step(message) (see tasks/env.py)"
             )
     try:
         cls(**kwargs)
     except Exception as e:  # a wrong keyword, a bad value: the user's constructor says which
         raise ConfigError(
-            f"task.env_kwargs = {kwargs!r}: {cls.__name__}(**task.env_kwargs) raised {e!r}"
+            f"{at}.env_kwargs = {kwargs!r}: {cls.__name__}(**{at}.env_kwargs) raised {e!r}"
         ) from None
     return lambda: cls(**kwargs)
 

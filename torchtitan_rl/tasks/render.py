@@ -9,14 +9,18 @@ model saw in its own fine-tuning. The text it renders is then encoded without ad
 tokens (the template writes them). `task.chat_template = false` encodes the prompt text as is.
 """
 
+import functools
 from pathlib import Path
 
-from torchtitan_rl.config import ConfigError, TaskSection
+from torchtitan_rl.config import ConfigError
+from torchtitan_rl.config.task import SourceSection
 from torchtitan_rl.types import Prompt
 
 
+@functools.cache
 def load_tokenizer(tokenizer_dir: str):
-    """The checkpoint's tokenizer (transformers, from local files only)."""
+    """The checkpoint's tokenizer (transformers, from local files only); loaded once, shared by
+    the renderers of a mixture's sources."""
     from transformers import AutoTokenizer
 
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
@@ -114,7 +118,7 @@ class Renderer:
             self.tokenizer.encode(self.text(p, tools), add_special_tokens=False) for p in prompts
         ]
         for prompt, tokens in zip(prompts, ids, strict=True):
-            where = f"{prompt.source}: " if prompt.source else ""
+            where = f"{prompt.row}: " if prompt.row else ""
             if not tokens:
                 raise ConfigError(
                     f"{where}prompt {prompt.text[:40]!r} encodes to no tokens with "
@@ -136,13 +140,15 @@ class Renderer:
 
 
 def build_renderer(
-    task: TaskSection,
+    task: SourceSection,
     tokenizer_dir: str,
     max_prompt_len: int,
     length_field: str = "training.max_prompt_len",
+    at: str = "task",
 ) -> Renderer:
-    """The task's renderer. task.chat_template unset: the checkpoint's chat template for dataset
-    tasks when it has one, raw text for the toy tasks (their prompts are not chat)."""
+    """The renderer of source section `task` (the config section `at`). Its chat_template
+    unset: the checkpoint's chat template for dataset tasks when it has one, raw text for the
+    toy tasks (their prompts are not chat)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     wanted = task.chat_template
@@ -150,23 +156,23 @@ def build_renderer(
         wanted = task.name in ("dataset", "env") and has_template
     if task.name == "env" and not wanted:
         raise ConfigError(
-            f"task.name = 'env' renders episodes turn by turn with the chat template, but "
-            f"{'task.chat_template = false' if has_template else f'{tokenizer_dir} has none'}: "
+            f"{at}.name = 'env' renders episodes turn by turn with the chat template, but "
+            f"{f'{at}.chat_template = false' if has_template else f'{tokenizer_dir} has none'}: "
             "use a checkpoint that ships a chat template, and leave task.chat_template unset"
         )
     if wanted and not has_template:
         raise ConfigError(
-            f"task.chat_template = true but {tokenizer_dir} has no chat template "
+            f"{at}.chat_template = true but {tokenizer_dir} has no chat template "
             "(tokenizer_config.json 'chat_template' or chat_template.jinja): use a checkpoint "
-            "that ships one, or set task.chat_template = false for raw text prompts"
+            f"that ships one, or set {at}.chat_template = false for raw text prompts"
         )
     if not wanted:
         for name in ("system_prompt", "enable_thinking", "messages_key"):
             if getattr(task, name) is not None:
                 raise ConfigError(
-                    f"task.{name} = {getattr(task, name)!r} needs a chat template, but prompts "
-                    f"are raw text here (task.chat_template = {task.chat_template}): set "
-                    "task.chat_template = true, or unset it"
+                    f"{at}.{name} = {getattr(task, name)!r} needs a chat template, but prompts "
+                    f"are raw text here ({at}.chat_template = {task.chat_template}): set "
+                    f"{at}.chat_template = true, or unset it"
                 )
     return Renderer(
         tokenizer,

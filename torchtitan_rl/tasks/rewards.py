@@ -6,6 +6,7 @@
 import asyncio
 import functools
 import inspect
+import math
 import re
 import signal
 import threading
@@ -80,31 +81,33 @@ class Reward:
         return inspect.iscoroutinefunction(self.fn)
 
 
-def load_rewards(reward_fn: str | None, rewards: dict[str, float]) -> list[Reward]:
-    """The reward functions of task.reward_fn (one, weight 1) or task.rewards (spec ->
-    weight), imported; [] for the task's own reward."""
+def load_rewards(
+    reward_fn: str | None, rewards: dict[str, float], at: str = "task"
+) -> list[Reward]:
+    """The reward functions of `at`.reward_fn (one, weight 1) or `at`.rewards (spec ->
+    weight), imported; [] for the task's own reward. `at`: task or task.sources.NAME."""
     specs = {reward_fn: 1.0} if reward_fn else rewards
     loaded = [
-        Reward(spec.split(":")[1], load_reward_fn(spec, _field(reward_fn, spec)), weight)
+        Reward(spec.split(":")[1], load_reward_fn(spec, _field(reward_fn, spec, at)), weight)
         for spec, weight in specs.items()
     ]
     names = [r.name for r in loaded]
     for name in names:
         if name in ("mean", "std", "errors"):
             raise ConfigError(
-                f"task.rewards: a function called {name!r} would log as reward/{name}, which "
+                f"{at}.rewards: a function called {name!r} would log as reward/{name}, which "
                 "the run's own reward figures use; rename it"
             )
         if names.count(name) > 1:
             raise ConfigError(
-                f"task.rewards names two functions called {name!r}: their metrics would both "
+                f"{at}.rewards names two functions called {name!r}: their metrics would both "
                 f"be reward/{name}; rename one"
             )
     return loaded
 
 
-def _field(reward_fn: str | None, spec: str) -> str:
-    return "task.reward_fn" if reward_fn else f"task.rewards[{spec!r}]"
+def _field(reward_fn: str | None, spec: str, at: str) -> str:
+    return f"{at}.reward_fn" if reward_fn else f"{at}.rewards[{spec!r}]"
 
 
 class RewardError(StopRun):
@@ -140,20 +143,22 @@ def time_limit(seconds: float):
 
 
 class Scorer:
-    """Scores completions with the task's reward or the run's reward functions (their weighted
-    sum), applying the error policy: a reward function that raises, runs past `timeout_s` or
-    returns something that is not one number per sample is counted and logged, and the sample
-    gets 0 ("zero") or the run stops ("fail")."""
+    """Scores completions with the task's reward or their source's reward functions (their
+    weighted sum), applying the error policy: a reward function that raises, runs past
+    `timeout_s` or returns something that is not one number per sample is counted and logged,
+    and the sample gets 0 ("zero") or the run stops ("fail")."""
 
     def __init__(
         self,
         task: Task,
-        rewards: list[Reward],
+        rewards: dict[str, list[Reward]],
         on_error: str,
         timeout_s: float = 0.0,
         log_each: bool = False,
     ):
-        """`log_each`: give each reward function's values too (reward/<name>: task.rewards)."""
+        """`rewards[source]`: the reward functions of the prompts of that source (Prompt.source;
+        "" in a run of one task); a source without any is scored by `task.reward`.
+        `log_each`: give each reward function's values too (reward/<name>: task.rewards)."""
         self.task, self.rewards, self.on_error = task, rewards, on_error
         self.timeout_s, self.log_each = timeout_s, log_each
         self.errors = 0
@@ -161,18 +166,40 @@ class Scorer:
     @property
     def names(self) -> list[str]:
         """The reward functions whose values `score` gives one by one."""
-        return [r.name for r in self.rewards] if self.log_each else []
+        if not self.log_each:
+            return []
+        return list(dict.fromkeys(r.name for rewards in self.rewards.values() for r in rewards))
 
     async def score(
         self, prompts: list[Prompt], completions: list[str]
     ) -> tuple[list[float], dict[str, list[float]]]:
         """The reward of each completion of `prompts[i]`, and each reward function's own
-        values by name (`names`). Batched functions take one call; async ones run
-        concurrently, each call within `timeout_s`."""
-        if not self.rewards:
+        values by name (`names`; NaN for a sample whose source does not use it). A source's
+        batched functions take one call; async ones run concurrently, each call within
+        `timeout_s`."""
+        by_source: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_source.setdefault(prompt.source, []).append(i)
+        total = [0.0] * len(prompts)
+        parts = {name: [math.nan] * len(prompts) for name in self.names}
+        for source, index in by_source.items():
+            mine = [prompts[i] for i in index], [completions[i] for i in index]
+            values, own = await self._score_source(self.rewards.get(source, []), *mine)
+            for j, i in enumerate(index):
+                total[i] = values[j]
+                for name in self.names:
+                    if name in own:
+                        parts[name][i] = own[name][j]
+        return total, parts
+
+    async def _score_source(
+        self, rewards: list[Reward], prompts: list[Prompt], completions: list[str]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """The rewards of one source's completions, and each of its functions' values."""
+        if not rewards:
             return [self._task_reward(p, c) for p, c in zip(prompts, completions, strict=True)], {}
         parts = {}
-        for reward in self.rewards:
+        for reward in rewards:
             if reward.batched:
                 parts[reward.name] = await self._batch(reward, prompts, completions)
             elif reward.is_async:
@@ -182,10 +209,8 @@ class Scorer:
             else:
                 calls = zip(prompts, completions, strict=True)
                 parts[reward.name] = [self._one(reward, p, c) for p, c in calls]
-        total = [
-            sum(r.weight * parts[r.name][i] for r in self.rewards) for i in range(len(prompts))
-        ]
-        return total, {name: parts[name] for name in self.names}
+        total = [sum(r.weight * parts[r.name][i] for r in rewards) for i in range(len(prompts))]
+        return total, parts
 
     def _what(self, who: str, e: Exception) -> str:
         if isinstance(e, RewardTimeout | TimeoutError):

@@ -63,14 +63,14 @@ def turns(row: Prompt) -> list[tuple[Prompt, str]]:
         context = row.messages[:i]
         if not any(m["role"] != "system" for m in context):
             raise ConfigError(
-                f"{row.source}: assistant message {i} has no user message before it to answer"
+                f"{row.row}: assistant message {i} has no user message before it to answer"
             )
         user = next(m["content"] for m in reversed(context) if m["role"] == "user")
-        prompt = Prompt(text=user, answer="", source=row.source, messages=context)
+        prompt = Prompt(text=user, answer="", row=row.row, messages=context)
         pairs.append((prompt, message["content"]))
     if not pairs:
         raise ConfigError(
-            f'{row.source}: no "assistant" message to train on (task.messages_key rows need one)'
+            f'{row.row}: no "assistant" message to train on (task.messages_key rows need one)'
         )
     return pairs
 
@@ -93,7 +93,7 @@ def read_examples(
             tokens = prompt_ids + response_ids + [stop_id]
             if len(tokens) > max_seq_len:
                 raise ConfigError(
-                    f"{row.source}: {len(tokens)} tokens after the chat template (prompt "
+                    f"{row.row}: {len(tokens)} tokens after the chat template (prompt "
                     f"{len(prompt_ids)}, response {len(response_ids) + 1}), more than "
                     f"sft.max_seq_len = {max_seq_len}: raise it or shorten the row"
                 )

@@ -29,6 +29,16 @@ class EchoDigitsTask:
             prompts.append(Prompt(text=f"{self.verb} {digits}:", answer=self.answer(digits)))
         return prompts[round * count :]
 
+    def rows(self, start: int, count: int, round: int = 0) -> list[Prompt]:
+        """Positions start .. start + count of an endless stream, each prompt seeded by its
+        position (a mixture reads a source from its cursor)."""
+        prompts = []
+        for index in range(start, start + count):
+            rng = random.Random(f"{self.seed}/{round}/{index}")
+            digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
+            prompts.append(Prompt(text=f"{self.verb} {digits}:", answer=self.answer(digits)))
+        return prompts
+
     def every_prompt(self) -> list[Prompt]:
         return self.prompts(1, 1)  # every prompt has num_digits digits: the same length
 
