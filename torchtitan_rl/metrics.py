@@ -110,8 +110,18 @@ class MetricsLogger:
         with self.eval_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics, "samples": samples}) + "\n")
         parts = [fmt.format(metrics[key]) for key, fmt in EVAL_CONSOLE_KEYS if key in metrics]
-        passes = [f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/pass@")]
-        parts[1:1] = passes  # after the accuracy
+        passes = [
+            f"{k[5:]} {v:.3f}"
+            for k, v in metrics.items()
+            if k.startswith("eval/pass@") and k.count("/") == 1
+        ]
+        # A mixture's sources: each one's accuracy on its own eval set.
+        sources = [
+            f"{k[len('eval/accuracy/') :]} {v:.3f}"
+            for k, v in metrics.items()
+            if k.startswith("eval/accuracy/")
+        ]
+        parts[1:1] = passes + sources  # after the accuracy
         self._say(f"eval {step:4d} | " + " | ".join(parts))
 
     def _record(self, step: int, metrics: dict[str, float]) -> None:

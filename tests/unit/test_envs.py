@@ -289,9 +289,9 @@ def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_pat
     assert config.episode_tokens == 3 * config.generator.sampling.max_tokens
     opened = open_task(config)  # what the run builds from them
     episodes = opened.episodes
-    assert episodes.sources[""].max_turns == 3
-    assert (episodes.timeout_s, episodes.stop_ids) == (2.5, {1, 4})
-    assert isinstance(episodes.make_env(), Chatter) and episodes.make_env().turns == 5
+    source = episodes.sources[""]
+    assert (source.max_turns, episodes.timeout_s, episodes.stop_ids) == (3, 2.5, {1, 4})
+    assert isinstance(source.make_env(), Chatter) and source.make_env().turns == 5
 
 
 @pytest.mark.parametrize(
