@@ -5,6 +5,7 @@
 #   CONFIG=run_configs/arith_cpu.toml ./scripts/demo.sh     # RL from random weights, ~6 minutes
 #   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh     # the 25-second echo demo
 #   TOOLS=1 ./scripts/demo.sh     # the calculator-tool demo: SFT on traces, then RL with the tool
+#   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 3:1 (task.sources), each with its figures
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -15,6 +16,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 torchrun=(.venv/bin/torchrun --standalone --nproc_per_node 2)
 if [[ -n "${CONFIG:-}" ]]; then
     exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file "$CONFIG" "$@"
+fi
+if [[ -n "${MIXTURE:-}" ]]; then
+    "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_mixture_cpu.toml
+    exec "${torchrun[@]}" -m torchtitan_rl.train \
+        --job.config_file run_configs/mixture_cpu.toml "$@"
 fi
 if [[ -n "${TOOLS:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml

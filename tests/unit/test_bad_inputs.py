@@ -28,6 +28,12 @@ from torchtitan_rl.train import main
 pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
+# Two sources of the shipped arithmetic rows.
+MIXTURE = (
+    '[task.sources.a]\nname = "dataset"\ndataset_path = "data/arith/train.jsonl"\n'
+    '[task.sources.b]\nname = "dataset"\ndataset_path = "data/arith/train.jsonl"\n'
+)
+
 # Each bad input: the TOML text and/or CLI flags, and words the one-line error must contain.
 BAD_INPUTS = {
     "unknown section": ("[trainng]\nsteps = 3\n", [], ["'trainng'", "did you mean training"]),
@@ -232,6 +238,52 @@ BAD_INPUTS = {
         '[task]\nname = "dataset"\ndataset_path = "{tmp}/broken.jsonl"\nanswer_key = "solution"\n',
         [],
         ['{tmp}/broken.jsonl:1: needs an "solution" (task.answer_key)'],
+    ),
+    # A mixture (task.sources): each error names the source and its field.
+    "unknown source field": (
+        MIXTURE + "[task.sources.c]\nwieght = 2\n",
+        [],
+        ["'task.sources.c.wieght'", "did you mean weight", "eval_dataset_path"],
+    ),
+    "source weight 0": (
+        MIXTURE,
+        ["--task.sources.b.weight", "0"],
+        ["task.sources.b.weight = 0.0: must be > 0"],
+    ),
+    "source with no rows": (
+        '[task.sources.a]\nname = "dataset"\ndataset_path = "{tmp}/empty.jsonl"\n',
+        [],
+        ["task.sources.a.dataset_path = '{tmp}/empty.jsonl' has no rows"],
+    ),
+    "two sources with one name": (
+        MIXTURE + "[task.sources.a]\nweight = 2\n",
+        [],
+        ["malformed TOML", "('task', 'sources', 'a') twice"],
+    ),
+    "source reward that does not import": (
+        MIXTURE + '[task.sources.b.rewards]\n"nope:f" = 1.0\n',
+        [],
+        ["task.sources.b.rewards['nope:f'] = 'nope:f': cannot import 'nope'"],
+    ),
+    "source row without its answer key": (
+        MIXTURE.replace('dataset_path = "data', 'answer_key = "sol"\ndataset_path = "data', 1),
+        [],
+        ['needs an "sol" (task.sources.a.answer_key)'],
+    ),
+    "task field beside sources": (
+        MIXTURE,
+        ["--task.system_prompt", "be brief"],
+        ["task.system_prompt = 'be brief' is set beside task.sources", "[task.sources.NAME]"],
+    ),
+    "eval set beside sources": (
+        MIXTURE,
+        ["--eval.dataset_path", "data/arith/test.parquet"],
+        ["eval.dataset_path is set beside task.sources", "task.sources.NAME.eval_dataset_path"],
+    ),
+    "source name unfit for a metric": (
+        MIXTURE.replace("[task.sources.b]", '[task.sources."b/c"]'),
+        [],
+        ["task.sources.b/c:", "letters, digits"],
     ),
 }
 

@@ -1,0 +1,126 @@
+"""A mixture run (run_configs/mixture_cpu.toml: a single-turn dataset source and a calculator
+environment source, 3:1) under torchrun with 2 ranks and the real vLLM engine: per-source
+figures, logs and curves, a batched async reward called once per source, rank and step, and
+an exact resume after a preemption.
+
+    .venv/bin/python -m pytest tests/integration/test_mixture.py
+
+The draw itself, cursors and per-source sums on their own: tests/unit/test_mixture.py.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+
+from helpers.launch import (
+    REPO,
+    TINY,
+    assert_resumed_as,
+    metric_rows,
+    preempt,
+    run_train,
+)
+
+from torchtitan_rl.config import parse_args
+from torchtitan_rl.episodes import open_task
+
+# Random tiny weights (no SFT export needed), 4 steps of 8 prompts x 4 samples; the minmax
+# source also scored by a batched async function that logs its calls.
+FLAGS = (
+    *("--job.config_file", "run_configs/mixture_cpu.toml", "--model.hf_checkpoint", TINY),
+    *("--training.steps", "4", "--training.prompts_per_step", "8"),
+    *("--generator.sampling.n", "4", "--generator.sampling.max_tokens", "32"),
+    *("--eval.interval", "2", "--metrics.rollout_log_interval", "1"),
+    *("--checkpoint.enable", "--checkpoint.interval", "2"),
+    *("--task.sources.minmax.rewards", "helpers.user_rewards:async_batch_starts_with_answer", "1"),
+)
+BATCHED = "async_batch_starts_with_answer"
+
+
+def expected_calls(rank: int, ranks: int = 2) -> list[int]:
+    """The batch sizes of the batched reward's calls on `rank`, in order: one per evaluation
+    and step whose shard holds minmax prompts, of all of that shard's minmax samples."""
+    config = parse_args(list(FLAGS))
+    opened = open_task(config)
+    n, prompts_per_step = config.generator.sampling.n, config.training.prompts_per_step
+
+    def eval_call() -> list[int]:
+        held_out = opened.eval_prompts
+        shard = held_out[rank * len(held_out) // ranks : (rank + 1) * len(held_out) // ranks]
+        count = sum(p.source == "minmax" for p in shard)
+        return [count] if count else []
+
+    calls = eval_call()
+    for step in range(1, config.training.steps + 1):
+        share = prompts_per_step // ranks
+        shard = opened.task.prompts(step, prompts_per_step)[rank * share : (rank + 1) * share]
+        count = sum(p.source == "minmax" for p in shard)
+        calls += [count * n] if count else []
+        if step % 2 == 0:
+            calls += eval_call()
+    return calls
+
+
+def test_a_mixture_run_logs_each_source_and_resumes_exactly(tmp_path, repo_cwd):
+    out = tmp_path / "run"
+    calls = tmp_path / "calls"
+    result = run_train(
+        *FLAGS,
+        "--job.dump_folder",
+        str(out),
+        nproc=2,
+        env={"TORCHTITAN_RL_CALLS_TO": str(calls)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Every step's figures, overall and for each source it drew prompts from.
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    mixture = open_task(parse_args(list(FLAGS))).task
+    for row in rows:
+        drawn = {p.source for p in mixture.prompts(row["step"], 8)}
+        for source in ("minmax", "tools"):
+            assert (f"reward/mean/{source}" in row) == (source in drawn)
+        for source in drawn:
+            assert 0.0 <= row[f"reward/mean/{source}"] <= 1.0
+            assert row[f"response_length/mean/{source}"] > 0
+        assert 0.0 <= row[f"reward/{BATCHED}"] <= 1.0
+    evals = metric_rows(out, "eval")
+    assert [r["eval/policy_version"] for r in evals] == [0, 2, 4]
+    for row in evals:
+        for key in ("eval/accuracy/", "eval/pass@1/", "eval/response_length/"):
+            assert {f"{key}minmax", f"{key}tools"} <= row.keys()
+        assert row["eval/prompts"] == 36 + 64  # both eval sets, each read with its own keys
+
+    # One call of the batched function per rank and step (or evaluation) with minmax prompts.
+    for rank in (0, 1):
+        logged = [int(n) for n in (tmp_path / f"calls.rank{rank}").read_text().split()]
+        assert logged == expected_calls(rank), rank
+
+    # The logs name each sample's source; the plot draws a curve per source.
+    logged = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert {s["source"] for entry in logged for s in entry["samples"]} <= {"minmax", "tools"}
+    samples = [
+        json.loads(line)["samples"] for line in (out / "eval.jsonl").read_text().splitlines()
+    ]
+    # Each rank logs its shard's first rows: rank 0's are minmax rows, rank 1's tools rows.
+    assert {s["source"] for group in samples for s in group} == {"minmax", "tools"}
+    plot = subprocess.run(
+        [sys.executable, str(REPO / "scripts/plot_metrics.py"), str(out / "metrics.jsonl")]
+        + ["-o", str(tmp_path / "curves.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plot.returncode == 0, plot.stderr
+    assert "reward/mean/minmax, reward/mean/tools" in plot.stdout
+    assert "eval/accuracy/minmax, eval/accuracy/tools" in plot.stdout
+
+    # Preempted after step 3 (not a due checkpoint), relaunched: the same rows and weights.
+    stopped = tmp_path / "stopped"
+    resumed_from = preempt(FLAGS, stopped, 3, signal.SIGTERM, rank=None)
+    result = run_train(*FLAGS, "--job.dump_folder", str(stopped), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {stopped / 'checkpoints' / f'step-{resumed_from}'}" in result.stdout
+    assert_resumed_as(out, stopped, resumed_from, exact=False)
