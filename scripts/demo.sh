@@ -5,7 +5,7 @@
 #   CONFIG=run_configs/arith_cpu.toml ./scripts/demo.sh     # RL from random weights, ~6 minutes
 #   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh     # the 25-second echo demo
 #   TOOLS=1 ./scripts/demo.sh     # the calculator-tool demo: SFT on traces, then RL with the tool
-#   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 3:1 (task.sources), each with its figures
+#   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 1:1 (task.sources), each with its figures
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail

@@ -107,7 +107,7 @@ class Evaluator:
         totals = dict.fromkeys(names + passes, 0.0)
         by_source = [*SOURCE_TOTALS, *passes]
         totals |= dict.fromkeys((f"{x}/{s}" for s in self.sources for x in by_source), 0.0)
-        samples = []
+        samples, logged = [], {}  # logged: samples kept of each source (a mixture's)
         if prompts:
             scored = self.episodes.run(
                 generator,
@@ -137,7 +137,8 @@ class Evaluator:
                     totals[name] += value
                     if prompt.source and name in by_source:
                         totals[f"{name}/{prompt.source}"] += value
-                if len(samples) < self.section.log_samples:
+                if logged.get(prompt.source, 0) < self.section.log_samples:
+                    logged[prompt.source] = logged.get(prompt.source, 0) + 1
                     samples.append(
                         {
                             **({"source": prompt.source} if prompt.source else {}),

@@ -1,5 +1,5 @@
 """A mixture run (run_configs/mixture_cpu.toml: a single-turn dataset source and a calculator
-environment source, 3:1) under torchrun with 2 ranks and the real vLLM engine: per-source
+environment source, here 3:1) under torchrun with 2 ranks and the real vLLM engine: per-source
 figures, logs and curves, a batched async reward called once per source, rank and step, and
 an exact resume after a preemption.
 
@@ -33,6 +33,7 @@ FLAGS = (
     *("--generator.sampling.n", "4", "--generator.sampling.max_tokens", "32"),
     *("--eval.interval", "2", "--metrics.rollout_log_interval", "1"),
     *("--checkpoint.enable", "--checkpoint.interval", "2"),
+    *("--task.sources.minmax.weight", "3"),
     *("--task.sources.minmax.rewards", "helpers.user_rewards:async_batch_starts_with_answer", "1"),
 )
 BATCHED = "async_batch_starts_with_answer"

@@ -253,7 +253,8 @@ class EvalSection:
     max_tokens: int | None = None
     """Most tokens per completion; unset: generator.sampling.max_tokens."""
     log_samples: int = 4
-    """Prompts, completions and rewards of this many prompts written to eval.jsonl each time."""
+    """Prompts, completions and rewards of this many prompts (of each source, in a mixture)
+    written to eval.jsonl each time."""
 
     def validate(self) -> None:
         for name in ("interval", "log_samples"):
