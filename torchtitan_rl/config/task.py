@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from torchtitan_rl.config.errors import first_change, require
+from torchtitan_rl.config.errors import ConfigError, first_change, require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,12 +221,12 @@ class TaskSection(SourceSection):
             return
         own = {f.name: getattr(self, f.name) for f in fields(SourceSection)}
         changed = first_change(SourceSection(**own), SourceSection(), "task")
-        require(
-            changed is None,
-            f"{changed[0] if changed else ''} = {changed[1] if changed else ''!r} is set beside "
-            "task.sources: with a mixture every source holds its own fields; move it into "
-            "each [task.sources.NAME] that needs it",
-        )
+        if changed is not None:
+            name, value = changed
+            raise ConfigError(
+                f"{name} = {value!r} is set beside task.sources: with a mixture every source "
+                "holds its own fields; move it into each [task.sources.NAME] that needs it"
+            )
         for name, source in self.sources.items():
             require(
                 _SOURCE_NAME.fullmatch(name) is not None,
