@@ -81,6 +81,7 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
         name.replace("_checkpoint_wrapped_module.", ""): param
         for name, param in trainer.model.named_parameters()
     }
+    head_weight, head_group, _ = trainer._head()  # what the packed path projects with
     params_are_views = all(
         p is live[k] and type(p).__name__ == "DTensor"
         for k, p in trainer.named_parameters().items()
@@ -103,6 +104,8 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
         ),
         "local_shapes": local_shapes,
         "params_are_views": params_are_views,
+        "head_rows": head_weight.shape[0],
+        "head_parallel": head_group is not None,
     }
 
 
