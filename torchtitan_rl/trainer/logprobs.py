@@ -223,6 +223,26 @@ def _cat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces)
 
 
+def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
+    """The output projection `head`'s weight for `head_logprobs`: FSDP's unsharded copy (the
+    forward leaves the head's group unsharded; `unshard` is a no-op then). Under TP, this
+    rank's rows of the vocabulary, the TP group and the first row's index: the head then runs
+    vocabulary-parallel and the weight is never gathered."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(head, FSDPModule):
+        head.unshard()
+    weight = head.weight
+    if not isinstance(weight, DTensor):
+        return weight, None, 0
+    if weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),):
+        mesh = weight.device_mesh
+        rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits as torch.chunk does
+        return weight.to_local(), mesh.get_group(), mesh.get_local_rank() * rows
+    return weight.full_tensor(), None, 0
+
+
 def head_logprobs(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
@@ -40,7 +40,7 @@ from torchtitan_rl.config import (
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing
-from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
+from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 from torchtitan_rl.types import LossScale, RolloutBatch
 
@@ -283,7 +283,7 @@ class PolicyTrainer:
         if isinstance(hidden_1LD, DTensor):
             hidden_1LD = hidden_1LD.full_tensor()  # TP: sequence-parallel shards
         hidden_ND = hidden_1LD[0].index_select(0, row.predictors_N)
-        weight, group, first = self._head()
+        weight, group, first = head_weight(self.model.lm_head)
         logprobs_N, entropy_N = head_logprobs(
             hidden_ND, weight, row.targets_N, self.temperature, group=group, first=first
         )
@@ -291,25 +291,6 @@ class PolicyTrainer:
         logprobs_BT = torch.zeros(shape, device=self.device).index_put(scored, logprobs_N)
         entropy_BT = torch.zeros(shape, device=self.device).index_put(scored, entropy_N)
         return logprobs_BT, entropy_BT
-
-    def _head(self) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
-        """The output projection's weight for `head_logprobs`: FSDP's unsharded copy (the
-        forward leaves the head's group unsharded; `unshard` is a no-op then). Under TP, this
-        rank's rows of the vocabulary, the TP group and the first row's index: the head runs
-        vocabulary-parallel and the weight is never gathered."""
-        from torch.distributed.fsdp import FSDPModule
-
-        head = self.model.lm_head
-        if isinstance(head, FSDPModule):
-            head.unshard()
-        weight = head.weight
-        if not isinstance(weight, DTensor):
-            return weight, None, 0
-        if weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),):
-            mesh = weight.device_mesh
-            rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits as torch.chunk does
-            return weight.to_local(), mesh.get_group(), mesh.get_local_rank() * rows
-        return weight.full_tensor(), None, 0
 
     def micro_batches(
         self, batch: RolloutBatch, count: int | None = None
