@@ -27,6 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.trainer.logprobs import head_weight
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 
 
@@ -81,6 +82,7 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
         name.replace("_checkpoint_wrapped_module.", ""): param
         for name, param in trainer.model.named_parameters()
     }
+    weight, head_group, _ = head_weight(trainer.model.lm_head)  # the packed path's head
     params_are_views = all(
         p is live[k] and type(p).__name__ == "DTensor"
         for k, p in trainer.named_parameters().items()
@@ -103,6 +105,8 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
         ),
         "local_shapes": local_shapes,
         "params_are_views": params_are_views,
+        "head_rows": weight.shape[0],
+        "head_parallel": head_group is not None,
     }
 
 

@@ -3,6 +3,8 @@
 .venv/bin/python -m pytest tests/integration/test_policy_trainer.py
 """
 
+import json
+
 import pytest
 import torch
 from helpers.batches import fixed_batch
@@ -157,7 +159,29 @@ def test_packed_steps_run_each_sequence_once_within_the_budget_balanced_over_ran
     data_ranks = run["share"][1]
     assert sum(loads) == 64 * (len(forwards) // data_ranks)  # TP ranks run the same rows
     assert max(loads) == min(loads) == 64 // data_ranks
+    # Under TP the head projects onto this rank's half of the vocabulary, never gathered.
+    vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
+    tp = "tp2" in key
+    assert (run["head_parallel"], run["head_rows"]) == (tp, vocab // 2 if tp else vocab)
     batch = fixed_batch()
     rows = run["rows"]
     share_BT = run["logprobs_BT"][rows] * batch.loss_mask_BT[rows]
     torch.testing.assert_close(run["step_logprobs_BT"], share_BT, rtol=1e-6, atol=1e-6)
+
+
+def test_the_vocabulary_parallel_head_equals_the_whole_head(tmp_path):
+    """Trainer TP: each rank projects onto its rows of the vocabulary only (never a [C, V]
+    block, never the gathered weight), and the logprobs, entropies and both gradients equal
+    the whole head's (tests/dist/vocab_parallel_head_run.py: 2 ranks, an uneven 26/25 split,
+    5 chunks, temperature 0.7)."""
+    run_dist("vocab_parallel_head_run.py", str(tmp_path), nproc=2)
+    result = torch.load(tmp_path / "head.pt")
+    whole, parallel = result["whole"], result["parallel"]
+    assert (whole["widest_logits"], parallel["widest_logits"]) == (51, 26)
+    for name in ("logprobs", "entropy"):
+        torch.testing.assert_close(parallel[name], whole[name], rtol=1e-6, atol=1e-6)
+    # Gradients are sums over the vocabulary split across ranks: fp32 rounding of O(1) terms.
+    for name in ("grad_hidden", "grad_weight"):
+        torch.testing.assert_close(parallel[name], whole[name], rtol=1e-5, atol=1e-5)
+    assert whole["logprobs"].shape == (37,) and (whole["logprobs"] < 0).all()
+    assert whole["grad_weight"].abs().sum() > 0

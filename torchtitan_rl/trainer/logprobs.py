@@ -8,6 +8,7 @@ position t - 1 (the logits at t score token t + 1). Column 0 has no prediction a
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -149,10 +150,97 @@ class _HeadLogprobs(torch.autograd.Function):
         return grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype), None, None, None
 
 
+class _VocabParallelHeadLogprobs(torch.autograd.Function):
+    """`_HeadLogprobs` over a vocabulary sharded across the ranks of `group` (trainer TP): this
+    rank holds rows `first .. first + V_local` of the output projection. Each chunk's logits
+    stay [C, V_local]; the softmax's max and normalizer, the target's logit and the entropy are
+    all-reduced over `group` ([C] figures each), and backward all-reduces the hidden states'
+    gradient (each rank holds its share). The hidden states must be the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk, group, first):
+        rows = weight_VD.shape[0]
+        mine_N = (targets_N >= first) & (targets_N < first + rows)
+        local_N = (targets_N - first).clamp(0, rows - 1)
+        logprobs, entropies, maxima, log_norms = [], [], [], []
+        for start in range(0, hidden_ND.shape[0], chunk):
+            span = slice(start, start + chunk)
+            logits_CV = _scaled(F.linear(hidden_ND[span], weight_VD), temperature)
+            max_C = logits_CV.max(-1).values
+            dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=group)
+            shifted_CV = logits_CV.sub_(max_C[:, None])
+            target_C = shifted_CV.gather(-1, local_N[span, None]).squeeze(-1) * mine_N[span]
+            sums_2C = torch.stack([shifted_CV.exp().sum(-1), target_C])
+            dist.all_reduce(sums_2C, group=group)
+            log_norm_C = sums_2C[0].log()
+            logp_CV = shifted_CV.sub_(log_norm_C[:, None])
+            entropy_C = _entropy(logp_CV)
+            dist.all_reduce(entropy_C, group=group)
+            logprobs.append(sums_2C[1] - log_norm_C)
+            entropies.append(entropy_C)
+            maxima.append(max_C)
+            log_norms.append(log_norm_C)
+            del logits_CV, shifted_CV, logp_CV
+        max_N, log_norm_N = _cat(maxima, hidden_ND), _cat(log_norms, hidden_ND)
+        ctx.save_for_backward(hidden_ND, weight_VD, local_N, mine_N, max_N, log_norm_N)
+        ctx.temperature, ctx.chunk, ctx.group = temperature, chunk, group
+        entropy_N = _cat(entropies, hidden_ND)
+        ctx.mark_non_differentiable(entropy_N)
+        return _cat(logprobs, hidden_ND), entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_N, _grad_entropy_N):
+        hidden_ND, weight_VD, local_N, mine_N, max_N, log_norm_N = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        weight_f = weight_VD.float()
+        grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
+        grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        for start in range(0, hidden_ND.shape[0], chunk):
+            span = slice(start, start + chunk)
+            hidden_CD = hidden_ND[span].float()
+            logits_CV = _scaled(F.linear(hidden_CD, weight_f), T)
+            # This rank's share of softmax, from the forward's all-reduced max and normalizer.
+            grad_CV = logits_CV.sub_((max_N[span] + log_norm_N[span])[:, None]).exp_().neg_()
+            onehot_C = mine_N[span, None].to(grad_CV.dtype)
+            grad_CV.scatter_add_(-1, local_N[span, None], onehot_C)
+            grad_CV.mul_(grad_N[span, None].float() / T)
+            grad_hidden[span] = grad_CV @ weight_f
+            grad_weight.addmm_(grad_CV.t(), hidden_CD)
+            del logits_CV, grad_CV
+        dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's vocabulary rows' share
+        grad_hidden, grad_weight = grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _scaled(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits_CV = logits_CV.float()
+    return logits_CV.div_(temperature) if temperature != 1.0 else logits_CV
+
+
 def _cat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if not pieces:
         return torch.zeros(0, dtype=torch.float32, device=like.device)
     return torch.cat(pieces)
+
+
+def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
+    """The output projection `head`'s weight for `head_logprobs`: FSDP's unsharded copy (the
+    forward leaves the head's group unsharded; `unshard` is a no-op then). Under TP, this
+    rank's rows of the vocabulary, the TP group and the first row's index: the head then runs
+    vocabulary-parallel and the weight is never gathered."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(head, FSDPModule):
+        head.unshard()
+    weight = head.weight
+    if not isinstance(weight, DTensor):
+        return weight, None, 0
+    if weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),):
+        mesh = weight.device_mesh
+        rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits as torch.chunk does
+        return weight.to_local(), mesh.get_group(), mesh.get_local_rank() * rows
+    return weight.full_tensor(), None, 0
 
 
 def head_logprobs(
@@ -162,6 +250,8 @@ def head_logprobs(
     temperature: float = 1.0,
     *,
     chunk: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N] (fp32, with gradient to `hidden_ND` and `weight_VD`) and entropies [N] (no
     gradient) of `targets_N` under the output projection `weight_VD` of the final hidden
@@ -171,6 +261,16 @@ def head_logprobs(
     same order, as `token_logprobs` on full logits, so equal hidden states give equal bits in
     the forward; backward recomputes each chunk, so memory is one [chunk, V] block, not
     [N, V] logits and their gradient. `chunk`: tokens per chunk (default `head_chunk(V)`).
+
+    With `group` (trainer TP), `weight_VD` is this rank's rows of a vocabulary sharded over the
+    group, starting at row `first`: each chunk's logits stay sharded ([chunk, V / tp]) and only
+    [chunk]-sized figures cross ranks (`_VocabParallelHeadLogprobs`). Not bitwise equal to the
+    unsharded head (the softmax is reduced in another order), which batch-invariant mode
+    refuses with TP anyway.
     """
-    chunk = chunk or head_chunk(weight_VD.shape[0])
+    chunk = chunk or head_chunk(weight_VD.shape[0])  # a chunk's block: [chunk, V_local]
+    if group is not None:
+        return _VocabParallelHeadLogprobs.apply(
+            hidden_ND, weight_VD, targets_N, temperature, chunk, group, first
+        )
     return _HeadLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk)

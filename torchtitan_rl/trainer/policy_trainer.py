@@ -40,7 +40,7 @@ from torchtitan_rl.config import (
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing
-from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
+from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 from torchtitan_rl.types import LossScale, RolloutBatch
 
@@ -283,24 +283,14 @@ class PolicyTrainer:
         if isinstance(hidden_1LD, DTensor):
             hidden_1LD = hidden_1LD.full_tensor()  # TP: sequence-parallel shards
         hidden_ND = hidden_1LD[0].index_select(0, row.predictors_N)
+        weight, group, first = head_weight(self.model.lm_head)
         logprobs_N, entropy_N = head_logprobs(
-            hidden_ND, self._head_weight(), row.targets_N, self.temperature
+            hidden_ND, weight, row.targets_N, self.temperature, group=group, first=first
         )
         shape, scored = micro.tokens_BT.shape, (row.rows_N, row.cols_N)
         logprobs_BT = torch.zeros(shape, device=self.device).index_put(scored, logprobs_N)
         entropy_BT = torch.zeros(shape, device=self.device).index_put(scored, entropy_N)
         return logprobs_BT, entropy_BT
-
-    def _head_weight(self) -> torch.Tensor:
-        """The output projection's whole weight [V, D]: FSDP's unsharded copy (the forward
-        leaves the head's group unsharded; `unshard` is a no-op then), gathered over TP."""
-        from torch.distributed.fsdp import FSDPModule
-
-        head = self.model.lm_head
-        if isinstance(head, FSDPModule):
-            head.unshard()
-        weight = head.weight
-        return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
     def micro_batches(
         self, batch: RolloutBatch, count: int | None = None
