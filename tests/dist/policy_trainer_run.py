@@ -14,21 +14,30 @@ step), the pre-update logprobs the step itself reports for its share, the model 
 step ran on every rank (their token shapes), and the full parameters before and after it, so
 tests can compare world sizes, micro-batch counts and packing, parallelisms and activation
 checkpointing. It also saves the gradients the
-optimizer applied.
+optimizer applied. With 2 ranks it also compares the vocabulary-parallel head (trainer TP)
+with the whole head on random tensors: OUT_DIR/head.pt (`vocabulary_parallel_head`).
 """
 
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from helpers.batches import fixed_batch, pg_loss, recorded_grads
 from helpers.launch import TINY
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.trainer import logprobs
 from torchtitan_rl.trainer.logprobs import head_weight
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+
+
+# The head comparison: each of 2 ranks holds its rows of a 51-entry vocabulary (26 and 25:
+# Shard(0)'s uneven split); the hidden states are the same on both.
+VOCAB, DIM, TOKENS, CHUNK, TEMPERATURE = 51, 16, 37, 8, 0.7
 
 
 def main() -> None:
@@ -41,6 +50,10 @@ def main() -> None:
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             torch.save(result, out / f"{micro}_{checkpointing}_tp{tp}.pt")
+    if world == 2:
+        result = vocabulary_parallel_head(rank, world)
+        if rank == 0:
+            torch.save(result, out / "head.pt")
     platform.shutdown_distributed()
 
 
@@ -108,6 +121,53 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
         "head_rows": weight.shape[0],
         "head_parallel": head_group is not None,
     }
+
+
+def vocabulary_parallel_head(rank: int, world: int) -> dict:
+    """Both heads' logprobs, entropies and gradients (the weight's gathered from both ranks'
+    rows), and the widest block of logits each built."""
+    torch.manual_seed(0)  # the same tensors on both ranks
+    hidden_ND = torch.randn(TOKENS, DIM)
+    weight_VD = torch.randn(VOCAB, DIM)
+    targets_N = torch.randint(0, VOCAB, (TOKENS,))
+    coefficients_N = torch.randn(TOKENS)  # a loss that weighs every token differently
+
+    widths = []
+    linear = F.linear
+
+    def recording(x, w, *rest):
+        widths.append(w.shape[0])
+        return linear(x, w, *rest)
+
+    rows = -(-VOCAB // world)
+    first = rank * rows
+    result = {}
+    logprobs.F.linear = recording  # torch.nn.functional's, put back below
+    for name, group, mine in (
+        ("whole", None, slice(None)),
+        ("parallel", dist.group.WORLD, slice(first, first + rows)),
+    ):
+        widths.clear()
+        hidden = hidden_ND.clone().requires_grad_()
+        weight = weight_VD[mine].clone().requires_grad_()
+        logp_N, entropy_N = logprobs.head_logprobs(
+            hidden, weight, targets_N, TEMPERATURE, chunk=CHUNK, group=group, first=first
+        )
+        (logp_N * coefficients_N).sum().backward()
+        pieces = [torch.zeros(rows, DIM) for _ in range(world)] if group else None
+        if group:
+            padded = torch.zeros(rows, DIM)
+            padded[: weight.grad.shape[0]] = weight.grad
+            dist.all_gather(pieces, padded)
+        result[name] = {
+            "logprobs": logp_N.detach(),
+            "entropy": entropy_N,
+            "grad_hidden": hidden.grad,
+            "grad_weight": torch.cat(pieces)[:VOCAB] if group else weight.grad,
+            "widest_logits": max(widths),
+        }
+    logprobs.F.linear = linear
+    return result
 
 
 if __name__ == "__main__":

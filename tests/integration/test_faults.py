@@ -1,5 +1,5 @@
-"""Faults: NaN rewards, user rewards that raise, a generator short of KV cache, long seeded
-steps, a checkpoint write that fails.
+"""Faults: NaN rewards, a generator short of KV cache, long seeded steps, a checkpoint write
+that fails. User rewards that raise, in a real run: test_mixture.py.
 
     .venv/bin/python -m pytest tests/integration/test_faults.py
 
@@ -14,9 +14,7 @@ import subprocess
 import sys
 
 import psutil
-import pytest
 from helpers.launch import (
-    DEBUG_TOML,
     HELPERS,
     REPO,
     kill_tree,
@@ -138,35 +136,3 @@ def test_a_failing_checkpoint_write_stops_the_run_with_one_line(tmp_path):
     )
     assert not list((tmp_path / "checkpoints").iterdir())
     assert logged_steps(tmp_path) == {1, 2}
-
-
-def test_a_run_with_a_reward_that_raises_and_a_batched_async_one(tmp_path):
-    """task.rewards: a per-sample function that raises on odd answers (counted, scored 0)
-    and a batched async one, called once per step with the step's 256 completions."""
-    rows = [{"prompt": f"echo {d}:", "answer": str(d)} for d in range(10)]
-    (tmp_path / "echo.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    calls = tmp_path / "batch_calls"
-    result = run_train(
-        *("--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path / "run")),
-        "--training.steps",
-        "2",
-        "--task.name",
-        "dataset",
-        "--task.dataset_path",
-        str(tmp_path / "echo.jsonl"),
-        "--task.rewards",
-        *("user_rewards:raises_on_odd", "1.0", "user_rewards:async_batch_starts_with_answer", "1"),
-        env={"PYTHONPATH": HELPERS, "TORCHTITAN_RL_CALLS_TO": str(calls)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in metrics]
-    # Every step draws odd answers, whose reward raises: counted (cumulatively), scored 0.
-    assert 0 < rows[0]["reward/errors"] < rows[1]["reward/errors"]
-    for row in rows:
-        assert 0.0 <= row["reward/raises_on_odd"] <= 0.5
-        assert row["reward/mean"] == pytest.approx(
-            row["reward/raises_on_odd"] + row["reward/async_batch_starts_with_answer"]
-        )
-    # One call per step (a world of one: one rank), with all of the step's completions.
-    assert (tmp_path / "batch_calls.rank0").read_text().split() == ["256", "256"]

@@ -20,7 +20,10 @@ def worlds(tmp_path_factory, nproc: int, *layouts: tuple[int | str, str, int]) -
     out = tmp_path_factory.mktemp(f"policy_trainer_w{nproc}")
     names = [f"{m},{c},{tp}" for m, c, tp in layouts]
     run_dist("policy_trainer_run.py", str(out), *names, nproc=nproc)
-    return [torch.load(out / f"{m}_{c}_tp{tp}.pt") for m, c, tp in layouts]
+    results = [torch.load(out / f"{m}_{c}_tp{tp}.pt") for m, c, tp in layouts]
+    if nproc == 2:  # and the vocabulary-parallel head's comparison
+        results.append(torch.load(out / "head.pt"))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def runs(tmp_path_factory):
     single, selective, single_packed = worlds(
         tmp_path_factory, 0, (1, "none", 1), (1, "selective", 1), ("b16", "none", 1)
     )
-    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed = worlds(
+    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed, head = worlds(
         tmp_path_factory,
         2,
         (1, "none", 1),
@@ -51,6 +54,7 @@ def runs(tmp_path_factory):
         (1, "b16"): single_packed,
         (2, "b16"): fsdp_packed,
         (2, "b24", "full", "tp2"): tp_packed,
+        "head": head,
     }
 
 
@@ -169,13 +173,12 @@ def test_packed_steps_run_each_sequence_once_within_the_budget_balanced_over_ran
     torch.testing.assert_close(run["step_logprobs_BT"], share_BT, rtol=1e-6, atol=1e-6)
 
 
-def test_the_vocabulary_parallel_head_equals_the_whole_head(tmp_path):
+def test_the_vocabulary_parallel_head_equals_the_whole_head(runs):
     """Trainer TP: each rank projects onto its rows of the vocabulary only (never a [C, V]
     block, never the gathered weight), and the logprobs, entropies and both gradients equal
-    the whole head's (tests/dist/vocab_parallel_head_run.py: 2 ranks, an uneven 26/25 split,
-    5 chunks, temperature 0.7)."""
-    run_dist("vocab_parallel_head_run.py", str(tmp_path), nproc=2)
-    result = torch.load(tmp_path / "head.pt")
+    the whole head's (tests/dist/policy_trainer_run.py: 2 ranks, an uneven 26/25 split, 5
+    chunks, temperature 0.7)."""
+    result = runs["head"]
     whole, parallel = result["whole"], result["parallel"]
     assert (whole["widest_logits"], parallel["widest_logits"]) == (51, 26)
     for name in ("logprobs", "entropy"):

@@ -7,6 +7,8 @@ A real mixture run under torchrun, resumed exactly: tests/integration/test_mixtu
 """
 
 import asyncio
+import importlib.util
+import json
 import math
 
 import pytest
@@ -200,3 +202,37 @@ def test_rollout_and_eval_figures_per_source(tmp_path):
     assert figures["eval/accuracy/a"] == 1.0 and figures["eval/accuracy/b"] == 0.25
     assert figures["eval/pass@1/b"] == 0.25 and figures["eval/pass@2/b"] == 0.5
     assert figures["eval/response_length/b"] == 6.5
+
+
+def test_help_lists_each_source_s_flags_with_their_docstrings(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--job.config_file", "run_configs/mixture_cpu.toml", "--help"])
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for source in ("minmax", "tools"):
+        assert f"--task.sources.{source}.weight FLOAT" in text
+        assert f"--task.sources.{source}.eval_dataset_path" in text
+    assert "The source's share of each step's prompts" in text
+
+
+def test_plot_metrics_draws_a_curve_per_source(tmp_path):
+    spec = importlib.util.spec_from_file_location("plot_metrics", "scripts/plot_metrics.py")
+    plot_metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_metrics)
+    rows = [
+        {"step": 1, "reward/mean": 0.5, "reward/mean/a": 0.25, "reward/mean/b": 0.75},
+        {"step": 2, "reward/mean": 0.5, "reward/mean/a": 0.5},  # b drew no prompt
+        {"step": 2, "eval/accuracy": 0.5, "eval/accuracy/a": 0.0, "eval/accuracy/b": 1.0},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    drawn = plot_metrics.plot(metrics, tmp_path / "curves.png")
+    assert drawn == [
+        "reward/mean",
+        "reward/mean/a",
+        "reward/mean/b",
+        "eval/accuracy",
+        "eval/accuracy/a",
+        "eval/accuracy/b",
+    ]
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
