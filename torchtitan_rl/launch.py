@@ -130,10 +130,12 @@ def report_crash() -> None:
 
 def follows(alarm: str, error: str) -> int:
     """This rank's error after another rank stopped the run (`alarm`: "failed R" or "hang"):
-    that rank's line is on the console, this one goes to the log. Exit code 1."""
+    that rank's line is on the console, this one goes to the log. Exit code 1, or 124 after a
+    hang: a rank whose collective broke as a hung peer exited exits as that peer did (its guard
+    had written its stacks before any rank could exit)."""
     first = watchdog.what_happened(alarm)
     print(f"watchdog: {first}; then this rank got:\n{error}", file=sys.stderr)
-    return 1
+    return watchdog.EXIT_HANG if alarm == "hang" else 1
 
 
 def say_summary(config, wall_s: float) -> None:

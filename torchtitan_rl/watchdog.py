@@ -109,6 +109,9 @@ class Watchdog:
         """When this rank entered its phase (the monotonic clock, for the timeout)."""
         self.published: Phase | None = None
         self.signal: str | None = None
+        self.hanging = False
+        """Set once this rank exits for a hang: a signal then changes nothing (torchrun sends
+        SIGTERM to the ranks still up when the first one exits)."""
         self.poll_s = min(1.0, timeout_s / 10) if timeout_s else 1.0
         self.done = threading.Event()
         self.read_fd, self.write_fd = os.pipe()
@@ -132,7 +135,7 @@ class Watchdog:
         self._requested(signal.Signals(signum).name)
 
     def _requested(self, name: str) -> None:
-        if self.signal is not None:
+        if self.signal is not None or self.hanging:
             return
         self.signal = name
         # No phase marked yet: no step to finish.
@@ -179,6 +182,7 @@ class Watchdog:
 
     def _hang(self, saw_it: bool) -> None:
         """Dump this rank's stacks, wait (bounded) for the others', say it once, exit."""
+        self.hanging = True
         header = f"watchdog: rank {self.rank}: a phase ran past job.phase_timeout_s; stacks:\n"
         sys.stderr.write(header)
         sys.stderr.flush()

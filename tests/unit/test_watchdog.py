@@ -148,3 +148,15 @@ def test_a_rank_that_fails_raises_the_alarm_and_a_peer_s_alarm_ends_this_rank(ex
     watchdog._watchdog.store.compare_set("alarm", "", "failed 1")
     assert exits.get(timeout=10) == watchdog.EXIT_FAILED
     assert watchdog.fail() == "failed 1"  # this rank's error follows from rank 1's
+
+
+def test_a_rank_whose_error_follows_a_hang_exits_as_the_hung_rank(capsys):
+    """A rank's collective breaks when a hung peer exits first: it exits 124 as every rank of
+    a hang does (torchrun then reports 124 for each), after a peer's failure 1."""
+    from torchtitan_rl.launch import follows
+
+    assert follows("hang", "RuntimeError: connection closed") == watchdog.EXIT_HANG
+    assert follows("failed 1", "RuntimeError: connection closed") == 1
+    err = capsys.readouterr().err
+    assert "watchdog: a phase hung; then this rank got:\nRuntimeError" in err
+    assert "watchdog: rank 1 stopped the run; then this rank got:" in err
