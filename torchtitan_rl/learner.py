@@ -287,7 +287,8 @@ def rollout_metrics(
         (float(v.nansum()), float((~v.isnan()).sum()))
         for _, v in sorted(rollouts.reward_parts_PN.items())
     ]
-    by_source = [source_sums(rollouts, source) for source in sources]
+    lengths_PN = rollouts.lengths_PN()
+    by_source = [source_sums(rollouts, lengths_PN, source) for source in sources]
     extra = [x for pair in by_name for x in pair] + [x for sums_ in by_source for x in sums_]
     base = len(sums)
     sums = torch.cat([sums, torch.tensor(extra, dtype=torch.float64)])
@@ -340,9 +341,11 @@ def rollout_metrics(
     }
 
 
-def source_sums(rollouts: Rollouts, source: str) -> tuple[float, float, float]:
-    """Reward sum, sample count and sampled tokens of the groups of `source`."""
+def source_sums(
+    rollouts: Rollouts, lengths_PN: torch.Tensor, source: str
+) -> tuple[float, float, float]:
+    """Reward sum, sample count and sampled tokens (of `lengths_PN`) of the groups of
+    `source`."""
     keep_P = torch.tensor([p.source == source for p in rollouts.prompts], dtype=torch.bool)
     rewards_PN = rollouts.rewards_PN[keep_P]
-    tokens = float(rollouts.lengths_PN()[keep_P].sum())
-    return float(rewards_PN.sum()), float(rewards_PN.numel()), tokens
+    return float(rewards_PN.sum()), float(rewards_PN.numel()), float(lengths_PN[keep_P].sum())

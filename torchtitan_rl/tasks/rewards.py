@@ -187,9 +187,9 @@ class Scorer:
             values, own = await self._score_source(self.rewards.get(source, []), *mine)
             for j, i in enumerate(index):
                 total[i] = values[j]
-                for name in self.names:
-                    if name in own:
-                        parts[name][i] = own[name][j]
+            for name in parts.keys() & own.keys():
+                for j, i in enumerate(index):
+                    parts[name][i] = own[name][j]
         return total, parts
 
     async def _score_source(
