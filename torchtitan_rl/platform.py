@@ -173,30 +173,40 @@ def optimizer_implementation() -> str:
     return "fused" if device_type() == "cuda" else "for-loop"
 
 
-def use_platform_attention(model_config) -> None:
+def use_platform_attention(model_config, dtype: str = "float32") -> None:
     """Make every layer's inner attention `DocumentCausalAttention`, in place, on CPU and CUDA:
     torchtitan's SDPA over right-padded rows (`model(tokens, positions, None)`), and
-    `packed_attention_kernel()` over packed rows (`attention_masks` = `Documents`).
+    `packed_attention_kernel(dtype)` over packed rows (`attention_masks` = `Documents`).
 
     torchtitan's default FlexAttention needs a BlockMask built per batch and has no CPU
     backward; its varlen attention needs CUDA and a mask object even for padded rows.
     """
     from torchtitan_rl.trainer.attention import DocumentCausalAttention
 
+    kernel = packed_attention_kernel(dtype)
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
-            layer.attention.inner_attention = DocumentCausalAttention.Config(
-                packed=packed_attention_kernel()
-            )
+            layer.attention.inner_attention = DocumentCausalAttention.Config(packed=kernel)
 
 
-def packed_attention_kernel():
+def packed_attention_kernel(dtype: str = "float32"):
     """Document-causal attention of one packed row: varlen flash attention on CUDA; on CPU,
     which has no varlen kernel and no FlexAttention backward, causal SDPA per document
     (measured faster than one SDPA with a block-diagonal mask: docs/trainer_and_generator.md)."""
-    from torchtitan_rl.trainer import attention
+    from torchtitan_rl.trainer import packed_attention
 
-    return attention.varlen if device_type() == "cuda" else attention.sdpa_per_document
+    if device_type() != "cuda":
+        return packed_attention.sdpa_per_document
+    if getattr(torch, dtype) not in packed_attention.VARLEN_DTYPES:
+        from torchtitan_rl import console
+
+        # Flash attention has bf16/fp16 kernels only; casting would change the logprobs.
+        console.warn(
+            f"note: model.dtype = {dtype!r} on CUDA: flash attention's varlen kernel has no "
+            f"{dtype} kernel, so packed rows run causal SDPA per document in {dtype} (slower; "
+            "model.dtype = 'bfloat16' runs the varlen kernel)"
+        )
+    return packed_attention.varlen
 
 
 def enable_fsdp_sum_reduction(model: nn.Module) -> None:

