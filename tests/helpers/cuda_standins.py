@@ -80,9 +80,9 @@ def attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None, wind
     scale = 1 / math.sqrt(H) if scale is None else scale
     left, right = window_size
     outs = []
-    for (sq, eq), (sk, ek) in zip(
-        zip(starts_q, starts_q[1:], strict=False), zip(starts_k, starts_k[1:], strict=False)
-    ):
+    bounds_q = zip(starts_q, starts_q[1:], strict=False)
+    bounds_k = zip(starts_k, starts_k[1:], strict=False)
+    for (sq, eq), (sk, ek) in zip(bounds_q, bounds_k, strict=True):
         q_NlH = query[sq:eq].double().transpose(0, 1)
         k_NlH = key[sk:ek].double().transpose(0, 1).repeat_interleave(N // K, dim=0)
         v_NlH = value[sk:ek].double().transpose(0, 1).repeat_interleave(N // K, dim=0)

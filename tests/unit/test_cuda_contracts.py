@@ -66,6 +66,7 @@ def test_varlen_standin_follows_the_docstring_example_and_windows():
     batch_size, max_seq_len, embed_dim, num_heads = 2, 512, 1024, 16
     head_dim = embed_dim // num_heads
     seq_lengths = torch.tensor([192, 448])  # what the example's torch.randint may draw
+    assert seq_lengths.max() <= max_seq_len and (seq_lengths % 64 == 0).all()
     total_tokens = seq_lengths.sum().item()
     query, key, value = (
         torch.randn(total_tokens, num_heads, head_dim, dtype=torch.float16) for _ in range(3)
