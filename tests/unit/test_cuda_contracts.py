@@ -10,6 +10,7 @@ Shapes: L packed tokens, N query heads, K key/value heads, H head dim.
 import ast
 import inspect
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -481,3 +482,28 @@ def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatc
     assert platform.device_type() == "cpu" and not platform.vllm_can_sleep()
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     assert _onednn_available(torch.float32) is False
+
+
+def test_gpu_check_runs_its_checks_at_small_shapes(monkeypatch, capsys):
+    """scripts/gpu_check.py on CPU at --small shapes, varlen_attn through the stand-in: every
+    check gives figures (no "error"), and the figures say what they must of a right kernel."""
+    import importlib.util
+    import json
+
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", standins.varlen_attn)
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--small"])
+    monkeypatch.setattr(platform, "shutdown_distributed", lambda: None)  # the test's world
+    gpu_check.main()
+    figures = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert not [name for name, value in figures.items() if "error" in str(value)], figures
+    varlen = figures["varlen"]
+    assert varlen["causal_prefix_bitwise"] and varlen["later_tokens_change"]
+    assert varlen["fp32_runs_per_document"] and varlen["default_window_max_diff"] > 0.05
+    assert varlen["fwd_max_err_vs_fp32"] < 2e-2 and varlen["bwd_max_err_vs_fp32"] < 5e-2
+    assert figures["head"]["logprob_max_diff"] < 1e-3
+    assert figures["process_groups"]["host_all_reduce"]
