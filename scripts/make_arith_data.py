@@ -3,8 +3,9 @@ split into train (JSONL) and held-out test (Parquet) prompts, plus a few SFT dem
 
     .venv/bin/python scripts/make_arith_data.py --out data/arith
 
-The answer needs three prompt tokens (the operation and both digits), and every held-out prompt
-is unseen in training, so held-out accuracy measures the operation, not recall. Why not sums:
+The answer needs three prompt tokens (the operation and both digits), and no held-out prompt is
+seen in training, nor its argument-swapped twin (the split is by operation and unordered pair),
+so held-out accuracy measures the operation, not recall. Why not sums:
 measured on the tiny model with RL alone (docs/data_and_eval.md), single-digit sums
 collapse to the most frequent answer or are memorized without reaching held-out pairs, while
 max and min generalize. sft.jsonl holds the first SFT_ROWS training rows: demonstrations are
@@ -22,23 +23,31 @@ OPERATIONS = {"max": max, "min": min}
 SFT_ROWS = 24
 
 
-def rows(operations: list[str]) -> list[dict]:
-    """{"prompt": "max(3,7)=", "answer": "7"} for each operation and ordered pair a != b."""
-    return [
-        {"prompt": f"{name}({a},{b})=", "answer": str(OPERATIONS[name](a, b))}
-        for name in operations
-        for a in range(10)
-        for b in range(10)
-        if a != b
-    ]
-
-
 def split(seed: int = 0, held_out: float = 0.2, operations=("max", "min")):
-    """The train and test rows: a seeded shuffle, the first `held_out` fraction held out."""
-    everything = rows(list(operations))
-    random.Random(seed).shuffle(everything)
-    cut = round(len(everything) * held_out)
-    return everything[cut:], everything[:cut]
+    """The train and test rows, split by operation and unordered pair of digits: per operation,
+    a seeded shuffle of its {a, b} pairs, the first `held_out` fraction held out in both
+    argument orders. A held-out `min(9,2)=` has no `min(2,9)=` twin in training, so a model
+    that recalls a trained prompt with its arguments swapped (or copies an argument) gets no
+    help from it; a split of ordered pairs left 22 of 36 held-out prompts such a twin."""
+    rng = random.Random(seed)
+    train_units, test_units = [], []
+    for name in operations:  # each operation held out alike
+        units = [(name, a, b) for a in range(10) for b in range(a + 1, 10)]
+        rng.shuffle(units)
+        cut = round(len(units) * held_out)
+        test_units += units[:cut]
+        train_units += units[cut:]
+
+    def prompts(chosen):
+        rows = []
+        for name, a, b in chosen:
+            for x, y in ((a, b), (b, a)):
+                rows.append({"prompt": f"{name}({x},{y})=", "answer": str(OPERATIONS[name](x, y))})
+        return rows
+
+    train = prompts(train_units)
+    rng.shuffle(train)  # sft.jsonl takes the first rows: operations and orders mixed
+    return train, prompts(test_units)
 
 
 def main() -> None:

@@ -376,7 +376,10 @@ def open_task(config: JobConfig) -> OpenTask:
     episodes = Episodes(
         sources,
         scorer,
-        stop_ids=checkpoint_stop_ids(config.model.hf_checkpoint or config.model.tokenizer_dir),
+        stop_ids=checkpoint_stop_ids(
+            config.model.hf_checkpoint or config.model.tokenizer_dir,
+            "model.hf_checkpoint" if config.model.hf_checkpoint else "model.tokenizer_path",
+        ),
         max_model_len=config.generator.max_model_len,
         timeout_s=section.env_timeout_s,
     )

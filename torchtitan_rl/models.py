@@ -9,11 +9,12 @@ sides share one definition. Flavors are torchtitan's (`debugmodel`, `0.6B`, ...)
 """
 
 import importlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.protocols.model_spec import ModelSpec
+
+from torchtitan_rl.config import read_json
 
 # Model names whose torchtitan spec this project supports (dense decoders with an HF adapter).
 SUPPORTED_MODELS = ("qwen3", "llama3")
@@ -107,6 +108,12 @@ def flavors(name: str) -> list[str]:
     return sorted({*registry, *EXTRA_FLAVORS.get(name, {})})
 
 
+def is_mixture_of_experts(name: str, flavor: str) -> bool:
+    """Whether any layer of `name`/`flavor` routes tokens to experts (its config has a `moe`)."""
+    layers = model_spec(name, flavor).model.layers
+    return any(getattr(layer, "moe", None) is not None for layer in layers)
+
+
 def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     """The torchtitan `ModelSpec` for `name`/`flavor`; `attn_backend` picks the inner attention."""
     module = importlib.import_module(f"torchtitan.models.{name}")
@@ -119,14 +126,13 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     return base
 
 
-def checkpoint_stop_ids(hf_checkpoint: str) -> list[int]:
+def checkpoint_stop_ids(hf_checkpoint: str, field: str = "model.hf_checkpoint") -> list[int]:
     """Every id that ends a completion for the checkpoint: the eos_token_id of its
     generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
-    of its config.json."""
+    of its config.json. `field`: the config field naming the folder, for a damaged file."""
     for name in ("generation_config.json", "config.json"):
-        path = Path(hf_checkpoint) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+        if (Path(hf_checkpoint) / name).is_file():
+            eos = read_json(hf_checkpoint, name, field).get("eos_token_id")
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)
     return []

@@ -2,7 +2,7 @@
 packed against padded micro-batches on a long-tailed mix of lengths.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny
-    .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor debugmodel
+    .venv/bin/python scripts/bench/trainer.py --lengths longtail --ac full --steps 2 --warmup 0
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor 0.6B --sequences 4 \
         --max_completion 2048 --steps 1 --warmup 0 --ac full
 
@@ -27,7 +27,10 @@ and what the paths do not change: the peak of building the trainer
 (`grad_adam_gib_per_rank`, 3x the rank's parameter shard); `transient_rss_ratio` is the
 packed / padded ratio of the rest (`transient_gib`: activations, logits, temporaries);
 a path that ran the machine out of memory (available < `--min_free_gib`) reports
-`completed: false`.
+`completed: false`, and a line on stderr says so. On a 24 GiB machine the padded path at
+debugmodel fits with `--ac full` only (the figure docs/trainer_and_generator.md quotes).
+The long tail's default flavor is debugmodel; a flavor with fewer positions than the mix's
+longest sequence is refused in one line.
 """
 
 import argparse
@@ -247,6 +250,15 @@ def longtail(args, passthrough: list[str]) -> None:
         result["tree_peak_rss_gib"] = round(watch.peak / 2**30, 3)
         row[path] = result
     packed, padded = row["packed"], row["padded"]
+    for path in ("packed", "padded"):
+        if row[path].get("completed") is False:
+            print(
+                f"trainer bench: the {path} path ran out of memory (available < "
+                f"{args.min_free_gib} GiB, the tree at {row[path]['tree_peak_rss_gib']} GiB): no "
+                "comparison at this size; --ac full, fewer --sequences or a lower "
+                "--max_completion fit",
+                file=sys.stderr,
+            )
     if "tokens_per_s" in packed and "tokens_per_s" in padded:
         row["speedup"] = round(packed["tokens_per_s"] / padded["tokens_per_s"], 3)
     if "peak_rss_gib_per_rank" in packed and "peak_rss_gib_per_rank" in padded:
@@ -274,7 +286,10 @@ def longtail(args, passthrough: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
-    parser.add_argument("--flavor", default="tiny", help="qwen3 flavor: tiny, debugmodel, 0.6B")
+    parser.add_argument(
+        "--flavor",
+        help="qwen3 flavor: tiny, debugmodel, 0.6B (default: tiny; longtail: debugmodel)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="uniform: sequences per rank")
     parser.add_argument("--seq", type=int, default=128, help="uniform: tokens per sequence")
     parser.add_argument("--sequences", type=int, default=16, help="longtail: sequences in all")
@@ -289,6 +304,21 @@ def main() -> None:
     parser.add_argument("--child", choices=("packed", "padded"), dest="path")
     argv = sys.argv[1:]
     args = parser.parse_args(argv)
+    if args.flavor is None:
+        args.flavor = "debugmodel" if args.lengths == "longtail" else "tiny"
+    if args.lengths == "longtail":
+        from torchtitan_rl.models import model_spec
+
+        positions = model_spec("qwen3", args.flavor).model.max_seq_len
+        longest = max(
+            p + c for p, c in longtail_mix(args.sequences, args.max_completion, args.seed)
+        )
+        if positions < longest:
+            parser.error(
+                f"--flavor {args.flavor} holds {positions} positions but the long tail's longest "
+                f"sequence has {longest} tokens: use --flavor debugmodel (4,096) or a lower "
+                "--max_completion"
+            )
     platform.patch_torchtitan()
     if args.path is not None:
         longtail_child(args)

@@ -190,3 +190,18 @@ def test_run_configs_are_left_unchanged_by_resolve_and_validate(name, entry):
     assert config == parsed
     if entry == "sft":  # an SFT run reads no [algorithm]: resolve leaves it unset
         assert config.algorithm == AlgorithmSection()
+
+
+def test_mixture_of_experts_flavors_are_refused_in_one_line():
+    """torchtitan's qwen3 registry holds MoE flavors; until the trainer and the generator run
+    them, picking one is a config error, not a failure deep in a run."""
+    from torchtitan_rl.config import ConfigError
+    from torchtitan_rl.models import flavors, is_mixture_of_experts
+
+    assert "debugmodel_moe" in flavors("qwen3") and not is_mixture_of_experts("qwen3", "tiny")
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--job.config_file", DEBUG_TOML, "--model.flavor", "debugmodel_moe"])
+    assert str(error.value) == (
+        "model.flavor = 'debugmodel_moe' is a mixture-of-experts qwen3: the trainer and the "
+        "generator run dense models only for now; pick a dense flavor"
+    )

@@ -189,9 +189,16 @@ def test_the_shipped_arithmetic_data_is_what_its_script_makes():
     shipped = REPO / "data" / "arith"
     assert [json.loads(x) for x in (shipped / "train.jsonl").read_text().splitlines()] == train
     assert pq.read_table(shipped / "test.parquet").to_pylist() == test
-    # Held-out prompts are unseen in training; each answer is the operation of both digits.
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+
+    # No held-out prompt, nor its argument-swapped twin, is trained on; each answer is the
+    # operation of both digits; both operations are held out alike.
+    def unit(row):
+        name, a, b = row["prompt"][:3], row["prompt"][4], row["prompt"][6]
+        return name, frozenset((a, b))
+
+    assert not {unit(r) for r in train} & {unit(r) for r in test}
     assert len(train) == 144 and len(test) == 36
+    assert sum(r["prompt"].startswith("max") for r in test) == 18
     for row in train + test:
         name, a, b = row["prompt"][:3], int(row["prompt"][4]), int(row["prompt"][6])
         assert row["answer"] == str({"max": max, "min": min}[name](a, b)) and a != b

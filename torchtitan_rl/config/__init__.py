@@ -5,7 +5,7 @@ the config's names from here; each section lives in the module of its concern.
 """
 
 from torchtitan_rl.config.algorithm import GROUP_ADVANTAGES, LOSS_PRESETS, AlgorithmSection
-from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.errors import ConfigError, read_json
 from torchtitan_rl.config.generator import (
     GeneratorParallelismSection,
     GeneratorSection,
@@ -44,5 +44,6 @@ __all__ = [
     "TrainingSection",
     "load_toml",
     "parse_args",
+    "read_json",
     "to_toml",
 ]

@@ -85,7 +85,7 @@ class ModelSection:
         return self.tokenizer_path or self.hf_checkpoint
 
     def validate(self) -> None:
-        from torchtitan_rl.models import SUPPORTED_MODELS, flavors
+        from torchtitan_rl.models import SUPPORTED_MODELS, flavors, is_mixture_of_experts
 
         require(
             self.name in SUPPORTED_MODELS,
@@ -97,6 +97,11 @@ class ModelSection:
             self.flavor in known,
             f"model.flavor = {self.flavor!r} is not a {self.name} flavor: "
             f"use one of {', '.join(known)}",
+        )
+        require(
+            not is_mixture_of_experts(self.name, self.flavor),
+            f"model.flavor = {self.flavor!r} is a mixture-of-experts {self.name}: the trainer "
+            "and the generator run dense models only for now; pick a dense flavor",
         )
         for name in ("hf_checkpoint", "tokenizer_path"):
             path = getattr(self, name)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torchtitan.protocols.model_spec import ModelSpec
 
@@ -30,15 +30,30 @@ def build_spec(model: ModelSection) -> ModelSpec:
 
 
 def read_hf_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of every *.safetensors file in `path`, from headers only."""
+    """Tensor name -> shape of every *.safetensors file in `path`, from headers only; a file
+    that is cut short or damaged is a ConfigError naming it (the trainer and the generator
+    both check the files here before loading them)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.hf_checkpoint = {path!r} has no *.safetensors files")
     shapes = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except SafetensorError as e:
+            # safe_open checks the header and that the data it lists fills the file, so a
+            # file cut short (an interrupted download) fails here, before any tensor is read.
+            reason = str(e).removeprefix("Error while deserializing header: ")
+            raise ConfigError(
+                f"model.hf_checkpoint = {path!r}: {file.name} is damaged ({reason}; "
+                f"{file.stat().st_size} bytes): download it again"
+            ) from None
+        except OSError as e:
+            raise ConfigError(
+                f"model.hf_checkpoint = {path!r}: cannot read {file.name} ({e.strerror})"
+            ) from None
     return shapes
 
 
