@@ -7,6 +7,7 @@ Rank 0 writes OUT_DIR/matrix.json: per combination its settings, the metrics of 
 the clip fraction of each step and whether every rank's weights moved; tests/test_algorithm_matrix.py asserts on it.
 """
 
+import contextlib
 import itertools
 import json
 import sys
@@ -19,6 +20,7 @@ from torchtitan_rl import platform
 from torchtitan_rl.algorithms import build_advantage, build_loss
 from torchtitan_rl.config import AlgorithmSection, parse_args
 from torchtitan_rl.rl_trainer import RLTrainer
+from torchtitan_rl.weight_sync.base import SyncStats
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_EACH = 3
@@ -33,11 +35,13 @@ def combinations() -> list[dict]:
             ("grpo", "dr_grpo", "rloo"), ("grpo", "dapo", "gspo"), (1, 2), (0.0, 0.05)
         )
     ]
-    for mode, level, low in (
-        ("tis", "token", 0.0),
-        ("tis", "sequence", 0.0),
-        ("mis", "token", 0.5),
-        ("mis", "sequence", 0.5),
+    # The corrections run against a generator that lags (Lagging) in their default bands:
+    # two updates at lr 5e-3 put ratios far outside them (measured: 4.4 to 11 at step 3).
+    for mode, level, low, high in (
+        ("tis", "token", 0.0, 2.0),
+        ("tis", "sequence", 0.0, 2.0),
+        ("mis", "token", 0.5, 2.0),
+        ("mis", "sequence", 0.5, 2.0),
     ):
         rows.append(
             {
@@ -45,6 +49,7 @@ def combinations() -> list[dict]:
                 "offpolicy_correction": mode,
                 "offpolicy_level": level,
                 "offpolicy_ratio_min": low,
+                "offpolicy_ratio_max": high,
             }
         )
     rows.append({"kl_beta": 0.05, "kl_estimator": "k1", "kl_in_reward": True, "mini_batches": 2})
@@ -52,6 +57,24 @@ def combinations() -> list[dict]:
     # max_tokens = 2: a buffer of 1 takes 1 from every 2-token sample.
     rows += [{"overlong": "zero_reward"}, {"overlong": "soft_penalty", "overlong_buffer": 1}]
     return rows
+
+
+class Lagging:
+    """The generator keeps the starting weights for a combination's steps: the trainer's sync
+    sends nothing, so each step's behaviour logprobs come from a policy 0, 1, then 2 updates
+    older than the trainer's (what a stale generator gives, without a second placement)."""
+
+    def __init__(self, rl: RLTrainer):
+        self.rl, self.real = rl, rl.weight_sync.sync
+
+    def sync(self, trainer, generator, version=None) -> SyncStats:
+        return SyncStats(bytes=0, seconds=0.0, gb_per_s=0.0, peak_extra_bytes=0, version=0)
+
+    def __enter__(self):
+        self.rl.weight_sync.sync = self.sync
+
+    def __exit__(self, *exc):
+        self.rl.weight_sync.sync = self.real
 
 
 def weights(rl: RLTrainer) -> torch.Tensor:
@@ -109,11 +132,14 @@ def main() -> None:
         rl.learner.advantage = build_advantage(algorithm.advantage)
         restart(rl, start)
         before = weights(rl)
-        clip_fractions = []
-        for _ in range(STEPS_EACH):
-            step += 1
-            metrics = rl.train_step(step)
-            clip_fractions.append(metrics["clip_fraction"])
+        clip_fractions, corrections = [], []
+        lagging = "offpolicy_correction" in combination
+        with Lagging(rl) if lagging else contextlib.nullcontext():
+            for _ in range(STEPS_EACH):
+                step += 1
+                metrics = rl.train_step(step)
+                clip_fractions.append(metrics["clip_fraction"])
+                corrections.append({k: v for k, v in metrics.items() if "offpolicy/" in k})
         moved = torch.tensor([float(not torch.equal(before, weights(rl)))])
         dist.all_reduce(moved, op=dist.ReduceOp.MIN)
         results.append(
@@ -121,6 +147,7 @@ def main() -> None:
                 "combination": combination | training,
                 "metrics": metrics,
                 "clip_fractions": clip_fractions,
+                "offpolicy_steps": corrections,
                 "moved": bool(moved),
             }
         )

@@ -49,16 +49,28 @@ def test_dapo_samples_dynamically_and_others_do_not(matrix):
             assert 1 <= row["metrics"]["dynamic_sampling/rounds"] <= 4
 
 
-def test_offpolicy_corrections_report_what_they_did(matrix):
+def test_offpolicy_corrections_act_on_a_lagging_generator(matrix):
+    """The corrections' rows sample from a generator two updates behind by the last step
+    (algorithm_matrix_run.Lagging), in the bands [0, 2] (tis) and [0.5, 2] (mis):
+    step 1 is on-policy (ratios within numerics of 1, nothing corrected); by step 3 some units
+    lie outside the band, the correction changes them, and no weight exceeds the cap."""
     corrected = [row for row in matrix if "offpolicy_correction" in row["combination"]]
     assert len(corrected) == 4
     for row in corrected:
-        metrics, mode = row["metrics"], row["combination"]["offpolicy_correction"]
-        fraction = metrics[f"offpolicy/{'truncated' if mode == 'tis' else 'masked'}_fraction"]
-        assert 0 <= fraction <= 1
-        # Colocated: behaviour and old differ by numerics only, so the ratio stays near 1.
-        assert 0.99 < metrics["offpolicy/ratio_min"] <= 1 <= metrics["offpolicy/ratio_max"] < 1.01
-        assert metrics["offpolicy/kl"] >= 0
+        combination, steps = row["combination"], row["offpolicy_steps"]
+        mode, cap = combination["offpolicy_correction"], combination["offpolicy_ratio_max"]
+        fraction = f"offpolicy/{'truncated' if mode == 'tis' else 'masked'}_fraction"
+        first, last = steps[0], steps[-1]
+        assert first[fraction] == 0.0, combination
+        assert 0.999 < first["offpolicy/ratio_min"] <= first["offpolicy/ratio_max"] < 1.001
+        assert last[fraction] > 0, (combination, last)
+        assert last["offpolicy/kl"] > first["offpolicy/kl"], (combination, steps)
+        outside = last["offpolicy/ratio_max"] > cap or (
+            mode == "mis" and last["offpolicy/ratio_min"] < combination["offpolicy_ratio_min"]
+        )
+        assert outside, (combination, last)
+        # What the loss saw: clipped to the cap (tis), or dropped outside the band (mis).
+        assert last["offpolicy/weight_max"] <= cap, (combination, last)
 
 
 def test_overlong_shaping_changes_the_rewards_the_advantages_see(matrix):

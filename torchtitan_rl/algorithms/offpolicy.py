@@ -58,14 +58,16 @@ def behaviour_metrics(
 ) -> tuple[dict[str, float], torch.Tensor]:
     """The step's figures over every rank of `group`, and this rank's |old - behaviour| [B, T]:
     logprob_diff/max|mean, the ratio old / behaviour at the correction's level
-    (offpolicy/ratio_mean|min|max), the fraction of units the correction truncated or masked,
+    (offpolicy/ratio_mean|min|max), the largest weight the correction gave a unit
+    (offpolicy/weight_max), the fraction of units the correction truncated or masked,
     and offpolicy/kl, the k3 estimate of KL(behaviour || old) per sampled token."""
     mask_BT = batch.loss_mask_BT.bool()
     log_ratio_BT = (old_BT - batch.generator_logprobs_BT) * mask_BT
     diff_BT = log_ratio_BT.abs()
     ratio_BU = correction.ratios(old_BT, batch.generator_logprobs_BT, mask_BT)
     units_BU = mask_BT if ratio_BU.shape[1] > 1 else mask_BT.any(dim=1, keepdim=True)
-    changed_BU = (correction.weights(ratio_BU) != ratio_BU) & units_BU
+    weight_BU = correction.weights(ratio_BU)
+    changed_BU = (weight_BU != ratio_BU) & units_BU
     k3_BT = (torch.exp(log_ratio_BT) - 1 - log_ratio_BT) * mask_BT
     sums = torch.stack(
         [
@@ -83,6 +85,7 @@ def behaviour_metrics(
             diff_BT.max(),
             ratio_BU.masked_fill(~units_BU, 1.0).max(),
             -ratio_BU.masked_fill(~units_BU, 1.0).min(),
+            weight_BU.masked_fill(~units_BU, 0.0).max(),
         ]
     )
     sums, extremes = sums.double().cpu(), extremes.cpu()
@@ -95,6 +98,7 @@ def behaviour_metrics(
         "offpolicy/ratio_mean": ratio_sum / max(units, 1),
         "offpolicy/ratio_max": float(extremes[1]),
         "offpolicy/ratio_min": -float(extremes[2]),
+        "offpolicy/weight_max": float(extremes[3]),
         "offpolicy/kl": k3_sum / max(tokens, 1),
     }
     if correction.mode == "tis":
