@@ -16,8 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import ModelWrapper
 
-from torchtitan_rl.checkpoint import export_hf, invalid_reason, read_manifest
+from torchtitan_rl.checkpoint import invalid_reason, read_manifest
 from torchtitan_rl.config import LoRASection
+from torchtitan_rl.hf_export import export_hf
 from torchtitan_rl.models import model_spec
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer.model import load_hf_weights

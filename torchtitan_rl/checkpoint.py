@@ -1,4 +1,4 @@
-"""Checkpoints a run can resume from exactly, written atomically, and HF safetensors export.
+"""Checkpoints a run can resume from exactly, written atomically (HF export: hf_export.py).
 
     .venv/bin/python -m pytest tests/*/test_checkpoint.py
 
@@ -38,7 +38,6 @@ from torchtitan_rl.config import (
     CheckpointSection,
     ConfigError,
     JobConfig,
-    ModelSection,
 )
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.trainer.lora import is_lora_key
@@ -83,6 +82,20 @@ def _reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _unreadable(error: BaseException) -> str | None:
+    """Why DCP could not read a checkpoint's files (a byte-damaged .metadata or .distcp), or
+    None when it failed otherwise."""
+    if isinstance(error, CheckpointException):
+        causes = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+        return next(filter(None, map(_unreadable, causes)), None)
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, AssertionError) and "metadata read failed" in text:
+        return f".metadata does not load: {text.split('read failed: ')[1].split(';')[0]}"
+    if isinstance(error, (pickle.UnpicklingError, EOFError, OSError)):
+        return f"a .distcp file does not load: {type(error).__name__}: {text.split('. ')[0]}"
+    return None
 
 
 def warn(message: str) -> None:
@@ -158,6 +171,8 @@ def invalid_reason(path: Path) -> str | None:
         return f"no {MANIFEST} (a save that did not finish)"
     except (OSError, ValueError) as e:
         return f"unreadable {MANIFEST}: {e}"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        return f"{MANIFEST} is not one this program writes"
     for name, size in manifest.get("files", {}).items():
         file = path / name
         if not file.is_file():
@@ -258,9 +273,12 @@ class Checkpointer:
         steps = self.complete_steps()
         wanted = self.section.resume_from
         if wanted is not None and wanted not in steps:
+            step = self.folder / f"step-{wanted}"
+            why = f"{step} is incomplete: {invalid_reason(step)}" if step.is_dir() else ""
             raise ConfigError(
-                f"checkpoint.resume_from = {wanted}: no complete checkpoint of that step in "
-                f"{self.folder} (complete: {steps or 'none'}); pick one of them or unset it"
+                f"checkpoint.resume_from = {wanted}: "
+                f"{why or f'no complete checkpoint of that step in {self.folder}'} (complete: "
+                f"{steps or 'none'}); pick one of them or unset it"
             )
         if not steps:
             return None
@@ -276,7 +294,16 @@ class Checkpointer:
         with warnings.catch_warnings():
             # torchtitan's LR container reads the LR while loading; torch warns about it.
             warnings.filterwarnings("ignore", message="To get the last learning rate")
-            dcp.load(states, checkpoint_id=str(path), process_group=self.group)
+            try:
+                dcp.load(states, checkpoint_id=str(path), process_group=self.group)
+            except CheckpointException as e:
+                if (reason := _unreadable(e)) is None:
+                    raise  # not damaged files: a state that does not fit, a bug
+                raise ConfigError(
+                    f"{path} is damaged ({reason}) though its files have the sizes its manifest "
+                    "records: delete it to resume from the checkpoint before it, or pick one "
+                    "with checkpoint.resume_from"
+                ) from None
         self.state.with_rng = True
         # Through the modules' load hooks (e.g. torchtitan's fused-QKV split in reverse).
         self.model_state.load_state_dict({k: v for k, v in states.items() if k not in _NON_MODEL})
@@ -423,80 +450,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ---- HF export ----
-
-HF_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "torchtitan.json",
-)
-
-
-def export_hf(
-    model_state: dict,
-    spec,
-    hf_source: str | None,
-    tokenizer_dir: str,
-    out: Path,
-    group: dist.ProcessGroup | None = None,
-):
-    """Write `model_state` (torchtitan names; DTensors are gathered) as an HF safetensors folder.
-
-    Every rank must call this (gathering is collective); rank 0 writes. config.json and the
-    tokenizer files come from the HF checkpoint the run started from; weights are cast to its
-    config's dtype. The folder appears complete or not at all (written aside, then renamed).
-    """
-    from safetensors.torch import save_file
-
-    writer = not dist.is_initialized() or dist.get_rank(group) == 0
-    full = {}
-    for name, tensor in model_state.items():
-        # One tensor gathered at a time (a collective); only the writing rank keeps them, as
-        # host tensors, so no rank holds the whole model on its device and the others hold none.
-        gathered = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if writer:
-            full[name] = gathered.detach().cpu()
-    if not writer:
-        dist.barrier(group=group)
-        return
-    source = Path(hf_source or tokenizer_dir)
-    config_path = source / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(
-            f"checkpoint.export_hf_at_end needs an HF config.json next to the weights; "
-            f"{source} has none: set model.hf_checkpoint to the checkpoint the run started from"
-        )
-    hf_config = json.loads(config_path.read_text())
-    dtype = getattr(torch, hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
-    adapter = spec.state_dict_adapter(spec.model, None)
-    hf_state = {k: v.to(dtype).contiguous() for k, v in adapter.to_hf(full).items()}
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
-    for name in HF_SIDE_FILES:
-        for folder in (source, Path(tokenizer_dir)):
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, tmp / name)
-                break
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def export_policy(trainer, model: ModelSection, out: Path, group=None) -> None:
-    """`trainer`'s policy (a PolicyTrainer) as an HF safetensors folder at `out`, with the
-    config and tokenizer files of `model`'s checkpoint (every rank of `group`, the trainer
-    ranks, calls; rank 0 writes)."""
-    with trainer.merged():  # LoRA: the merged weights, without the adapters
-        state = {k: v for k, v in trainer.model.state_dict().items() if not is_lora_key(k)}
-        export_hf(state, trainer.spec, model.hf_checkpoint, model.tokenizer_dir, out, group)
-    if dist.get_rank() == 0:
-        console.say(f"exported the policy to {out}")

@@ -212,9 +212,10 @@ def summary(dump_folder: Path, *, wall_s: float, log: Path | None, checkpoints: 
 
 
 def _rows(path: Path) -> list[dict]:
-    """The rows of a JSONL file (none if it is missing; a line cut short is skipped)."""
+    """The rows of a JSONL file (none if it is missing; a line cut short or damaged is
+    skipped)."""
     rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         try:
             rows.append(json.loads(line))
         except ValueError:
@@ -243,7 +244,7 @@ def _keep_rows_until(path: Path, step: int) -> None:
     """Rewrite the JSONL file `path` with only its rows of steps <= `step` (atomically)."""
     rows = []
     if step > 0 and path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():  # damaged bytes: skipped
             try:
                 if json.loads(line)["step"] <= step:
                     rows.append(line + "\n")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_rl.config import read_json
+# Not from the package: torchtitan_rl.config.job imports this module.
+from torchtitan_rl.config.errors import read_json
 
 # Model names whose torchtitan spec this project supports (dense decoders with an HF adapter).
 SUPPORTED_MODELS = ("qwen3", "llama3")

@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import batch_invariant, watchdog
-from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
+from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.episodes import OpenTask, open_task
 from torchtitan_rl.evaluation import log_eval
 from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.hf_export import export_policy
 from torchtitan_rl.learner import Learner, rollout_metrics
 from torchtitan_rl.metrics import MetricsLogger, run_metrics
 from torchtitan_rl.producer import RolloutProducer

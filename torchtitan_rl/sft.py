@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import launch, platform, watchdog
-from torchtitan_rl.checkpoint import Checkpointer, TrainState, export_policy, run_facts
+from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.evaluation import eval_due
+from torchtitan_rl.hf_export import export_policy
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.tasks.dataset import epoch_order
 from torchtitan_rl.tasks.sft_data import Example, SFTData, open_sft_data, sft_batch

@@ -22,7 +22,7 @@ from helpers.launch import TINY
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.checkpoint import export_policy
+from torchtitan_rl.hf_export import export_policy
 from torchtitan_rl.config import (
     LoRASection,
     ModelSection,

@@ -4,6 +4,9 @@ traceback.
 
     .venv/bin/python -m pytest tests/unit/test_bad_inputs.py
 
+Damaged input files (cut short, emptied, not what their name says), each through the function
+that opens it: test_a_damaged_input_file_is_one_line_naming_it.
+
 As processes (an unwritable dump folder, a checkpoint of another model, a prompt too long):
 tests/integration/test_bad_inputs.py; a checkpoint of the wrong flavor: test_model.py and
 tests/integration/test_launcher.py; degrees inconsistent with the torchrun world:
@@ -14,15 +17,31 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers.launch import DEBUG_TOML, TINY, write_toml
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from torchtitan_rl.config import ConfigError, ModelSection, parse_args
+from torchtitan_rl import platform
+from torchtitan_rl.checkpoint import MANIFEST, Checkpointer
+from torchtitan_rl.config import (
+    CheckpointSection,
+    ConfigError,
+    GeneratorSection,
+    ModelSection,
+    TaskSection,
+    parse_args,
+)
 from torchtitan_rl.episodes import open_task
-from torchtitan_rl.generator.engine import check_tokenizer_fits
+from torchtitan_rl.generator.engine import Generator, check_tokenizer_fits
 from torchtitan_rl.launch import check_dump_folder
+from torchtitan_rl.models import checkpoint_stop_ids
+from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
+from torchtitan_rl.tasks.render import build_renderer, load_tokenizer
 from torchtitan_rl.train import main
+from torchtitan_rl.trainer.model import read_hf_shapes
+from torchtitan_rl.types import Prompt
 
 # run_configs name assets/ relative to the repo root, as the README's commands do.
 pytestmark = pytest.mark.usefixtures("repo_cwd")
@@ -157,6 +176,11 @@ BAD_INPUTS = {
         [],
         ["task.dataset_path = '{tmp}/none.jsonl': no such file or folder"],
     ),
+    "Parquet file cut short": (
+        '[task]\nname = "dataset"\ndataset_path = "{tmp}/cut.parquet"\n',
+        [],
+        ["task.dataset_path: cannot read {tmp}/cut.parquet", "write or download it again"],
+    ),
     "empty dataset file": (
         '[task]\nname = "dataset"\ndataset_path = "{tmp}/empty.jsonl"\n',
         [],
@@ -288,6 +312,9 @@ BAD_INPUTS = {
 }
 
 
+ROWS = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)} for a in range(6)]
+
+
 def datasets(folder: Path) -> None:
     (folder / "empty.jsonl").write_text("\n")
     (folder / "broken.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": 3\n')
@@ -295,6 +322,8 @@ def datasets(folder: Path) -> None:
         '{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1")
     )
     (folder / "blank.jsonl").write_text('{"prompt": "  ", "answer": "1"}\n')
+    pq.write_table(pa.Table.from_pylist(ROWS), folder / "cut.parquet")
+    (folder / "cut.parquet").write_bytes((folder / "cut.parquet").read_bytes()[:-20])
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
@@ -366,3 +395,127 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer has 68 tokens but the checkpoint's vocab"):
         check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
     check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits
+
+
+# ---- Damaged input files, each opened by the function of the run that reads it ----
+
+FACTS = {"model": {"name": "qwen3", "flavor": "tiny"}, "lora": None, "seed": 0}
+STEP = "dump/checkpoints/step-1"
+
+
+def template_cut_short(data: bytes) -> bytes:
+    config = json.loads(data)
+    return json.dumps({**config, "chat_template": config["chat_template"][:200]}).encode()
+
+
+DAMAGES = {
+    "cut in half": lambda data: data[: len(data) // 2],
+    "cut mid-row": lambda data: data[: len(data) // 2 + 7],
+    "cut to 5 bytes": lambda data: data[:5],
+    "emptied": lambda data: b"",
+    "an HTML page": lambda data: b"<html><body>404 Not Found</body></html>\n",
+    "{}": lambda data: b"{}",
+    "[]": lambda data: b"[]",
+    "template cut": template_cut_short,
+    "bad tokens": lambda data: b'{"added_tokens_decoder": 3}',  # JSON, not a tokenizer's
+    "deleted": None,
+    # A sharded checkpoint whose second shard did not download.
+    "a shard less": lambda data: b'{"weight_map": {"x": "model-00002-of-00002.safetensors"}}',
+}
+
+
+def resume(tmp: Path) -> None:
+    platform.init_distributed()  # a world of one
+    section = CheckpointSection(enable=True, resume_from=1)
+    Checkpointer(section, str(tmp / "dump"), {**FACTS, "prompts_per_step": 8}).find()
+
+
+def render(tmp: Path) -> None:
+    renderer = build_renderer(TaskSection(name="dataset"), str(tmp / "ckpt"), 64)
+    renderer.encode([Prompt(text="1+2=", answer="3")])
+
+
+OPENERS = {
+    "trainer": lambda tmp: read_hf_shapes(str(tmp / "ckpt")),
+    # Checked before vLLM's own loader reads the weights.
+    "generator": lambda tmp: Generator(
+        generator=GeneratorSection(), model=ModelSection(hf_checkpoint=str(tmp / "ckpt"))
+    ),
+    "tokenizer": lambda tmp: load_tokenizer(str(tmp / "ckpt")),
+    "renderer": render,
+    "vocab check": lambda tmp: check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp / "ckpt"))),
+    "stop ids": lambda tmp: checkpoint_stop_ids(str(tmp / "ckpt")),
+    "dataset": lambda tmp: read_rows(str(tmp / "data"), DatasetKeys()),
+    "eval set": lambda tmp: read_rows(
+        str(tmp / "eval.parquet"), DatasetKeys(), "eval.dataset_path"
+    ),
+    # A damaged step folder is skipped with a warning; checkpoint.resume_from naming it is an
+    # error that says what is wrong with it.
+    "resume": resume,
+}
+
+# (file under the test's folder, damage, what opens it, words the one-line error holds).
+DAMAGED = [
+    ("ckpt/model.safetensors", "cut in half", "trainer", "'{tmp}/ckpt': model.safetensors is"),
+    ("ckpt/model.safetensors", "cut to 5 bytes", "trainer", "(header too small; 5 bytes)"),
+    ("ckpt/model.safetensors", "emptied", "trainer", "is damaged (header too small; 0 bytes)"),
+    ("ckpt/model.safetensors", "cut in half", "generator", "damaged (incomplete metadata"),
+    ("ckpt/model.safetensors.index.json", "cut in half", "trainer", "index.json is not valid"),
+    ("ckpt/model.safetensors.index.json", "a shard less", "trainer", "lacks model-00002-of-00002"),
+    ("ckpt/config.json", "an HTML page", "vocab check", "'{tmp}/ckpt': config.json is not valid"),
+    ("ckpt/config.json", "cut in half", "tokenizer", "model.tokenizer_path = '{tmp}/ckpt'"),
+    ("ckpt/config.json", "{}", "vocab check", "config.json has no vocab_size"),
+    ("ckpt/tokenizer.json", "cut in half", "tokenizer", "tokenizer.json is not valid JSON"),
+    ("ckpt/tokenizer.json", "cut in half", "vocab check", "tokenizer.json is damaged"),
+    ("ckpt/tokenizer.json", "{}", "tokenizer", "tokenizer.json is damaged (Model missing."),
+    ("ckpt/tokenizer.json", "deleted", "tokenizer", "has no tokenizer.json"),
+    ("ckpt/tokenizer_config.json", "bad tokens", "tokenizer", "cannot load the tokenizer from"),
+    ("ckpt/tokenizer_config.json", "emptied", "tokenizer", "(Expecting value: line 1 column 1;"),
+    ("ckpt/tokenizer_config.json", "template cut", "renderer", "chat template (tokenizer_config"),
+    ("ckpt/generation_config.json", "cut in half", "stop ids", "download it again"),
+    ("data/a.parquet", "an HTML page", "dataset", "cannot read {tmp}/data/a.parquet (Parquet"),
+    ("data/a.parquet", "cut in half", "dataset", "is it a whole Parquet file? write or download"),
+    ("data/a.parquet", "emptied", "dataset", "task.dataset_path: cannot read {tmp}/data/a.parquet"),
+    ("data/b.json", "cut in half", "dataset", "task.dataset_path: {tmp}/data/b.json is not valid"),
+    ("data/c.jsonl", "cut mid-row", "dataset", "{tmp}/data/c.jsonl:4: not a JSON object"),
+    ("eval.parquet", "cut in half", "eval set", "eval.dataset_path: cannot read {tmp}/eval"),
+    (f"{STEP}/.metadata", "deleted", "resume", "resume_from = 1: {tmp}/dump/checkpoints/step-1 is"),
+    (f"{STEP}/__0_0.distcp", "cut in half", "resume", "has 50 bytes, the manifest says 100"),
+    (f"{STEP}/{MANIFEST}", "cut in half", "resume", f"is incomplete: unreadable {MANIFEST}"),
+    (f"{STEP}/{MANIFEST}", "[]", "resume", f"{MANIFEST} is not one this program writes"),
+]
+
+
+def inputs(tmp: Path) -> None:
+    """Whole copies of every input a run reads: the HF checkpoint, datasets, a step folder."""
+    shutil.copytree(TINY, tmp / "ckpt")
+    index = {"weight_map": {"model.norm.weight": "model.safetensors"}}
+    (tmp / "ckpt" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp / "data" / "a.parquet")
+    shutil.copyfile(tmp / "data" / "a.parquet", tmp / "eval.parquet")
+    (tmp / "data" / "b.json").write_text(json.dumps(ROWS))
+    (tmp / "data" / "c.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    (tmp / STEP).mkdir(parents=True)
+    files = {".metadata": b"m" * 10, "__0_0.distcp": b"d" * 100}
+    for name, data in files.items():
+        (tmp / STEP / name).write_bytes(data)
+    manifest = {"step": 1, "facts": FACTS, "files": {k: len(v) for k, v in files.items()}}
+    (tmp / STEP / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "file, damage, opener, words", DAMAGED, ids=[" ".join(case[:3]) for case in DAMAGED]
+)
+def test_a_damaged_input_file_is_one_line_naming_it(file, damage, opener, words, tmp_path):
+    inputs(tmp_path)
+    path = tmp_path / file
+    if DAMAGES[damage] is None:
+        path.unlink()
+    else:
+        path.write_bytes(DAMAGES[damage](path.read_bytes()))
+    with pytest.raises(ConfigError) as error:
+        OPENERS[opener](tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and path.name in message, message
+    assert words.replace("{tmp}", str(tmp_path)) in message, message

@@ -23,6 +23,7 @@ from torchtitan_rl.checkpoint import (
 )
 from torchtitan_rl.config import (
     CheckpointSection,
+    ConfigError,
     ModelSection,
     ParallelismSection,
     TrainingSection,
@@ -50,7 +51,8 @@ def test_invalid_reason_names_what_is_wrong(tmp_path):
 
 def test_resume_keeps_metric_rows_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "cut')
+    # A line of bytes that are not UTF-8 (a damaged disk block) is skipped as a cut one is.
+    path.write_bytes(b'{"step": 1}\n\xff\xfe\n{"step": 2}\n{"step": 3}\n{"step": 4, "cut')
     _keep_rows_until(path, 2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     _keep_rows_until(path, 0)
@@ -97,3 +99,31 @@ def test_a_save_that_cannot_fit_is_refused_before_any_byte_and_keeps_the_last(
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
     checkpointer.save(2)  # with room, the same save goes through
     assert invalid_reason(folder / "step-2") is None
+
+
+def test_a_checkpoint_damaged_in_place_is_one_line(tmp_path):
+    """Files of the sizes the manifest records but bytes that do not load (zeroed): resuming
+    from them is one line naming the step folder, not DCP's report."""
+    platform.patch_torchtitan()
+    platform.init_distributed()  # a world of one
+    trainer = PolicyTrainer(
+        model=ModelSection(hf_checkpoint=str(REPO / "assets" / "tiny_qwen3")),
+        training=TrainingSection(),
+        parallelism=ParallelismSection(),
+    )
+    facts = {"model": {"name": "qwen3", "flavor": "tiny"}, "lora": None, "seed": 0}
+    facts["prompts_per_step"] = 8
+    saver = Checkpointer(CheckpointSection(enable=True), str(tmp_path / "saved"), facts)
+    saver.attach(trainer, TrainState())
+    saver.save(1)
+    for name in (".metadata", "__0_0.distcp"):
+        shutil.copytree(tmp_path / "saved", tmp_path / name)
+        path = tmp_path / name / "checkpoints" / "step-1" / name
+        path.write_bytes(bytes(path.stat().st_size))
+        checkpointer = Checkpointer(CheckpointSection(enable=True), str(tmp_path / name), facts)
+        checkpointer.attach(trainer, TrainState())
+        with pytest.raises(ConfigError) as error:
+            checkpointer.load(checkpointer.find())
+        message = str(error.value)
+        assert "\n" not in message and f"{path.parent} is damaged (" in message, message
+        assert name.split("_")[0] in message and "checkpoint.resume_from" in message, message

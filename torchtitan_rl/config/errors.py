@@ -45,7 +45,7 @@ def read_json(folder: str | Path, name: str, field: str) -> dict:
         raise ConfigError(f"{where}: cannot read {name} ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(
-            f"{where}: {name} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}; "
+            f"{where}: {name} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}; "
             "cut short or damaged?): download it again"
         ) from None
     except UnicodeDecodeError as e:

@@ -11,20 +11,20 @@ This module is the one adapter for vLLM's internals (engine core, executor, work
 runner): everything else goes through `Generator`.
 """
 
-import json
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection
+from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection, read_json
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.models import checkpoint_stop_ids, model_spec
+from torchtitan_rl.tasks.render import read_tokenizer_json
+from torchtitan_rl.trainer.model import read_hf_shapes
 from torchtitan_rl.types import Completions, Sample
 
 # vLLM reads these at import: the engine must run inside this process, not a child, and its
@@ -35,14 +35,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 def check_tokenizer_fits(model: ModelSection) -> None:
     """Refuse a tokenizer with ids beyond the checkpoint's vocabulary, before any engine starts."""
-    from tokenizers import Tokenizer
-
-    tokenizer_dir = Path(model.tokenizer_dir)
-    tokenizer_file = tokenizer_dir / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ConfigError(f"model.tokenizer_path = '{tokenizer_dir}' has no tokenizer.json")
-    tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
-    vocab = json.loads((Path(model.hf_checkpoint) / "config.json").read_text())["vocab_size"]
+    tokens = read_tokenizer_json(model.tokenizer_dir).get_vocab_size()
+    vocab = read_json(model.hf_checkpoint, "config.json", "model.hf_checkpoint").get("vocab_size")
+    if not isinstance(vocab, int):
+        raise ConfigError(
+            f"model.hf_checkpoint = {model.hf_checkpoint!r}: config.json has no vocab_size: "
+            "point it at an HF checkpoint directory, or download config.json again"
+        )
     if tokens > vocab:
         raise ConfigError(
             f"model.tokenizer_path: the tokenizer has {tokens} tokens but the checkpoint's "
@@ -81,6 +80,7 @@ class Generator:
                 "set it (scripts/setup.sh builds assets/tiny_qwen3)"
             )
         check_tokenizer_fits(model)
+        read_hf_shapes(model.hf_checkpoint)  # a damaged file: one line, not vLLM's loader's
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(generator.kv_cache_space_gib)
         from vllm import EngineArgs, LLMEngine
 

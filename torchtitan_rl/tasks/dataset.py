@@ -75,6 +75,9 @@ def _load(file: Path, keys: DatasetKeys, field: str) -> list[dict]:
 
     datasets.disable_progress_bars()
     reader = {"json": datasets.Dataset.from_json, "parquet": datasets.Dataset.from_parquet}
+    # It logs a damaged Parquet file as an error before raising: the one line below says it.
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     with tempfile.TemporaryDirectory() as cache:
         try:
             table = reader[FORMATS[file.suffix]](str(file), keep_in_memory=True, cache_dir=cache)
@@ -82,16 +85,33 @@ def _load(file: Path, keys: DatasetKeys, field: str) -> list[dict]:
             if file.suffix != ".parquet" and not file.read_bytes().strip():
                 return []  # blank: no rows, which datasets does not accept
             raise ConfigError(_unreadable(file, keys, field, e)) from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
     return table.to_list()
 
 
 def _unreadable(file: Path, keys: DatasetKeys, field: str, error: Exception) -> str:
     """One line for a file `datasets` could not read; for JSON Lines, the first bad line (not
-    JSON, or a row without the keys: `datasets` fails on rows whose columns differ)."""
+    JSON, or a row without the keys: `datasets` fails on rows whose columns differ); for JSON,
+    where it stops being JSON."""
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if file.suffix == ".parquet":  # pyarrow's reason: no footer, a size too small, ...
+        return (
+            f"{field}: cannot read {file} ({reason}): is it a whole Parquet file? write or "
+            "download it again"
+        )
     try:
         text = file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         return f"{field}: {file} is not UTF-8 text ({e.reason} at byte {e.start})"
+    if file.suffix == ".json":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return (
+                f"{field}: {file} is not valid JSON ({e.msg}: line {e.lineno} column "
+                f"{e.colno}; cut short?): write or download it again"
+            )
     if file.suffix == ".jsonl":
         for number, line in enumerate(text.splitlines(), start=1):
             try:
@@ -104,7 +124,6 @@ def _unreadable(file: Path, keys: DatasetKeys, field: str, error: Exception) -> 
                 _prompt(row, keys, f"{file}:{number}")
             except ConfigError as e:
                 return str(e)
-    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
     return f"{field}: cannot read {file} ({reason})"
 
 

@@ -12,9 +12,19 @@ tokens (the template writes them). `task.chat_template = false` encodes the prom
 import functools
 from pathlib import Path
 
-from torchtitan_rl.config import ConfigError
+from torchtitan_rl.config import ConfigError, read_json
 from torchtitan_rl.config.task import SourceSection
 from torchtitan_rl.types import Prompt
+
+# What AutoTokenizer reads as JSON from a checkpoint folder, when there.
+_TOKENIZER_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "config.json",
+)
 
 
 @functools.cache
@@ -23,9 +33,37 @@ def load_tokenizer(tokenizer_dir: str):
     the renderers of a mixture's sources."""
     from transformers import AutoTokenizer
 
-    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+    names = [name for name in _TOKENIZER_JSON_FILES if (Path(tokenizer_dir) / name).is_file()]
+    for name in names:  # a file cut short is named, not a bare JSON error
+        read_json(tokenizer_dir, name, "model.tokenizer_path")
+    read_tokenizer_json(tokenizer_dir)  # missing, or JSON that is not a tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except ImportError:
+        raise  # a missing package, not a damaged file
+    except Exception as e:  # valid JSON of the wrong shape: KeyError, TypeError, tokenizers'
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(
+            f"model.tokenizer_path = '{tokenizer_dir}': transformers cannot load the tokenizer "
+            f"from {', '.join(names)} ({type(e).__name__}: {reason}): download them again"
+        ) from None
+
+
+def read_tokenizer_json(tokenizer_dir: str):
+    """The `tokenizers` Tokenizer of tokenizer.json in `tokenizer_dir`; a missing or damaged
+    file is a ConfigError naming it."""
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
         raise ConfigError(f"model.tokenizer_path = '{tokenizer_dir}' has no tokenizer.json")
-    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ConfigError(
+            f"model.tokenizer_path = '{tokenizer_dir}': tokenizer.json is damaged "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): download it again"
+        ) from None
 
 
 # Stands for the sampled assistant turn when rendering what follows it (Renderer.reply_ids).
@@ -72,9 +110,20 @@ class Renderer:
         extra = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         if tools:
             extra["tools"] = tools
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
-        )
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
+            )
+        except TemplateSyntaxError as e:  # a template cut short; not one that raises on a chat
+            reason = (e.message or "").rstrip(".")
+            raise ConfigError(
+                f"model.tokenizer_path = '{self.tokenizer_dir}': its chat template "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja) does not parse "
+                f"({reason}, line {e.lineno}): download the tokenizer files again, or set "
+                "task.chat_template = false for raw text prompts"
+            ) from None
 
     def reply_ids(
         self,

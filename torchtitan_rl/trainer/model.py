@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.config import ConfigError, ModelSection
+from torchtitan_rl.config import ConfigError, ModelSection, read_json
 from torchtitan_rl.models import model_spec
 from torchtitan_rl.trainer.lora import is_lora_key
 
@@ -36,6 +36,7 @@ def read_hf_shapes(path: str) -> dict[str, tuple[int, ...]]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.hf_checkpoint = {path!r} has no *.safetensors files")
+    _check_shards(path, {file.name for file in files})
     shapes = {}
     for file in files:
         try:
@@ -55,6 +56,25 @@ def read_hf_shapes(path: str) -> dict[str, tuple[int, ...]]:
                 f"model.hf_checkpoint = {path!r}: cannot read {file.name} ({e.strerror})"
             ) from None
     return shapes
+
+
+def _check_shards(path: str, present: set[str]) -> None:
+    """A sharded checkpoint's index (what vLLM's loader follows) is whole and every shard it
+    lists is there: a shard missing from a download is named, not a tensor it would hold."""
+    index = "model.safetensors.index.json"
+    if not (Path(path) / index).is_file():
+        return
+    weight_map = read_json(path, index, "model.hf_checkpoint").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ConfigError(
+            f"model.hf_checkpoint = {path!r}: {index} has no weight_map: download it again"
+        )
+    listed = set(weight_map.values())
+    if missing := sorted(listed - present):
+        raise ConfigError(
+            f"model.hf_checkpoint = {path!r} lacks {missing[0]}, one of the {len(listed)} "
+            f"shards {index} lists ({len(missing)} missing): download them again"
+        )
 
 
 def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor: str) -> None:
