@@ -2,11 +2,12 @@
 one step, save results: several layouts share one launch.
 
     torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR \
-        MICRO,ACTIVATION_CHECKPOINT,TP [MICRO,ACTIVATION_CHECKPOINT,TP ...]
+        MICRO,ACTIVATION_CHECKPOINT,TP[,REPLICATE] [MICRO,ACTIVATION_CHECKPOINT,TP ...]
 
 MICRO is a count of padded micro-batches (training.micro_batch_tokens = 0) or bN, packed
-micro-batches of at most N tokens. Each layout's results go to
-OUT_DIR/{MICRO}_{ACTIVATION_CHECKPOINT}_tp{TP}.pt. Each
+micro-batches of at most N tokens. REPLICATE (default 1) is HSDP's replica count
+(parallelism.dp_replicate; FSDP shards over the world / (REPLICATE x TP) ranks of each). Each
+layout's results go to OUT_DIR/{MICRO}_{ACTIVATION_CHECKPOINT}_tp{TP}[_r{REPLICATE}].pt. Each
 data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
 of a TP group on the same share; packed layouts on 2 data-parallel ranks start from uneven
 shares, 6 and 2 rows). Rank 0 saves the logprobs of the whole batch (before the
@@ -45,11 +46,13 @@ def main() -> None:
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     for layout in sys.argv[2:]:
-        micro, checkpointing, tp = layout.split(",")
-        result = step(micro, checkpointing, int(tp), rank, world)
+        micro, checkpointing, tp, *replicate = layout.split(",")
+        replicas = int(replicate[0]) if replicate else 1
+        result = step(micro, checkpointing, int(tp), rank, world, replicas)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            torch.save(result, out / f"{micro}_{checkpointing}_tp{tp}.pt")
+            suffix = f"_r{replicas}" if replicate else ""
+            torch.save(result, out / f"{micro}_{checkpointing}_tp{tp}{suffix}.pt")
     if world == 2:
         result = vocabulary_parallel_head(rank, world)
         if rank == 0:
@@ -57,7 +60,7 @@ def main() -> None:
     platform.shutdown_distributed()
 
 
-def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict:
+def step(micro: str, checkpointing: str, tp: int, rank: int, world: int, replicas: int = 1) -> dict:
     """One layout's trainer: score, one step; what rank 0 saves (every rank must call it)."""
     packed = micro.startswith("b")
     trainer = PolicyTrainer(
@@ -69,7 +72,7 @@ def step(micro: str, checkpointing: str, tp: int, rank: int, world: int) -> dict
             max_grad_norm=0.0,
             activation_checkpoint=checkpointing,
         ),
-        parallelism=ParallelismSection(tp=tp),
+        parallelism=ParallelismSection(tp=tp, dp_replicate=replicas),
         temperature=0.7,
     )
     batch = fixed_batch()

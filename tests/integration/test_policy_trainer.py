@@ -13,14 +13,18 @@ from helpers.launch import REPO, run_dist
 TINY = REPO / "assets" / "tiny_qwen3"
 
 
-def worlds(tmp_path_factory, nproc: int, *layouts: tuple[int | str, str, int]) -> list[dict]:
+def worlds(tmp_path_factory, nproc: int, *layouts: tuple) -> list[dict]:
     """One launch of tests/dist/policy_trainer_run.py with `nproc` ranks (0: a plain process)
-    for several (micro-batches, activation_checkpoint, tp) layouts: rank 0's result of each.
-    Micro-batches: a count of padded ones, or "bN", packed under a budget of N tokens."""
+    for several (micro-batches, activation_checkpoint, tp[, replicas]) layouts: rank 0's result
+    of each. Micro-batches: a count of padded ones, or "bN", packed under a budget of N tokens;
+    replicas: HSDP's parallelism.dp_replicate."""
     out = tmp_path_factory.mktemp(f"policy_trainer_w{nproc}")
-    names = [f"{m},{c},{tp}" for m, c, tp in layouts]
+    names = [",".join(map(str, layout)) for layout in layouts]
     run_dist("policy_trainer_run.py", str(out), *names, nproc=nproc)
-    results = [torch.load(out / f"{m}_{c}_tp{tp}.pt") for m, c, tp in layouts]
+    results = []
+    for m, c, tp, *replicas in layouts:
+        suffix = f"_r{replicas[0]}" if replicas else ""
+        results.append(torch.load(out / f"{m}_{c}_tp{tp}{suffix}.pt"))
     if nproc == 2:  # and the vocabulary-parallel head's comparison
         results.append(torch.load(out / "head.pt"))
     return results
@@ -42,6 +46,8 @@ def runs(tmp_path_factory):
         ("b16", "none", 1),
         ("b24", "full", 2),
     )
+    # HSDP on 4 ranks: 2 replicas x 2 FSDP shards, each rank 2 of the 8 rows.
+    (hsdp,) = worlds(tmp_path_factory, 4, (1, "none", 1, 2))
     return {
         (1, 1): single,
         (2, 1): fsdp,
@@ -54,6 +60,7 @@ def runs(tmp_path_factory):
         (1, "b16"): single_packed,
         (2, "b16"): fsdp_packed,
         (2, "b24", "full", "tp2"): tp_packed,
+        (4, 1, "hsdp"): hsdp,
         "head": head,
     }
 
@@ -64,6 +71,10 @@ def test_fsdp2_shards_parameters(runs):
     assert local["layers.0.feed_forward.w1.weight"] == (128, 128)
     assert full["layers.0.feed_forward.w1.weight"].shape == (256, 128)
     assert runs[(2, 1)]["params_are_views"]  # weight sync gets the live DTensors, no copies
+    # HSDP (2 replicas x 2 shards): each replica shards like FSDP over 2; 4 data ranks.
+    hsdp = runs[(4, 1, "hsdp")]
+    assert hsdp["local_shapes"]["layers.0.feed_forward.w1.weight"] == (128, 128)
+    assert hsdp["share"][1] == 4 and hsdp["params_are_views"]
 
 
 def test_fsdp2_logprobs_equal_single_process(runs):
@@ -100,7 +111,15 @@ PACKED = [(1, "b16"), (2, "b16"), (2, "b24", "full", "tp2")]
 
 @pytest.mark.parametrize(
     "other",
-    [(2, 1), (2, 4), (2, 2, "full"), (1, 1, "selective"), (2, 2, "full", "tp2"), *PACKED],
+    [
+        (2, 1),
+        (2, 4),
+        (2, 2, "full"),
+        (1, 1, "selective"),
+        (2, 2, "full", "tp2"),
+        (4, 1, "hsdp"),
+        *PACKED,
+    ],
 )
 def test_step_is_the_same_for_any_parallelism_micro_batches_and_checkpointing(runs, other):
     reference, candidate = runs[(1, 1)], runs[other]
@@ -136,7 +155,9 @@ def test_the_step_moved_the_weights(runs):
     assert (after - before).abs().max() > 5e-3  # about lr = 1e-2 for AdamW's first step
 
 
-@pytest.mark.parametrize("key", [(1, 1), (2, 1), (2, 4), (2, 2, "full"), (2, 2, "full", "tp2")])
+@pytest.mark.parametrize(
+    "key", [(1, 1), (2, 1), (2, 4), (2, 2, "full"), (2, 2, "full", "tp2"), (4, 1, "hsdp")]
+)
 def test_the_step_reports_pre_update_logprobs_from_its_own_forwards(runs, key):
     """One forward per micro-batch and no more: the logprobs logprob_diff compares come from
     the step's own forwards, and equal a separate scoring pass of the same weights."""
