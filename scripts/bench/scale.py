@@ -72,6 +72,8 @@ def defaults(size: str, steps: int, dump_folder: str) -> list[str]:
         *("--model.hf_checkpoint", CHECKPOINTS[size], "--model.tokenizer_path", TOKENIZER),
         *("--training.steps", str(steps), "--training.prompts_per_step", str(NPROC)),
         *("--training.max_prompt_len", str(PROMPT_TOKENS), "--training.micro_batches", "2"),
+        # Split by row count: packing (micro_batch_tokens > 0) would decide the micro-batches.
+        *("--training.micro_batch_tokens", "0"),
         # Recompute each block in backward: the memory a real-size run needs, at every size.
         *("--training.activation_checkpoint", "full"),
         # The generator's weights are freed while the trainer trains (refilled by the sync).
