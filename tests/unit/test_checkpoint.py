@@ -59,19 +59,24 @@ def test_resume_keeps_metric_rows_up_to_the_checkpoint(tmp_path):
     assert path.read_text() == ""
 
 
+def tiny_trainer() -> PolicyTrainer:
+    """A PolicyTrainer of the tiny checkpoint in a world of one."""
+    platform.patch_torchtitan()
+    platform.init_distributed()
+    return PolicyTrainer(
+        model=ModelSection(hf_checkpoint=str(REPO / "assets" / "tiny_qwen3")),
+        training=TrainingSection(),
+        parallelism=ParallelismSection(),
+    )
+
+
 def test_a_save_that_cannot_fit_is_refused_before_any_byte_and_keeps_the_last(
     tmp_path, monkeypatch
 ):
     """A real save (one process, the tiny model) fits in its estimate; with the free space
     below the estimate the next save raises one line naming the step, the sizes and the latest
     checkpoint, and writes nothing: no step-2 folder, step-1 still complete."""
-    platform.patch_torchtitan()
-    platform.init_distributed()  # a world of one
-    trainer = PolicyTrainer(
-        model=ModelSection(hf_checkpoint=str(REPO / "assets" / "tiny_qwen3")),
-        training=TrainingSection(),
-        parallelism=ParallelismSection(),
-    )
+    trainer = tiny_trainer()
     checkpointer = Checkpointer(
         CheckpointSection(enable=True), str(tmp_path), {"model": {"name": "qwen3"}}
     )
@@ -104,13 +109,7 @@ def test_a_save_that_cannot_fit_is_refused_before_any_byte_and_keeps_the_last(
 def test_a_checkpoint_damaged_in_place_is_one_line(tmp_path):
     """Files of the sizes the manifest records but bytes that do not load (zeroed): resuming
     from them is one line naming the step folder, not DCP's report."""
-    platform.patch_torchtitan()
-    platform.init_distributed()  # a world of one
-    trainer = PolicyTrainer(
-        model=ModelSection(hf_checkpoint=str(REPO / "assets" / "tiny_qwen3")),
-        training=TrainingSection(),
-        parallelism=ParallelismSection(),
-    )
+    trainer = tiny_trainer()
     facts = {"model": {"name": "qwen3", "flavor": "tiny"}, "lora": None, "seed": 0}
     facts["prompts_per_step"] = 8
     saver = Checkpointer(CheckpointSection(enable=True), str(tmp_path / "saved"), facts)
