@@ -11,6 +11,7 @@ SDPA on both: no mask object, right-padded sequences, so the CPU tests run CUDA'
 """
 
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -198,15 +199,22 @@ def packed_attention_kernel(dtype: str = "float32"):
     if device_type() != "cuda":
         return packed_attention.sdpa_per_document
     if getattr(torch, dtype) not in packed_attention.VARLEN_DTYPES:
-        from torchtitan_rl import console
-
-        # Flash attention has bf16/fp16 kernels only; casting would change the logprobs.
-        console.warn(
-            f"note: model.dtype = {dtype!r} on CUDA: flash attention's varlen kernel has no "
-            f"{dtype} kernel, so packed rows run causal SDPA per document in {dtype} (slower; "
-            "model.dtype = 'bfloat16' runs the varlen kernel)"
-        )
+        _note_no_varlen_kernel(dtype)
     return packed_attention.varlen
+
+
+@functools.cache
+def _note_no_varlen_kernel(dtype: str) -> None:
+    """Say once per process (the policy and the reference model both build their attention)
+    that `dtype` rows skip the varlen kernel."""
+    from torchtitan_rl import console
+
+    # Flash attention has bf16/fp16 kernels only; casting would change the logprobs.
+    console.warn(
+        f"note: model.dtype = {dtype!r} on CUDA: flash attention's varlen kernel has no "
+        f"{dtype} kernel, so packed rows run causal SDPA per document in {dtype} (slower; "
+        "model.dtype = 'bfloat16' runs the varlen kernel)"
+    )
 
 
 def enable_fsdp_sum_reduction(model: nn.Module) -> None:

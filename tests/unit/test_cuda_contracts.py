@@ -181,6 +181,9 @@ def test_cuda_picks_varlen_and_says_when_the_dtype_has_no_kernel(on_cuda, capsys
     assert platform.packed_attention_kernel("float32") is packed_attention.varlen
     (line,) = capsys.readouterr().err.splitlines()
     assert "model.dtype = 'float32'" in line and "per document in float32" in line
+    # The reference model builds its attention too: the note is not said twice.
+    assert platform.packed_attention_kernel("float32") is packed_attention.varlen
+    assert capsys.readouterr().err == ""
 
 
 # --- process groups and devices --------------------------------------------------------------
