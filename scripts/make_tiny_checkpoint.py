@@ -3,7 +3,8 @@
     .venv/bin/python scripts/make_tiny_checkpoint.py --out assets/tiny_qwen3
 
 The weights come from torchtitan's own initialization of the `tiny` flavor of `--model`
-(qwen3 or llama3, `torchtitan_rl/models.py`) under a fixed seed, converted with the spec's
+(qwen3 or llama3; `tiny`, or the mixture-of-experts `tiny_moe` of qwen3:
+`torchtitan_rl/models/tiny.py`) under a fixed seed, converted with the spec's
 state-dict adapter (`to_hf`); the tokenizer is a character-level tokenizer trained locally with
 `tokenizers` on the alphabet the built-in toy tasks need. Nothing is downloaded; the same seed
 gives the same bytes.
@@ -77,14 +78,16 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
-    """HF `config.json` (Qwen3ForCausalLM or LlamaForCausalLM) with the shapes of the flavor."""
-    attention = model_config.layers[0].attention
+    """HF `config.json` (Qwen3ForCausalLM, Qwen3MoeForCausalLM or LlamaForCausalLM) with the
+    shapes of the flavor."""
+    layer = model_config.layers[0]
+    attention = layer.attention
     rope = attention.rope
     n_heads, n_kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
     config = {
         "vocab_size": model_config.vocab_size,
         "hidden_size": model_config.dim,
-        "intermediate_size": model_config.layers[0].feed_forward.w1.out_features,
+        "intermediate_size": _ffn_width(layer),
         "num_hidden_layers": len(model_config.layers),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
@@ -104,6 +107,24 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
         "pad_token_id": pad_id,
         "use_cache": True,
     }
+    if name == "qwen3" and layer.moe is not None:
+        router = layer.moe.router
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **config,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": len(model_config.layers),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_experts": router.num_experts,
+            "num_experts_per_tok": router.top_k,
+            "moe_intermediate_size": layer.moe.routed_experts.inner_experts.hidden_dim,
+            "norm_topk_prob": router.route_norm,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
     if name == "qwen3":
         return {
             "architectures": ["Qwen3ForCausalLM"],
@@ -129,6 +150,14 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
     }
 
 
+def _ffn_width(layer) -> int:
+    """A layer's MLP width; an MoE layer's, each expert's (HF's dense `intermediate_size` is
+    then unused, as every Qwen3-MoE layer is sparse)."""
+    if getattr(layer, "moe", None) is not None:
+        return layer.moe.routed_experts.inner_experts.hidden_dim
+    return layer.feed_forward.w1.out_features
+
+
 def raise_stop_logit(model, stop_id: int, mean_tokens: int, seed: int) -> float:
     """Make `model` (torchtitan, random init) stop after about `mean_tokens` sampled tokens on
     average (module docstring); returns the calibrated stop probability per token."""
@@ -142,6 +171,8 @@ def raise_stop_logit(model, stop_id: int, mean_tokens: int, seed: int) -> float:
         for name, weight in state.items():
             if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 weight[d] = 0.0  # no layer writes to d
+            elif name.endswith("inner_experts.w2_EDF"):
+                weight[:, d] = 0.0  # nor any expert
         head = model.lm_head.weight
         g = torch.Generator().manual_seed(seed)
         tokens_BT = torch.randint(0, head.shape[0], (8, 128), generator=g)
@@ -210,7 +241,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="qwen3", choices=["qwen3", "llama3"])
     parser.add_argument(
-        "--flavor", default="tiny", help="tiny (tests and the demo) or debugmodel (benchmarks)"
+        "--flavor",
+        default="tiny",
+        help="tiny or tiny_moe (tests and the demos), debugmodel[_moe] (benchmarks)",
     )
     parser.add_argument(
         "--mean_completion_tokens",

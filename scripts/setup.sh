@@ -32,12 +32,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 
 # The tiny checkpoint is deterministic: rebuild it only when its recipe changed.
-recipe=$(cat scripts/make_tiny_checkpoint.py torchtitan_rl/models.py | sha256sum | cut -d' ' -f1)
-for model in qwen3 llama3; do
-    ASSETS=assets/tiny_$model
+recipe=$(cat scripts/make_tiny_checkpoint.py torchtitan_rl/models/*.py | sha256sum | cut -d' ' -f1)
+for target in qwen3:tiny llama3:tiny qwen3:tiny_moe; do
+    model=${target%%:*} flavor=${target#*:}
+    ASSETS=assets/${flavor}_$model
     if [ "$(cat "$ASSETS/.recipe" 2>/dev/null)" != "$recipe" ]; then
-        "$VENV/bin/python" scripts/make_tiny_checkpoint.py --model "$model" --out "$ASSETS"
+        "$VENV/bin/python" scripts/make_tiny_checkpoint.py --model "$model" --flavor "$flavor" \
+            --out "$ASSETS"
         echo "$recipe" > "$ASSETS/.recipe"
     fi
 done
-echo "setup: ready ($VENV, assets/tiny_qwen3, assets/tiny_llama3)"
+echo "setup: ready ($VENV, assets/tiny_qwen3, assets/tiny_llama3, assets/tiny_moe_qwen3)"

@@ -129,7 +129,7 @@ def measure(flags: list[str]) -> int:
     for step in range(1, config.training.steps + 1):
         trainer.train_step(step)
     rss = platform.all_gather_objects(peak_rss_gib())  # before the memcpy's scratch buffer
-    generator_params = list(trainer.generator.named_parameters().values())
+    generator_params = list(trainer.generator.weights().values())
     copy_s = max(platform.all_gather_objects(memcpy_seconds(generator_params)))
     params = sum(p.numel() for p in trainer.learner.trainer.named_parameters().values())
     prompt_tokens = len(trainer.producer.renderer.encode(trainer.producer.prompts(1))[0])

@@ -90,7 +90,7 @@ def generator_checks(model: ModelSection, generator: Generator, rank: int, world
         except ValueError as e:
             errors[name] = str(e)
 
-    generator_params = {k: tuple(v.shape) for k, v in generator.named_parameters().items()}
+    generator_params = {k: tuple(v.shape) for k, v in generator.weights().items()}
     trainer_params = {k: tuple(v.shape) for k, v in trainer.named_parameters().items()}
     generator.reset_prefix_cache()
     again = generator.generate(prompts[:1], n=3, temperature=TEMPERATURE, max_tokens=12, seed=7)
@@ -174,7 +174,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
     )
     trainer.optimizer_step(batch, pg_loss)
     stale_params = sum(
-        not torch.equal(generator.named_parameters()[k], p.full_tensor())
+        not torch.equal(generator.weights()[k], p.full_tensor())
         for k, p in trainer.named_parameters().items()
     )
 
@@ -187,7 +187,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
     mismatched = [
         name
         for name, param in trainer.named_parameters().items()
-        if not torch.equal(generator.named_parameters()[name], param.full_tensor())
+        if not torch.equal(generator.weights()[name], param.full_tensor())
     ]
     diff_long = max_logprob_diff(trainer, long_prompt, sample(long_prompt))
     diff_short = max_logprob_diff(trainer, short_prompt, sample(short_prompt))
@@ -195,7 +195,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
         "world": world,
         "model": model.name,
         "generator_bytes": sum(
-            p.numel() * p.element_size() for p in generator.named_parameters().values()
+            p.numel() * p.element_size() for p in generator.weights().values()
         ),
         "diff_before_step": diff_before_step,
         "stale_params_before_sync": stale_params,

@@ -49,7 +49,7 @@ class PlainCopy:
         self.model = build_spec(model).model.build()  # tiny: built on the host, ties kept
         batch_invariant.make_linears_invariant(self.model)
 
-    def named_parameters(self) -> dict[str, nn.Parameter]:
+    def weights(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
 
     @torch.no_grad()
@@ -96,7 +96,7 @@ def main() -> None:
             )
         else:
             expected[name] = after[name]
-    copy_params = plain.named_parameters()
+    copy_params = plain.weights()
     optimizer = trainer.optimizers.optimizers[0]
     names_of = {id(p): name for name, p in params.items()}
     tokens_BT = batch.tokens_BT

@@ -30,7 +30,7 @@ class Recorder(Hooks):
         self.calls.append(["after_train", step, sorted(metrics)])
         if self.generator is not None:  # what the generator's weights hold while training
             self.generator_numel.append(
-                sum(p.numel() for p in self.generator.named_parameters().values())
+                sum(p.numel() for p in self.generator.weights().values())
             )
 
     def after_sync(self, step, stats):

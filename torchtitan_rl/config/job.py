@@ -69,9 +69,10 @@ class JobSection:
 @dataclass(kw_only=True, slots=True)
 class ModelSection:
     name: str = "qwen3"
-    """torchtitan model name (a module under torchtitan.models): qwen3 or llama3."""
+    """torchtitan model family (a module under torchtitan.models): qwen3 or llama3."""
     flavor: str = "tiny"
-    """torchtitan flavor of the model, e.g. debugmodel, 0.6B; `tiny` is this project's CPU model."""
+    """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts); `tiny`
+    and `tiny_moe` are this project's CPU models."""
     hf_checkpoint: str | None = None
     """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
     tokenizer_path: str | None = None
@@ -85,11 +86,17 @@ class ModelSection:
         return self.tokenizer_path or self.hf_checkpoint
 
     def validate(self) -> None:
-        from torchtitan_rl.models import SUPPORTED_MODELS, flavors, is_mixture_of_experts
+        from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS, flavors
 
+        family = FAMILIES.get(self.name)
         require(
-            self.name in SUPPORTED_MODELS,
-            f"model.name = {self.name!r} is not supported: "
+            family is not None,
+            f"model.name = {self.name!r} is not a torchtitan language model family: "
+            f"use one of {', '.join(SUPPORTED_MODELS)}",
+        )
+        require(
+            not family.refused,
+            f"model.name = {self.name!r} is not supported yet: {family.refused}; "
             f"use one of {', '.join(SUPPORTED_MODELS)}",
         )
         known = flavors(self.name)
@@ -97,11 +104,6 @@ class ModelSection:
             self.flavor in known,
             f"model.flavor = {self.flavor!r} is not a {self.name} flavor: "
             f"use one of {', '.join(known)}",
-        )
-        require(
-            not is_mixture_of_experts(self.name, self.flavor),
-            f"model.flavor = {self.flavor!r} is a mixture-of-experts {self.name}: the trainer "
-            "and the generator run dense models only for now; pick a dense flavor",
         )
         for name in ("hf_checkpoint", "tokenizer_path"):
             path = getattr(self, name)

@@ -22,7 +22,7 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection, read_json
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
-from torchtitan_rl.models import checkpoint_stop_ids, model_spec
+from torchtitan_rl.models import checkpoint_stop_ids, model_spec, weights
 from torchtitan_rl.tasks.render import read_tokenizer_json
 from torchtitan_rl.trainer.model import read_hf_shapes
 from torchtitan_rl.types import Completions, Sample
@@ -248,7 +248,7 @@ class Generator:
             self.engine.sleep(level=1)
             return
         self._released = {}
-        for name, param in self.named_parameters().items():
+        for name, param in self.weights().items():
             self._released[name] = param.shape
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._wrapper().drop_packed()
@@ -262,7 +262,7 @@ class Generator:
         if platform.vllm_can_sleep():
             self.engine.wake_up()
             return
-        for name, param in self.named_parameters().items():
+        for name, param in self.weights().items():
             param.data = torch.empty(self._released[name], dtype=param.dtype, device=param.device)
 
     def _wrapper(self) -> nn.Module:
@@ -274,9 +274,10 @@ class Generator:
         """The torchtitan model inside the engine (this process's replica)."""
         return self._wrapper().model
 
-    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The generator's parameters by torchtitan FQN (tied weights appear once)."""
-        return dict(self.model().named_parameters())
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What weight sync writes, by torchtitan FQN: the parameters (tied ones once) and the
+        persistent buffers the forward reads (`models.weights`)."""
+        return weights(self.model())
 
 
 def _each(value, count: int) -> list:

@@ -78,7 +78,7 @@ def _serve(generator, model, seed, invariant, requests, replies) -> None:
         if invariant:
             batch_invariant.enable()
         engine = Generator(generator=generator, model=model, seed=seed)
-        params = engine.named_parameters()
+        params = engine.weights()
         for param in params.values():
             param.data.share_memory_()
         engine.refresh_after_weight_update()
@@ -144,8 +144,9 @@ class RemoteGenerator:
             raise EngineError(f"the generator's engine raised {value!r}") from value
         return value
 
-    def named_parameters(self) -> dict[str, torch.Tensor]:
-        """The engine's parameters, on memory shared with it: write them in place."""
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights (`Generator.weights`), on memory shared with it: write them in
+        place."""
         return self.params
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):

@@ -5,6 +5,7 @@
 
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
@@ -14,6 +15,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import ConfigError, ModelSection, read_json
 from torchtitan_rl.models import model_spec
+from torchtitan_rl.models.moe import NOT_IN_HF
 from torchtitan_rl.trainer.lora import is_lora_key
 
 # HF tensors that carry no weights of ours (recomputed buffers).
@@ -106,6 +108,16 @@ def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor:
         )
 
 
+def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of the whole model (a sharded state dict names only this rank's
+    experts: the adapter splits an expert-sharded tensor into the experts it holds)."""
+    with torch.device("meta"):
+        state = spec.model.build().state_dict()
+    adapter = spec.state_dict_adapter(spec.model, None)
+    hf_state = adapter.to_hf({k: v for k, v in state.items() if not is_lora_key(k)})
+    return {k: tuple(v.shape) for k, v in hf_state.items()}
+
+
 def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) -> None:
     """Load the HF checkpoint at `path` into `model` (plain or DTensor parameters), sharded.
 
@@ -114,15 +126,18 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) ->
     that load together (default: the world).
     """
     adapter = spec.state_dict_adapter(spec.model, None)
-    # LoRA adapters are not in an HF checkpoint: they keep their initial values (B = 0).
+    # LoRA adapters are not in an HF checkpoint: they keep their initial values (B = 0); nor
+    # is the routers' load-balancing bias (0, as HF's Qwen3-MoE routes).
     state = {k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
     hf_state = adapter.to_hf(state)
-    check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in hf_state.items()}, spec.flavor)
+    check_hf_checkpoint(path, hf_shapes(spec), spec.flavor)
     dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(path), process_group=group)
     loaded = set_model_state_dict(
         model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False)
     )
-    missing = [k for k in loaded.missing_keys if not is_lora_key(k)]
+    missing = [
+        k for k in loaded.missing_keys if not is_lora_key(k) and not k.endswith(NOT_IN_HF)
+    ]
     if missing or loaded.unexpected_keys:
         raise ConfigError(
             f"model.hf_checkpoint = {path!r} does not fill the model: missing "

@@ -38,6 +38,7 @@ from torchtitan_rl.config import (
     TrainingSection,
 )
 from torchtitan_rl.errors import StopRun
+from torchtitan_rl.models import weights
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing
 from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
@@ -196,6 +197,13 @@ class PolicyTrainer:
         self._params = {
             name.replace(_AC_PREFIX, ""): param for name, param in module.named_parameters()
         }
+        # The persistent buffers the forward reads (MoE routers' expert_bias_E): weight sync
+        # sends them with the parameters. Nothing updates them (docs/moe.md: frozen bias).
+        self._buffers = {
+            name: tensor
+            for name, tensor in weights(module, _AC_PREFIX).items()
+            if name not in self._params
+        }
         self._adapted = lora_adapters.adapted_modules(module, _AC_PREFIX)
         self.tp_group = (
             self.parallel_dims.get_mesh("tp").get_group() if parallelism.tp > 1 else None
@@ -236,11 +244,12 @@ class PolicyTrainer:
         return dict(self._params)
 
     def sync_sources(self) -> dict[str, "torch.Tensor | lora_adapters.Merged"]:
-        """What the generator's plain model gets, by FQN: the parameters, except that with
-        LoRA each adapted linear's weight is its `Merged` weight (adapters are not sent)."""
+        """What the generator's plain model gets, by FQN: the parameters and persistent
+        buffers (`models.weights`), except that with LoRA each adapted linear's weight is its
+        `Merged` weight (adapters are not sent)."""
         if self.lora is None:
-            return dict(self._params)
-        return lora_adapters.sync_sources(self._params, self._adapted)
+            return {**self._params, **self._buffers}
+        return {**lora_adapters.sync_sources(self._params, self._adapted), **self._buffers}
 
     def merged(self):
         """Context in which the model's state dict is the plain model's (merged LoRA weights;

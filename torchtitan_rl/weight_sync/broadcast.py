@@ -97,7 +97,7 @@ class BroadcastReceiver:
     def receive(self) -> bool:
         """One sync: written in place, the engine refreshed, the policy version taken; False
         when the trainers sent STOP instead (the run stops: `BroadcastSender.send_stop`)."""
-        params = self.generator.named_parameters()
+        params = self.generator.weights()
         header = torch.zeros(2, dtype=torch.long)
         dist.broadcast(header, self.leader, self.group)
         version, everything = int(header[0]), bool(header[1])
@@ -127,5 +127,5 @@ class BroadcastReceiver:
 
     def digest(self) -> str:
         """The digest of the weights this generator holds (`base.weights_digest`)."""
-        params = self.generator.named_parameters()
+        params = self.generator.weights()
         return weights_digest({name: digest(p) for name, p in params.items()})

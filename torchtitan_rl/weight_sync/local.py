@@ -175,7 +175,7 @@ class WeightSync:
         """The sync from a PolicyTrainer to a Generator (their live parameters)."""
         return cls(
             trainer.sync_sources(),
-            generator.named_parameters(),
+            generator.weights(),
             bucket_mb=bucket_mb,
             verify=verify,
         )

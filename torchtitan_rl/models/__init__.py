@@ -1,0 +1,92 @@
+"""Model specs: torchtitan's families and registries plus the tiny flavors this project ships.
+
+    .venv/bin/python -c "from torchtitan_rl.models import flavors; print(flavors('qwen3'))"
+
+Every model the trainer and the generator build comes from `model_spec(name, flavor)`, so both
+sides share one definition: torchtitan's flavors (`debugmodel`, `0.6B`, `debugmodel_moe`,
+`30B-A3B`, ...) plus the `tiny` ones (tiny.py). Which families run, and why the others are
+refused: families.py. Mixture-of-experts layers build this project's `Experts` and `Router`
+(moe.py), with torchtitan's parameter names and routing.
+"""
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.protocols.module import Module
+
+# Not from the package: torchtitan_rl.config.job imports this module.
+from torchtitan_rl.config.errors import read_json
+from torchtitan_rl.models.families import FAMILIES, SUPPORTED_MODELS, Family  # noqa: F401
+from torchtitan_rl.models.moe import use_project_moe
+from torchtitan_rl.models.tiny import EXTRA_FLAVORS
+
+
+def flavors(name: str) -> list[str]:
+    """All flavor names available for model `name` (torchtitan's and ours)."""
+    module = importlib.import_module(f"torchtitan.models.{name}")
+    registry = getattr(module, FAMILIES[name].registry)
+    return sorted({*registry, *EXTRA_FLAVORS.get(name, {})})
+
+
+def is_mixture_of_experts(name: str, flavor: str) -> bool:
+    """Whether any layer of `name`/`flavor` routes tokens to experts (its config has a `moe`)."""
+    return any(getattr(layer, "moe", None) is not None for layer in _config(name, flavor).layers)
+
+
+def hf_architecture(name: str, flavor: str) -> str | None:
+    """The HF architecture of `name`/`flavor`'s checkpoints (Qwen3MoeForCausalLM, ...)."""
+    return FAMILIES[name].hf_architectures[int(is_mixture_of_experts(name, flavor))]
+
+
+def _config(name: str, flavor: str, attn_backend: str = "flex"):
+    extra = EXTRA_FLAVORS.get(name, {})
+    if flavor in extra:
+        return extra[flavor](attn_backend)
+    module = importlib.import_module(f"torchtitan.models.{name}")
+    return getattr(module, FAMILIES[name].registry)[flavor](attn_backend=attn_backend)
+
+
+def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
+    """The torchtitan `ModelSpec` for `name`/`flavor`; `attn_backend` picks the inner attention.
+
+    MoE layers get this project's modules (`moe.use_project_moe`). torchtitan's spec installs
+    its load-balancing hook through `post_optimizer_build_fn`; this project never calls it, so
+    the routers' `expert_bias_E` stays what the checkpoint gave (docs/moe.md).
+    """
+    module = importlib.import_module(f"torchtitan.models.{name}")
+    spec = module.model_registry("debugmodel", attn_backend=attn_backend)
+    spec.flavor = flavor
+    spec.model = _config(name, flavor, attn_backend)
+    use_project_moe(spec.model)
+    return spec
+
+
+def weights(module: torch.nn.Module, prefix_to_drop: str = "") -> dict[str, torch.Tensor]:
+    """What weight sync carries, by FQN: every parameter (tied ones once) and every persistent
+    buffer of a torchtitan module, which the forward reads (the MoE routers' `expert_bias_E`).
+    Non-persistent buffers are derived (RoPE caches) or statistics (the experts' token
+    counts), and vLLM's own modules' buffers (its attention's KV scales) are the engine's.
+    `prefix_to_drop`: a wrapper's infix to remove from names (activation checkpointing)."""
+    found = dict(module.named_parameters())
+    for owner_name, owner in module.named_modules():
+        if not isinstance(owner, Module):
+            continue
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                found[f"{owner_name}.{name}" if owner_name else name] = buffer
+    return {name.replace(prefix_to_drop, ""): tensor for name, tensor in found.items()}
+
+
+def checkpoint_stop_ids(hf_checkpoint: str, field: str = "model.hf_checkpoint") -> list[int]:
+    """Every id that ends a completion for the checkpoint: the eos_token_id of its
+    generation_config.json (an int or a list: Qwen3 lists <|im_end|> and <|endoftext|>), else
+    of its config.json. `field`: the config field naming the folder, for a damaged file."""
+    for name in ("generation_config.json", "config.json"):
+        if (Path(hf_checkpoint) / name).is_file():
+            eos = read_json(hf_checkpoint, name, field).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []

@@ -1,0 +1,153 @@
+"""The mixture-of-experts modules this project builds in place of torchtitan's own: the same
+parameters, names and routing, computed in the model's dtype, batch-invariant when the mode is
+on, and with a seam for recording and replaying the experts each token went to.
+
+    .venv/bin/python -m pytest tests/unit/test_models.py
+
+- `Experts` replaces `GroupedExperts`, whose forward casts every expert GEMM to bf16 (a GPU
+  training choice): an fp32 model's experts then differ from an HF or vLLM forward of the same
+  checkpoint by ~1e-2. Ours runs `torch._grouped_mm` in the input's dtype (bf16 under FSDP's
+  bf16 mixed precision, so GPU training is unchanged). Under batch-invariant mode it loops
+  over the experts with `batch_invariant.ops.linear`, whose rows do not depend on how many
+  tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows).
+- `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
+  `torch.autocast(float32)` is a no-op on CPU, which has no fp32 autocast, and warns each
+  call), through `ops.linear` under batch-invariant mode. `Router.record` and `Router.replay`
+  are where routing is read out and imposed.
+
+Shapes: T tokens, D model dim, F expert hidden dim, E experts, K experts per token, R routed
+rows (T * K, grouped by expert).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+
+from torchtitan_rl.batch_invariant import ops
+
+# State-dict entries an HF checkpoint has no tensor for: torchtitan's auxiliary-loss-free
+# load-balancing bias (HF's Qwen3-MoE routes by the plain top-k, i.e. with this bias at 0).
+NOT_IN_HF = ("moe.expert_bias_E",)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Under EP/FSDP the expert weights are DTensors; the routed rows are plain local tensors.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _invariant() -> bool:
+    from torchtitan_rl import batch_invariant
+
+    return batch_invariant.uses_own_kernels()
+
+
+class Experts(GroupedExperts):
+    """SwiGLU experts over routed rows grouped by expert: w2(silu(w1 x) * w3 x), in x's dtype."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
+        w1_EFD, w2_EDF, w3_EFD = (
+            _local(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
+        if _invariant():
+            return _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD)
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_RF = F.silu(torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=offsets_E))
+        h_RF = h_RF * torch._grouped_mm(x_RD, w3_EFD.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offs=offsets_E)
+
+
+def _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD) -> torch.Tensor:
+    """One batch-invariant GEMM per expert over the rows routed to it, in expert order."""
+    outputs, start = [], 0
+    for e, count in enumerate(num_tokens_per_expert_E.tolist()):
+        rows_RD = x_RD[start : start + int(count)]
+        start += int(count)
+        h_RF = F.silu(ops.linear(rows_RD, w1_EFD[e])) * ops.linear(rows_RD, w3_EFD[e])
+        outputs.append(ops.linear(h_RF, w2_EDF[e]))
+    return torch.cat(outputs) if outputs else x_RD.new_zeros(0, w2_EDF.shape[1])
+
+
+class Router(TokenChoiceTopKRouter):
+    """Token-choice top-k routing (torchtitan's), gate in fp32, with two seams:
+
+    - `record`: a callable given each forward's expert ids [B, L, K] (the generator's capture,
+      the trainer's routing statistics); None by default.
+    - `replay`: expert ids [B, L, K] to use instead of this forward's top-k (router replay).
+      The gate weights of the replayed experts are still this forward's scores, so gradients
+      reach the gate.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenChoiceTopKRouter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.record = None
+        self.replay: torch.Tensor | None = None
+
+    def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
+        if self.num_expert_groups is not None or self._debug_force_load_balance:
+            raise NotImplementedError("group-limited and forced routing are not supported")
+        weight = self.gate.weight
+        if _invariant():
+            logits_BLE = ops.linear(x_BLD.float(), weight.float())
+        else:
+            logits_BLE = F.linear(x_BLD.float(), weight.float())
+        if self.score_func == "sigmoid":
+            scores_BLE = torch.sigmoid(logits_BLE)
+        else:
+            scores_BLE = F.softmax(logits_BLE, dim=-1)
+        if self.replay is not None:
+            expert_ids_BLK = self.replay.to(device=x_BLD.device, dtype=torch.int64)
+        else:
+            choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
+            expert_ids_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=True)[1]
+        if self.record is not None:
+            self.record(expert_ids_BLK)
+        topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
+        if self.route_norm:
+            topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(-1, keepdim=True) + 1e-20)
+        return topk_scores_BLK * self.route_scale, expert_ids_BLK, scores_BLE
+
+
+def routers(model: torch.nn.Module) -> list[Router]:
+    """The model's routers, in layer order."""
+    return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def use_project_moe(model_config) -> None:
+    """Make every MoE layer of a torchtitan model config build `Experts` and `Router`, in
+    place (before build); parameter names and shapes stay torchtitan's."""
+    for layer in model_config.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        inner = moe.routed_experts.inner_experts
+        moe.routed_experts.inner_experts = Experts.Config(
+            dim=inner.dim,
+            hidden_dim=inner.hidden_dim,
+            num_experts=inner.num_experts,
+            param_init=inner.param_init,
+            sharding_config=inner.sharding_config,
+        )
+        router = moe.router
+        moe.router = Router.Config(
+            num_experts=router.num_experts,
+            gate=router.gate,
+            num_expert_groups=router.num_expert_groups,
+            num_limited_groups=router.num_limited_groups,
+            top_k=router.top_k,
+            score_func=router.score_func,
+            route_norm=router.route_norm,
+            route_scale=router.route_scale,
+            param_init=router.param_init,
+            sharding_config=router.sharding_config,
+        )
