@@ -209,7 +209,8 @@ def test_families_not_supported_yet_are_refused_with_the_reason(name, reason):
     with pytest.raises(ConfigError) as error:
         parse_args(["--job.config_file", DEBUG_TOML, "--model.name", name])
     message = str(error.value)
-    assert message.startswith(f"model.name = {name!r} is not supported yet: ") and "\n" not in message
+    assert message.startswith(f"model.name = {name!r} is not supported yet: ")
+    assert "\n" not in message
     assert reason in message and message.endswith("use one of qwen3, llama3")
 
 

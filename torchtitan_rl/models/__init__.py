@@ -13,7 +13,6 @@ import importlib
 from pathlib import Path
 
 import torch
-
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 

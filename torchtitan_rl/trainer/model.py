@@ -135,9 +135,7 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) ->
     loaded = set_model_state_dict(
         model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False)
     )
-    missing = [
-        k for k in loaded.missing_keys if not is_lora_key(k) and not k.endswith(NOT_IN_HF)
-    ]
+    missing = [k for k in loaded.missing_keys if not is_lora_key(k) and not k.endswith(NOT_IN_HF)]
     if missing or loaded.unexpected_keys:
         raise ConfigError(
             f"model.hf_checkpoint = {path!r} does not fill the model: missing "
