@@ -76,6 +76,26 @@ class JobConfig:
         )
         return generators
 
+    def _validate_experts(self) -> None:
+        from torchtitan_rl.models import model_spec
+
+        ep = self.parallelism.ep
+        if ep == 1:
+            return
+        name = f"{self.model.name}/{self.model.flavor}"
+        moe = [layer.moe for layer in model_spec(self.model.name, self.model.flavor).model.layers]
+        experts = {m.num_experts for m in moe if m is not None}
+        require(
+            bool(experts),
+            f"parallelism.ep = {ep} but {name} has no experts (a dense model): "
+            "set parallelism.ep = 1 or pick a mixture-of-experts flavor",
+        )
+        require(
+            all(count % ep == 0 for count in experts),
+            f"parallelism.ep = {ep} does not divide the {max(experts)} experts of {name}: "
+            "pick an ep that divides them",
+        )
+
     def _validate_heads(self) -> None:
         from torchtitan_rl.models import model_spec
 
@@ -145,6 +165,7 @@ class JobConfig:
             "unset (random weights): set model.hf_checkpoint to the model to adapt",
         )
         self._validate_heads()
+        self._validate_experts()
         if entry == "sft":
             self._validate_sft(world_size)
         else:

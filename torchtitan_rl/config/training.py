@@ -98,9 +98,13 @@ class ParallelismSection:
     """Trainer FSDP shard degree; -1: whatever the world size leaves after dp_replicate and tp."""
     tp: int = 1
     """Trainer tensor-parallel degree."""
+    ep: int = 1
+    """Trainer expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of
+    every MoE layer's experts and trades routed tokens by all-to-all. torchtitan's EP: it
+    spans ep of the dp_shard * tp ranks, which must be a multiple of it."""
 
     def validate(self, world_size: int) -> None:
-        for name in ("dp_replicate", "tp"):
+        for name in ("dp_replicate", "tp", "ep"):
             value = getattr(self, name)
             require(value >= 1, f"parallelism.{name} = {value}: must be >= 1")
         require(
@@ -121,6 +125,13 @@ class ParallelismSection:
                 f"size is {world_size}: set parallelism.dp_shard = -1 or launch "
                 f"{fixed * self.dp_shard} processes",
             )
+
+        shard_ranks = self.resolved_dp_shard(world_size) * self.tp
+        require(
+            shard_ranks % self.ep == 0,
+            f"parallelism.ep = {self.ep} does not divide the {shard_ranks} ranks of "
+            "parallelism.dp_shard * tp: pick an ep that divides them",
+        )
 
     def resolved_dp_shard(self, world_size: int) -> int:
         """dp_shard with -1 replaced by the degree the world size leaves."""

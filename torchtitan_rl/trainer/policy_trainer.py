@@ -137,13 +137,16 @@ class PolicyTrainer:
         self.tp_degree = parallelism.tp
         dp_shard = parallelism.resolved_dp_shard(world_size)
         spmd_backend = platform.spmd_backend()
+        # torchtitan's Trainer sets this process-wide before building; its EP dispatcher reads
+        # it (under the default "spmd_types" it looks for a mesh that partial_dtensor never set).
+        dist_utils.set_spmd_backend(spmd_backend)
         self.parallel_dims = ParallelDims(
             dp_replicate=parallelism.dp_replicate,
             dp_shard=dp_shard,
             cp=1,
             tp=parallelism.tp,
             pp=1,
-            ep=1,
+            ep=parallelism.ep,
             world_size=world_size,
             spmd_backend=spmd_backend,
         )
@@ -151,6 +154,7 @@ class PolicyTrainer:
             data_parallel_replicate_degree=parallelism.dp_replicate,
             data_parallel_shard_degree=dp_shard,
             tensor_parallel_degree=parallelism.tp,
+            expert_parallel_degree=parallelism.ep,
             spmd_backend=spmd_backend,
         )
         self.spec = build_spec(model)
@@ -452,6 +456,7 @@ class PolicyTrainer:
             dist_utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.grad is not None],
                 max_norm=self.training.max_grad_norm or math.inf,
+                ep_enabled=self.parallel_dims.ep_enabled,  # experts on their own mesh
             )
         )
         # A NaN/inf loss on any rank makes the summed gradients non-finite on every rank, so
