@@ -19,6 +19,17 @@ WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 # What the reference run's generator, holding the final weights, completes greedily.
 GREEDY_PROMPT, GREEDY_TOKENS = "echo 123:", 8
 
+# The reference run's schedule on the mixture-of-experts tiny Qwen3 (8 experts, 2 per token),
+# experts split over the 2 ranks (EP = 2), every weight sync verified by digest.
+MOE = (
+    *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
+    *("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"),
+    *("--parallelism.ep", "2", "--generator.verify_weight_sync", "true"),
+    *("--algorithm.kl_beta", "0.05"),
+    *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
+    *("--checkpoint.export_hf_at_end", "true"),
+)
+
 # The echo demo with LoRA, batch-invariant, checkpoints at steps 3 and 6, merged export.
 LORA = (
     *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),

@@ -8,10 +8,10 @@ from torchtitan_rl.config import ModelSection
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 
-def torchtitan_logits(checkpoint: str, ids: list[int]) -> torch.Tensor:
-    """[T, V] logits of the unsharded torchtitan model loaded through the spec's HF adapter."""
+def torchtitan_logits(checkpoint: str, ids: list[int], flavor: str = "tiny") -> torch.Tensor:
+    """[T, V] logits of the unsharded qwen3 `flavor` loaded through the spec's HF adapter."""
     platform.patch_torchtitan()
-    spec = build_spec(ModelSection(hf_checkpoint=checkpoint))
+    spec = build_spec(ModelSection(hf_checkpoint=checkpoint, flavor=flavor))
     model = spec.model.build()
     model.init_states()
     load_hf_weights(model, spec, checkpoint)

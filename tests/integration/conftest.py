@@ -1,5 +1,5 @@
 """The runs that integration tests share, each started once per session: the RL reference
-run (checkpoints, export, metrics files, console), the LoRA run and the SFT run. A test that
+run (checkpoints, export, metrics files, console), the LoRA run, the MoE run and the SFT run. A test that
 needs one names its fixture; tests/helpers/runs.py holds their flags."""
 
 from pathlib import Path
@@ -41,6 +41,22 @@ def lora_run(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("lora_e2e")
     result = run_train(*runs.LORA, "--job.dump_folder", str(folder), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="session")
+def moe_run(tmp_path_factory) -> Path:
+    """runs.MOE (tiny_moe, EP = 2) under torchrun with 2 ranks through the train entry point,
+    then tests/dist/moe_run.py's checks on the trained weights: its dump folder (moe.json)."""
+    folder = tmp_path_factory.mktemp("moe")
+    run_dist(
+        "moe_run.py",
+        runs.GREEDY_PROMPT,
+        str(runs.GREEDY_TOKENS),
+        *runs.MOE,
+        *("--job.dump_folder", str(folder)),
+        nproc=2,
+    )
     return folder
 
 

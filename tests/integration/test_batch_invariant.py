@@ -53,16 +53,24 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_p
     assert result["alone_equals_among_16"]
 
 
+MOE = ("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3")
+
+
 @pytest.mark.parametrize(
-    ("dtype", "mode"), [("bfloat16", "true"), ("float32", "false"), ("bfloat16", "false")]
+    ("dtype", "mode", "model"),
+    [("bfloat16", "true", "moe"), ("float32", "false", "dense"), ("bfloat16", "false", "dense")],
 )
-def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, tmp_path):
+def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, model, tmp_path):
     """3 RL steps that move the weights, then the probes: with the mode on every difference
     is exactly 0.0; off, the same measurement is not (so this test can fail). float32 with the
-    mode on is the demo above."""
+    mode on is the demo above. The bf16 case with the mode on is the mixture-of-experts tiny
+    Qwen3 with its experts split over the ranks (EP = 2): routing is a top-k of batch-invariant
+    gate logits, so both sides pick the same experts, whose batch-invariant GEMMs then give
+    the same bits however many tokens share an expert."""
+    model_flags = (*MOE, "--parallelism.ep", "2") if model == "moe" else ()
     result = probe(
         tmp_path,
-        *("--training.steps", "3", "--training.lr", "1e-2"),
+        *("--training.steps", "3", "--training.lr", "1e-2", *model_flags),
         *("--model.dtype", dtype, "--generator.dtype", dtype, "--batch_invariant", mode),
     )
     diffs = [step["logprob_diff/max"] for step in result["steps"]]

@@ -3,9 +3,9 @@ checkpoint and ends as the uninterrupted run of the session did, row for row and
 
     .venv/bin/python -m pytest tests/integration/test_resume.py
 
-One harness, three runs: RL (one rank SIGKILLed: the launcher stops the other quickly, and a
-torn and an unfinished checkpoint are skipped on resume), LoRA RL (the launcher and every rank
-SIGKILLed) and SFT (SIGTERM to torchrun: the step finishes and its checkpoint is written,
+One harness, four runs: RL (one rank SIGKILLed: the launcher stops the other quickly, and a
+torn and an unfinished checkpoint are skipped on resume), LoRA RL and mixture-of-experts RL
+with expert parallel (the launcher and every rank SIGKILLed) and SFT (SIGTERM to torchrun: the step finishes and its checkpoint is written,
 watchdog.py). Real torchrun with 2 ranks, DCP files, the real vLLM engine. RL preempted,
 colocated and disaggregated: test_long_runs.py.
 """
@@ -51,6 +51,7 @@ CASES = {
         "reference_run", runs.REFERENCE, "torchtitan_rl.train", 4, 3, 6, "kill_rank_1", False
     ),
     "lora": Case("lora_run", runs.LORA, "torchtitan_rl.train", 4, 3, 6, "kill_all", False),
+    "moe": Case("moe_run", runs.MOE, "torchtitan_rl.train", 4, 3, 6, "kill_all", False),
     "sft": Case("sft_run", runs.SFT, "torchtitan_rl.sft", 12, None, 30, "sigterm", True),
 }
 

@@ -6,6 +6,7 @@ determinism (as the script's process) and vLLM on it: tests/integration/test_tin
 
 import json
 
+import pytest
 import torch
 from helpers.launch import REPO
 from helpers.titan import torchtitan_logits
@@ -28,14 +29,21 @@ def test_tokenizer_round_trips_task_text():
     assert tokenizer.eos_token_id == config["eos_token_id"]
 
 
-def test_transformers_loads_it_with_torchtitan_logits():
+@pytest.mark.parametrize(
+    ("flavor", "architecture"), [("tiny", "Qwen3ForCausalLM"), ("tiny_moe", "Qwen3MoeForCausalLM")]
+)
+def test_transformers_loads_it_with_torchtitan_logits(flavor, architecture):
+    """The dense and the mixture-of-experts tiny checkpoints: HF's own model class gives the
+    logits of the torchtitan model (the MoE's experts run in fp32, as HF's: models/moe.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(TINY)(PROMPT)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(TINY)
+    path = REPO / "assets" / f"{flavor}_qwen3"
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == architecture
     with torch.no_grad():
         hf_logits = model(torch.tensor([ids])).logits[0]
-    titan = torchtitan_logits(str(TINY), ids)
+    titan = torchtitan_logits(str(path), ids, flavor)
     assert hf_logits.shape == titan.shape == (len(ids), 68)
     torch.testing.assert_close(titan, hf_logits, rtol=1e-5, atol=1e-5)
     assert hf_logits.std() > 0.05  # real weights, not zeros

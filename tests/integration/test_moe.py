@@ -1,0 +1,65 @@
+"""A mixture-of-experts policy end to end (tests/helpers/runs.py: MOE): the tiny Qwen3-MoE
+with its experts split over 2 ranks (EP = 2), the real vLLM engine running the same torchtitan
+MoE, weight sync verified every step, the routers' bias carried to the generator, and the HF
+export read by vLLM's own Qwen3MoeForCausalLM. Bitwise MoE logprobs under batch-invariant
+mode: test_batch_invariant.py; exact resume: test_resume.py.
+
+    .venv/bin/python -m pytest tests/integration/test_moe.py
+
+Real runs: torchrun with 2 ranks, torchtitan's all-to-all expert dispatch over gloo.
+"""
+
+import json
+
+import torch
+from helpers import runs
+from helpers.launch import REPO, metric_rows, run_helper
+from helpers.titan import torchtitan_logits
+from safetensors.torch import load_file
+
+
+def test_moe_run_trains_with_experts_split_over_the_ranks(moe_run):
+    rows = metric_rows(moe_run)
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    # Trainer and generator run the same MoE: they agree to float rounding every step (every
+    # weight sync compared by digest: generator.verify_weight_sync, a mismatch stops the run).
+    assert max(row["logprob_diff/max"] for row in rows) < 1e-4
+    assert all(row["kl"] >= 0 for row in rows) and rows[-1]["kl"] > 0
+    checks = json.loads((moe_run / "moe.json").read_text())
+    # Expert parallel: each rank holds 4 of the 8 experts of every layer.
+    assert checks["expert_shards"] == [[4, 64, 128], [8, 64, 128]]
+
+
+def test_the_router_bias_reaches_the_generator(moe_run):
+    """Made nonzero in the trainer (as a torchtitan-pretrained checkpoint holds it), the bias
+    reaches the generator's buffers, moves routing, and both sides still agree."""
+    checks = json.loads((moe_run / "moe.json").read_text())
+    assert checks["bias_names"] == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]
+    assert checks["bias_synced"] and checks["bias_moved_logprobs"]
+    assert checks["bias_diff_before"] < 1e-4 and checks["bias_diff_after"] < 1e-4
+
+
+def test_exported_moe_policy_matches_vllm_native_qwen3_moe(moe_run):
+    """vLLM's own Qwen3MoeForCausalLM (its fused MoE, not our wrapper) loads the export, picks
+    the generator's greedy tokens, and reports the torchtitan model's logprobs for them."""
+    export = moe_run / "hf"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 8
+    start = load_file(REPO / "assets" / "tiny_moe_qwen3" / "model.safetensors")
+    trained = load_file(export / "model.safetensors")
+    assert trained.keys() == start.keys()
+    assert any(not torch.equal(t, start[k]) for k, t in trained.items() if ".experts." in k)
+
+    native = run_helper("vllm_greedy.py", str(export), runs.GREEDY_PROMPT, str(runs.GREEDY_TOKENS))
+    out = json.loads(native.stdout.splitlines()[-1])
+    generator_tokens = json.loads((moe_run / "moe.json").read_text())["greedy"]
+    assert out["token_ids"][: len(generator_tokens)] == generator_tokens
+
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(export / "tokenizer.json")).encode(runs.GREEDY_PROMPT).ids
+    logprobs_TV = torch.log_softmax(
+        torchtitan_logits(str(export), ids + out["token_ids"], "tiny_moe"), dim=-1
+    )
+    for i, token in enumerate(out["token_ids"]):
+        assert abs(float(logprobs_TV[len(ids) - 1 + i, token]) - out["logprobs"][i]) < 1e-4
