@@ -1,6 +1,6 @@
 """The runs that integration tests share, each started once per session: the RL reference
-run (checkpoints, export, metrics files, console), the LoRA run, the MoE run and the SFT run. A test that
-needs one names its fixture; tests/helpers/runs.py holds their flags."""
+run (checkpoints, export, metrics files, console), the LoRA run, the MoE run and the SFT run.
+A test that needs one names its fixture; tests/helpers/runs.py holds their flags."""
 
 from pathlib import Path
 from types import SimpleNamespace

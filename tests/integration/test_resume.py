@@ -5,9 +5,9 @@ checkpoint and ends as the uninterrupted run of the session did, row for row and
 
 One harness, four runs: RL (one rank SIGKILLed: the launcher stops the other quickly, and a
 torn and an unfinished checkpoint are skipped on resume), LoRA RL and mixture-of-experts RL
-with expert parallel (the launcher and every rank SIGKILLed) and SFT (SIGTERM to torchrun: the step finishes and its checkpoint is written,
-watchdog.py). Real torchrun with 2 ranks, DCP files, the real vLLM engine. RL preempted,
-colocated and disaggregated: test_long_runs.py.
+with expert parallel (the launcher and every rank SIGKILLed), and SFT (SIGTERM to torchrun:
+the step finishes and its checkpoint is written, watchdog.py). Real torchrun with 2 ranks, DCP
+files, the real vLLM engine. RL preempted, colocated and disaggregated: test_long_runs.py.
 """
 
 import shutil
