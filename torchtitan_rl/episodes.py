@@ -67,6 +67,20 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    routed: torch.Tensor | None = None
+    """A mixture-of-experts generator's routing of the first prompt and `token_ids` so far
+    (`Sample.routed_experts`: each turn's, merged)."""
+
+    def route(self, routed: torch.Tensor | None) -> None:
+        """Merge a turn's routing (its context and its completion): where the turn's request
+        has none (its context's KV came from the prefix cache), the earlier turns' stands."""
+        if routed is None or self.routed is None:
+            self.routed = routed
+            return
+        known = self.routed[: len(routed), 0, 0] >= 0
+        missing = routed[: len(known), 0, 0] < 0
+        routed[: len(known)][missing & known] = self.routed[: len(routed)][missing & known]
+        self.routed = routed
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
         """Append sampled ids (with their logprobs) or, without, the environment's."""
@@ -74,7 +88,7 @@ class Episode:
         self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
         self.sampled_mask += [int(logprobs is not None)] * len(ids)
 
-    def sample(self, finish_reason: str) -> Sample:
+    def sample(self, finish_reason: str, first_prompt_length: int) -> Sample:
         return Sample(
             token_ids=self.token_ids,
             logprobs=self.logprobs,
@@ -84,7 +98,16 @@ class Episode:
             turns=self.turns,
             tool_calls=self.tool_calls,
             tool_errors=self.tool_errors,
+            routed_experts=self._routed_to(first_prompt_length + len(self.token_ids)),
         )
+
+    def _routed_to(self, length: int) -> torch.Tensor | None:
+        """The routing over `length` positions: the environment's last reply, which no turn
+        ran, has none (-1)."""
+        if self.routed is None or len(self.routed) >= length:
+            return None if self.routed is None else self.routed[:length]
+        pad = self.routed.new_full((length - len(self.routed), *self.routed.shape[1:]), -1)
+        return torch.cat([self.routed, pad])
 
 
 class Episodes:
@@ -146,6 +169,7 @@ class Episodes:
             env_s += time.perf_counter() - began
             going = []
             for (episode, sample, prompt_ids, episode_seed), step in zip(live, steps, strict=True):
+                episode.route(sample.routed_experts)
                 ended = self._end(episode, sample, step, len(prompt_ids))
                 if ended is not None:
                     finish[id(episode)] = ended
@@ -170,7 +194,10 @@ class Episodes:
         began = time.perf_counter()
         parts_PN = await self._score(groups)
         env_s += time.perf_counter() - began
-        samples = [[e.sample(finish[id(e)]) for e in group] for group in groups]
+        samples = [
+            [e.sample(finish[id(e)], len(first_ids[p])) for e in group]
+            for p, group in enumerate(groups)
+        ]
         rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
         return Scored(Completions(first_ids, samples), rewards_PN, env_s, parts_PN)
 

@@ -48,6 +48,7 @@ def build_policy(
         dump_folder=config.job.dump_folder,
         group=group,
         lora=config.lora if trained else None,
+        router_replay=config.algorithm.router_replay,
     )
 
 
@@ -72,6 +73,9 @@ class Learner:
         self.pad_id = 0
         self.metrics: MetricsLogger | None = None
         """Where `log_rollouts` writes (set by the placement once it is built)."""
+        self.routing = (0, 0)
+        """(Mismatched, compared) (token, MoE layer) routing pairs of the step's old-policy
+        pass against the generator's (`moe/routing_mismatch`)."""
 
     def learn(self, step: int, rollouts: Rollouts) -> dict[str, float]:
         """Scored samples -> advantages -> RolloutBatch -> training.mini_batches *
@@ -131,8 +135,12 @@ class Learner:
         if optimizer_steps_per_step(training) == 1:
             # The old logprobs are the step's own forward: no extra pass.
             result = self.trainer.optimizer_step(batch, self.loss, step=step)
+            self.routing = self.trainer.routing_counts()
             return result.logprobs_BT, [result]
-        batch.old_logprobs_BT, _ = self.trainer.logprobs(batch.tokens_BT)
+        batch.old_logprobs_BT, _ = self.trainer.logprobs(
+            batch.tokens_BT, routed_BTMK=batch.routed_experts_BTMK
+        )
+        self.routing = self.trainer.routing_counts()  # of the old policy's pass alone
         # The same order on every rank of a TP group, which holds the same batch.
         shuffle = torch.Generator().manual_seed(self.config.job.seed * 1_000_003 + step)
         results = []
@@ -140,6 +148,7 @@ class Learner:
             order_B = torch.randperm(batch.batch_size, generator=shuffle)
             for rows in order_B.tensor_split(training.mini_batches):
                 results.append(self.trainer.optimizer_step(batch.rows(rows), self.loss, step=step))
+        self.trainer.routing_counts()  # the updated policy's forwards: not compared
         return batch.old_logprobs_BT, results
 
     def kl_in_reward(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
@@ -189,6 +198,11 @@ class Learner:
         (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
         """
         metrics, diff_BT = behaviour_metrics(batch, trainer_BT, self.loss.correction, self.group)
+        if self.trainer.is_mixture_of_experts:
+            counts = torch.tensor(self.routing, dtype=torch.float64)
+            platform.all_reduce_host(counts, group=self.group)
+            metrics["moe/routing_mismatch"] = float(counts[0] / counts[1].clamp(min=1))
+            metrics["moe/routing_compared"] = float(counts[1])
         if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
             self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
         return metrics

@@ -58,6 +58,10 @@ class Sample:
     tool_calls: int = 0
     tool_errors: int = 0
     """Tool calls that were malformed or failed."""
+    routed_experts: torch.Tensor | None = None
+    """A mixture-of-experts generator's expert ids for every position of prompt + token_ids
+    [T, M, K] (M: MoE layers, K: experts per token), int16, -1 where it ran none (the last
+    token; KV served from the prefix cache); None for a dense model."""
 
     @property
     def sampled_tokens(self) -> int:
@@ -253,6 +257,9 @@ class RolloutBatch:
     old_logprobs_BT: torch.Tensor | None = None
     """Logprob of each token under the policy before the batch's first update (only with
     several updates per batch; else the loss takes its own forward's, detached)."""
+    routed_experts_BTMK: torch.Tensor | None = None
+    """A mixture-of-experts generator's expert ids of each token in each MoE layer [B, T, M,
+    K], int16, -1 where it has none (`Sample.routed_experts`); None for a dense model."""
 
     @property
     def batch_size(self) -> int:
@@ -276,13 +283,18 @@ class RolloutBatch:
         width = max(b.tokens_BT.shape[1] for b in batches)
         names = [f.name for f in fields(RolloutBatch) if getattr(batches[0], f.name) is not None]
 
-        def widened(tensor: torch.Tensor) -> torch.Tensor:
+        def widened(name: str, tensor: torch.Tensor) -> torch.Tensor:
             if tensor.dim() < 2:
                 return tensor
-            return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+            fill = -1 if name == "routed_experts_BTMK" else 0  # unknown routing, not expert 0
+            pad = (0, 0) * (tensor.dim() - 2) + (0, width - tensor.shape[1])
+            return torch.nn.functional.pad(tensor, pad, value=fill)
 
         return RolloutBatch(
-            **{name: torch.cat([widened(getattr(b, name)) for b in batches]) for name in names}
+            **{
+                name: torch.cat([widened(name, getattr(b, name)) for b in batches])
+                for name in names
+            }
         )
 
     def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
@@ -333,4 +345,17 @@ def rollout_batch(
         loss_mask_BT=torch.tensor([pad(m, 0.0) for m in masks]),
         advantages_B=torch.tensor(advantages),
         generator_logprobs_BT=torch.tensor([pad(lp, 0.0) for lp in logprobs]),
+        routed_experts_BTMK=_routed(samples, width),
     )
+
+
+def _routed(samples: "list[list[Sample]]", width: int) -> torch.Tensor | None:
+    """The samples' routing, prompt-major, right-padded with -1 to `width` (None: dense)."""
+    routed = [s.routed_experts for group in samples for s in group]
+    if not routed or routed[0] is None:
+        return None
+    _, M, K = routed[0].shape
+    out_BTMK = torch.full((len(routed), width, M, K), -1, dtype=torch.int16)
+    for b, routed_TMK in enumerate(routed):
+        out_BTMK[b, : routed_TMK.shape[0]] = routed_TMK
+    return out_BTMK

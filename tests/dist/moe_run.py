@@ -11,7 +11,9 @@ After training (everything `python -m torchtitan_rl.train` does with the flags),
   trained with torchtitan's balancing would hold), then one full weight sync: whether the
   generator's buffers equal it, and max |generator - trainer| logprob of sampled tokens before
   and after (the bias moves routing, so both sides must read it);
-- `expert_shards`: the experts each rank's trainer holds (expert parallel).
+- `expert_shards`: the experts each rank's trainer holds (expert parallel);
+- `replay`: on a fresh batch, the trainer's routing and logprobs against the generator's with
+  router replay off and on.
 """
 
 import json
@@ -36,11 +38,42 @@ def max_diff(run: RLTrainer, ids: list[list[int]]) -> tuple[float, list]:
     return float(diff), completions.samples[0][0].logprobs
 
 
+def replay_checks(run: RLTrainer, ids: list[list[int]]) -> dict:
+    """On one fresh batch: the trainer's routing and logprobs against the generator's, with
+    router replay off and on (mismatched and compared (token, layer) pairs, max and mean
+    |generator - trainer| logprob of the sampled tokens; summed or maxed over ranks)."""
+    completions = run.generator.generate(ids, n=8, max_tokens=6, seed=5)
+    batch = rollout_batch(ids, completions.samples, torch.zeros(len(ids), 8), run.learner.pad_id)
+    trainer, result = run.learner.trainer, {}
+    configured = trainer.router_replay
+    trainer.routing_counts()
+    for replay in (False, True):
+        trainer.router_replay = replay
+        trainer_BT, _ = trainer.logprobs(batch.tokens_BT, routed_BTMK=batch.routed_experts_BTMK)
+        diff_BT = (trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT
+        sums = torch.tensor(
+            [*trainer.routing_counts(), float(diff_BT.sum()), float(batch.loss_mask_BT.sum())],
+            dtype=torch.float64,
+        )
+        largest = diff_BT.max()
+        dist.all_reduce(sums)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        result["on" if replay else "off"] = {
+            "mismatched": int(sums[0]),
+            "compared": int(sums[1]),
+            "diff_mean": float(sums[2] / sums[3]),
+            "diff_max": float(largest),
+        }
+    trainer.router_replay = configured
+    return result
+
+
 def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
     config = run.config
     tokenizer = Tokenizer.from_file(str(Path(config.model.tokenizer_dir) / "tokenizer.json"))
     ids = [tokenizer.encode(p).ids for p in (prompt, "echo 4:", "echo 98765:")]
     greedy = run.generator.generate([ids[0]], n=1, temperature=0.0, max_tokens=max_tokens)
+    replay = replay_checks(run, ids)
     trainer = run.learner.trainer
     expert_weight = trainer.named_parameters()["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
     before, logprobs_before = max_diff(run, ids)
@@ -54,6 +87,7 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
     after, logprobs_after = max_diff(run, ids)
     return {
         "greedy": greedy.samples[0][0].token_ids,
+        "replay": replay,
         "bias_names": sorted(biases),
         "bias_synced": all(torch.equal(generator_weights[n], b) for n, b in biases.items()),
         "bias_diff_before": before,

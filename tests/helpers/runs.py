@@ -21,10 +21,14 @@ GREEDY_PROMPT, GREEDY_TOKENS = "echo 123:", 8
 
 # The reference run's schedule on the mixture-of-experts tiny Qwen3 (8 experts, 2 per token),
 # experts split over the 2 ranks (EP = 2), every weight sync verified by digest.
+MOE_MODEL = (
+    *("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"),
+    *("--parallelism.ep", "2"),
+)
 MOE = (
     *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
-    *("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"),
-    *("--parallelism.ep", "2", "--generator.verify_weight_sync", "true"),
+    *MOE_MODEL,
+    *("--generator.verify_weight_sync", "true"),
     *("--algorithm.kl_beta", "0.05"),
     *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
     *("--checkpoint.export_hf_at_end", "true"),

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import runs
 from helpers.launch import DEBUG_TOML, metric_rows, run_dist
 
 # Prompts up to 206 tokens: longer than vLLM's 128-token CPU KV block.
@@ -53,9 +54,6 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_p
     assert result["alone_equals_among_16"]
 
 
-MOE = ("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3")
-
-
 @pytest.mark.parametrize(
     ("dtype", "mode", "model"),
     [("bfloat16", "true", "moe"), ("float32", "false", "dense"), ("bfloat16", "false", "dense")],
@@ -67,7 +65,7 @@ def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, model, tmp_p
     Qwen3 with its experts split over the ranks (EP = 2): routing is a top-k of batch-invariant
     gate logits, so both sides pick the same experts, whose batch-invariant GEMMs then give
     the same bits however many tokens share an expert."""
-    model_flags = (*MOE, "--parallelism.ep", "2") if model == "moe" else ()
+    model_flags = runs.MOE_MODEL if model == "moe" else ()
     result = probe(
         tmp_path,
         *("--training.steps", "3", "--training.lr", "1e-2", *model_flags),

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers import runs
 from helpers.launch import HELPERS, REPO, run_dist, run_train
 from helpers.render import chatter_renderer
 
@@ -102,8 +103,13 @@ def test_real_episodes_stop_before_max_model_len(real):
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement, tmp_path):
+    """The mixture-of-experts tiny Qwen3 (colocated: its experts split over the 2 ranks): each
+    turn's routing, captured in the generator and merged over the episode, is the trainer's."""
     record = tmp_path / "hooks.json"
+    # The disaggregated trainer is 1 rank: no expert parallel there.
+    moe = runs.MOE_MODEL if placement == "colocated" else runs.MOE_MODEL[:4]
     result = run_train(
+        *moe,
         "--job.config_file",
         "run_configs/debug_cpu.toml",
         "--generator.placement",
@@ -140,6 +146,9 @@ def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [row["logprob_diff/max"] for row in rows] == [0.0] * 3
+    assert [row["moe/routing_mismatch"] for row in rows] == [0.0] * 3
+    # Every (token, layer) the generator ran but its last: first prompts ~50, turns ~6 tokens.
+    assert all(row["moe/routing_compared"] > 8 * 4 * 2 * 50 for row in rows)
     assert all(row["env/turns"] > 1.5 for row in rows)
     assert json.loads(record.read_text()) == {"env": "user_envs:Chatter", "steps": [1, 2, 3]}
     logged = [

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan_rl import batch_invariant
-from torchtitan_rl.models import flavors, model_spec, weights
+from torchtitan_rl.models import flavors, model_spec, moe, weights
 from torchtitan_rl.models.moe import Experts, Router, routers
 
 
@@ -74,16 +74,42 @@ def test_replayed_routing_is_used_and_the_gate_still_learns():
     router = routers(model)[0]
     x_BLD = torch.randn(2, 5, 128)
     scores_own, ids_own, _ = router(x_BLD)
+    expected = (ids_own + 1) % 8  # other experts for every token...
+    expected[1, 3] = -1  # ...but one, which the generator did not route
     seen = []
     router.record = seen.append
-    replay = (ids_own + 1) % 8  # other experts for every token
-    router.replay = replay
-    scores, ids, _ = router(x_BLD)
-    assert torch.equal(ids, replay) and torch.equal(seen[0], replay)
+    moe.expect([router], expected[..., None, :], replay=True)
+    with moe.counting([router]):
+        scores, ids, _ = router(x_BLD)
+    assert torch.equal(ids[1, 3], ids_own[1, 3]) and torch.equal(seen[0], ids)
+    replayed = ids.clone()
+    replayed[1, 3] = expected[1, 3]
+    assert torch.equal(replayed, expected)
     assert not torch.equal(scores, scores_own)
     torch.testing.assert_close(scores.sum(-1), torch.ones(2, 5))  # renormalized top-k
     scores.square().sum().backward()
     assert router.gate.weight.grad is not None and router.gate.weight.grad.abs().sum() > 0
+    assert moe.take_counts([router]) == (0, 9)  # replayed: what it used is what was expected
+
+
+def test_routing_mismatch_counts_differing_top_k_sets_in_counted_forwards():
+    router = routers(tiny_moe())[0]
+    x_BLD = torch.randn(1, 6, 128)
+    _, own, _ = router(x_BLD)
+    expected = own.flip(-1).clone()  # the same sets in another order: no mismatch
+    expected[0, 0] = (own[0, 0] + 3) % 8
+    expected[0, 1, 1] = expected[0, 1, 0]  # a set with one expert twice: differs
+    expected[0, 5] = -1
+    moe.expect([router], expected[..., None, :], replay=False)
+    router(x_BLD)  # not counted
+    assert moe.take_counts([router]) == (0, 0)
+    with moe.counting([router]):
+        _, used, _ = router(x_BLD)
+    assert torch.equal(used, own)  # without replay, its own routing
+    differs_at_0 = set(own[0, 0].tolist()) != set(expected[0, 0].tolist())
+    assert moe.take_counts([router]) == (1 + int(differs_at_0), 5)
+    moe.expect([router], None, replay=False)
+    assert router(x_BLD)[1].equal(own)
 
 
 def test_weight_sync_carries_the_router_bias_and_no_derived_buffer():

@@ -115,6 +115,11 @@ class AlgorithmSection:
     (L - (max_tokens - overlong_buffer)) / overlong_buffer, up to 1 at max_tokens."""
     overlong_buffer: int | None = None
     """The soft_penalty's buffer in tokens (DAPO's L_cache). Unset: max_tokens // 4."""
+    router_replay: bool = False
+    """Mixture-of-experts models: the trainer routes each token to the experts the generator
+    routed it to (router replay, R3) instead of its own top-k, wherever the generator ran the
+    token; the gate weights are still the trainer's, so the router learns. Removes
+    `moe/routing_mismatch` and the logprob difference it causes (docs/moe.md)."""
 
     def resolve(self, max_tokens: int = 16) -> None:
         """Fill the fields left unset: algorithm.loss's preset, then the defaults that depend

@@ -80,11 +80,18 @@ class JobConfig:
         from torchtitan_rl.models import model_spec
 
         ep = self.parallelism.ep
-        if ep == 1:
+        if ep == 1 and not self.algorithm.router_replay:
             return
         name = f"{self.model.name}/{self.model.flavor}"
         moe = [layer.moe for layer in model_spec(self.model.name, self.model.flavor).model.layers]
         experts = {m.num_experts for m in moe if m is not None}
+        require(
+            bool(experts) or not self.algorithm.router_replay,
+            f"algorithm.router_replay = true but {name} has no experts (a dense model): "
+            "set it to false or pick a mixture-of-experts flavor",
+        )
+        if ep == 1:
+            return
         require(
             bool(experts),
             f"parallelism.ep = {ep} but {name} has no experts (a dense model): "

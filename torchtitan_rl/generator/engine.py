@@ -22,6 +22,7 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection, read_json
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
+from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import checkpoint_stop_ids, model_spec, weights
 from torchtitan_rl.tasks.render import read_tokenizer_json
 from torchtitan_rl.trainer.model import read_hf_shapes
@@ -126,6 +127,9 @@ class Generator:
         if not native:
             spec = model_spec(model.name, model.flavor)
             batch_invariant.check_kernels(spec.model, generator.dtype)
+        self.native = native
+        if not native:
+            self.engine.collective_rpc(_bind_runner)
         self.stop_token_ids = checkpoint_stop_ids(model.hf_checkpoint)
         self._next_request = 0
         self.policy_version = 0
@@ -196,9 +200,10 @@ class Generator:
             finished = self._run(requests, first, progress)
         except Exception as e:  # vLLM's own failure: the run stops with it (errors.EngineError)
             raise EngineError(f"the generator's engine raised {e!r}") from e
+        routing = None if self.native else self._wrapper().routing
         return Completions(
             prompts=[list(p) for p in prompt_token_ids],
-            samples=[_samples(finished[i]) for i in range(len(prompt_token_ids))],
+            samples=[_samples(finished[i], routing) for i in range(len(prompt_token_ids))],
         )
 
     def _run(self, requests: list, first: int, progress: bool) -> dict:
@@ -280,6 +285,13 @@ class Generator:
         return weights(self.model())
 
 
+def _bind_runner(worker) -> None:
+    """Give the wrapper's routing log the model runner, whose batch names each row's request."""
+    model = worker.model_runner.model
+    if getattr(model, "routing", None) is not None:
+        model.routing.runner = worker.model_runner
+
+
 def _each(value, count: int) -> list:
     """`value` for each of `count` requests: a sequence as it is, anything else repeated."""
     if isinstance(value, Sequence):
@@ -289,22 +301,42 @@ def _each(value, count: int) -> list:
     return [value] * count
 
 
-def _samples(output) -> list[Sample]:
+def _samples(output, routing: RoutingLog | None) -> list[Sample]:
+    """The request's samples; with `routing` (an MoE generator), each with the experts its
+    tokens went to (vLLM runs sample i of a request as the child request "i_{request id}")."""
     samples = []
+    length = len(output.prompt_token_ids)
     for completion in output.outputs:
         # FlatLogprobs with logprobs=0: one entry per position, the sampled token's.
         flat = completion.logprobs
         if [flat.token_ids[s] for s in flat.start_indices] != list(completion.token_ids):
             raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
         logprobs = [flat.logprobs[s] for s in flat.start_indices]
+        routed = None
+        if routing is not None:
+            child = output.request_id if len(output.outputs) == 1 else None
+            child = child or f"{completion.index}_{output.request_id}"
+            routed = routing.take(child, length + len(completion.token_ids))
         samples.append(
             Sample(
                 token_ids=list(completion.token_ids),
                 logprobs=logprobs,
                 finish_reason=completion.finish_reason or "length",
+                routed_experts=routed,
             )
         )
+    if routing is not None:
+        _share_prompt_routing([s.routed_experts for s in samples], length)
     return samples
+
+
+def _share_prompt_routing(routed: list[torch.Tensor], prompt_length: int) -> None:
+    """The samples of one prompt share its tokens: a prompt position one of them ran (the
+    others read its KV from the prefix cache) gets its routing in all of them."""
+    for a in routed:
+        for b in routed:
+            missing = b[:prompt_length, 0, 0] < 0
+            b[:prompt_length][missing] = a[:prompt_length][missing]
 
 
 def _progress_bar(total: int):

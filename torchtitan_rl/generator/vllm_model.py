@@ -19,7 +19,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from torchtitan_rl import console
 from torchtitan_rl.batch_invariant import make_linears_invariant, ops
+from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import model_spec
+from torchtitan_rl.models.moe import routers
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:
@@ -192,6 +194,9 @@ class TorchTitanForCausalLM(nn.Module):
                     parent, _, child = name.rpartition(".")
                     setattr(model.get_submodule(parent), child, PackedLinear(module))
         self.model = model
+        moe_routers = routers(model)
+        self.routing = RoutingLog(moe_routers) if moe_routers else None
+        """The experts each request's tokens went to (MoE models; generator/routing.py)."""
 
     def repack(self) -> None:
         """Refresh derived copies of the weights; call after every in-place weight update."""
@@ -222,6 +227,8 @@ class TorchTitanForCausalLM(nn.Module):
         positions_1T = positions[None]
         for layer in self.model.layers.values():
             h_1TD = layer(h_1TD, None, positions_1T)
+        if self.routing is not None:
+            self.routing.commit(positions, _query_start_loc())
         return self.model.norm(h_1TD)[0]
 
     def compute_logits(self, hidden_states_TD: torch.Tensor) -> torch.Tensor:
@@ -271,6 +278,20 @@ class TorchTitanForCausalLM(nn.Module):
             )
         self.repack()
         return {name for name, _ in self.named_parameters()}
+
+
+def _query_start_loc() -> torch.Tensor | None:
+    """Where each request's rows start in this forward's flat batch (None: a dummy run)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        metadata = next(iter(metadata.values()), None)
+    return None if metadata is None else metadata.query_start_loc
 
 
 def _layer_of(hf_name: str) -> str:

@@ -12,13 +12,15 @@ on, and with a seam for recording and replaying the experts each token went to.
   tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows).
 - `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
   `torch.autocast(float32)` is a no-op on CPU, which has no fp32 autocast, and warns each
-  call), through `ops.linear` under batch-invariant mode. `Router.record` and `Router.replay`
-  are where routing is read out and imposed.
+  call), through `ops.linear` under batch-invariant mode. `Router.record` reads routing out
+  (the generator's capture); `expect` gives the trainer's routers the generator's, to count
+  mismatches (`moe/routing_mismatch`) and to replay it (`algorithm.router_replay`).
 
 Shapes: T tokens, D model dim, F expert hidden dim, E experts, K experts per token, R routed
 rows (T * K, grouped by expert).
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +77,16 @@ def _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD) -> torch.Tens
 
 
 class Router(TokenChoiceTopKRouter):
-    """Token-choice top-k routing (torchtitan's), gate in fp32, with two seams:
+    """Token-choice top-k routing (torchtitan's), gate in fp32, with seams for the generator's
+    routing (docs/moe.md):
 
-    - `record`: a callable given each forward's expert ids [B, L, K] (the generator's capture,
-      the trainer's routing statistics); None by default.
-    - `replay`: expert ids [B, L, K] to use instead of this forward's top-k (router replay).
-      The gate weights of the replayed experts are still this forward's scores, so gradients
-      reach the gate.
+    - `record`: a callable given each forward's expert ids [B, L, K] (the generator wrapper's
+      capture); None by default.
+    - `expected`: the generator's expert ids [B, L, K] for this forward's tokens (-1 where it
+      has none), or None. With `replay`, those tokens use them instead of this forward's top-k
+      (router replay); the gate weights are still this forward's scores, so gradients reach
+      the gate. With `counting`, each forward adds to `compared` and `mismatched` the tokens
+      with expected ids and those whose top-k set differs from the ids used.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -91,7 +96,10 @@ class Router(TokenChoiceTopKRouter):
     def __init__(self, config: Config):
         super().__init__(config)
         self.record = None
-        self.replay: torch.Tensor | None = None
+        self.expected: torch.Tensor | None = None
+        self.replay = False
+        self.counting = False
+        self.compared = self.mismatched = 0
 
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         if self.num_expert_groups is not None or self._debug_force_load_balance:
@@ -105,11 +113,10 @@ class Router(TokenChoiceTopKRouter):
             scores_BLE = torch.sigmoid(logits_BLE)
         else:
             scores_BLE = F.softmax(logits_BLE, dim=-1)
-        if self.replay is not None:
-            expert_ids_BLK = self.replay.to(device=x_BLD.device, dtype=torch.int64)
-        else:
-            choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
-            expert_ids_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=True)[1]
+        choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
+        expert_ids_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=True)[1]
+        if self.expected is not None:
+            expert_ids_BLK = self._against_expected(expert_ids_BLK)
         if self.record is not None:
             self.record(expert_ids_BLK)
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
@@ -117,10 +124,54 @@ class Router(TokenChoiceTopKRouter):
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(-1, keepdim=True) + 1e-20)
         return topk_scores_BLK * self.route_scale, expert_ids_BLK, scores_BLE
 
+    def _against_expected(self, own_BLK: torch.Tensor) -> torch.Tensor:
+        """The ids this forward uses (replayed where expected, with `replay`), counted against
+        the expected ones (with `counting`)."""
+        expected_BLK = self.expected.to(device=own_BLK.device, dtype=torch.int64)
+        known_BL = expected_BLK[..., 0] >= 0
+        used_BLK = (
+            torch.where(known_BL[..., None], expected_BLK, own_BLK) if self.replay else own_BLK
+        )
+        if self.counting:
+            same_BL = (used_BLK.sort(-1)[0] == expected_BLK.sort(-1)[0]).all(-1)
+            self.compared += int(known_BL.sum())
+            self.mismatched += int((known_BL & ~same_BL).sum())
+        return used_BLK
+
 
 def routers(model: torch.nn.Module) -> list[Router]:
     """The model's routers, in layer order."""
     return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def expect(routers_: list[Router], routed_BLMK: torch.Tensor | None, replay: bool) -> None:
+    """Give each router its MoE layer's expected ids [B, L, K] from `routed_BLMK` (M: the MoE
+    layers, in order; -1 where unknown), or none (None)."""
+    for m, router in enumerate(routers_):
+        router.expected = None if routed_BLMK is None else routed_BLMK[..., m, :]
+        router.replay = replay
+
+
+@contextlib.contextmanager
+def counting(routers_: list[Router]):
+    """Count mismatches against the expected ids in the forwards run inside (not in an
+    activation-checkpointing recompute, which runs in the backward, outside)."""
+    for router in routers_:
+        router.counting = True
+    try:
+        yield
+    finally:
+        for router in routers_:
+            router.counting = False
+
+
+def take_counts(routers_: list[Router]) -> tuple[int, int]:
+    """(mismatched, compared) (token, layer) pairs counted since the last call; resets them."""
+    mismatched = sum(r.mismatched for r in routers_)
+    compared = sum(r.compared for r in routers_)
+    for router in routers_:
+        router.compared = router.mismatched = 0
+    return mismatched, compared
 
 
 def use_project_moe(model_config) -> None:

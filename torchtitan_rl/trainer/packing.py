@@ -111,6 +111,9 @@ class PackedRow:
     """The packed position whose hidden state predicts each scored token (its column - 1)."""
     targets_N: torch.Tensor
     """The scored tokens' ids."""
+    routed_1LMK: torch.Tensor | None = None
+    """The generator's MoE routing of the packed tokens (`RolloutBatch.routed_experts_BTMK`,
+    packed the same way; -1 where unknown), or None."""
 
 
 def pack_row(micro: RolloutBatch, device: torch.device) -> PackedRow:
@@ -120,8 +123,12 @@ def pack_row(micro: RolloutBatch, device: torch.device) -> PackedRow:
     lengths = needed(mask_BT)
     kept = [b for b, n in enumerate(lengths) if n > 0]
     kept_lengths = [lengths[b] for b in kept]
+    routed_BTMK = micro.routed_experts_BTMK
+    routed_LMK = None
     if kept:
         tokens_L = torch.cat([tokens_BT[b, : lengths[b]] for b in kept])
+        if routed_BTMK is not None:
+            routed_LMK = torch.cat([routed_BTMK[b, : lengths[b]] for b in kept])
         positions_L = torch.cat([torch.arange(n) for n in kept_lengths]).to(device)
     else:
         tokens_L = torch.zeros(1, dtype=torch.long, device=device)
@@ -142,6 +149,7 @@ def pack_row(micro: RolloutBatch, device: torch.device) -> PackedRow:
         cols_N=cols_N,
         predictors_N=offsets_B[rows_N] + cols_N - 1,
         targets_N=tokens_BT[rows_N, cols_N],
+        routed_1LMK=None if routed_LMK is None else routed_LMK.to(device)[None],
     )
 
 

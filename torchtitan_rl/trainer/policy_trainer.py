@@ -38,7 +38,7 @@ from torchtitan_rl.config import (
     TrainingSection,
 )
 from torchtitan_rl.errors import StopRun
-from torchtitan_rl.models import weights
+from torchtitan_rl.models import moe, weights
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing
 from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
@@ -119,11 +119,13 @@ class PolicyTrainer:
         group: dist.ProcessGroup | None = None,
         lora: LoRASection | None = None,
         micro_batch_tokens: int | None = None,
+        router_replay: bool = False,
     ):
         """`group`: the trainer's ranks, the first ones of the world (default: all of it).
         `lora` (when enabled): train LoRA adapters on a frozen model (trainer/lora.py).
         `micro_batch_tokens`: the packed micro-batches' token budget, 0 for padded ones
-        (default: training.micro_batch_tokens)."""
+        (default: training.micro_batch_tokens). `router_replay`: MoE layers use the
+        generator's routing where a batch carries it (algorithm.router_replay)."""
         self.training = training
         self.micro_batch_tokens = (
             training.micro_batch_tokens if micro_batch_tokens is None else micro_batch_tokens
@@ -209,6 +211,8 @@ class PolicyTrainer:
             if name not in self._params
         }
         self._adapted = lora_adapters.adapted_modules(module, _AC_PREFIX)
+        self._routers = moe.routers(module)
+        self.router_replay = router_replay
         self.tp_group = (
             self.parallel_dims.get_mesh("tp").get_group() if parallelism.tp > 1 else None
         )
@@ -269,8 +273,25 @@ class PolicyTrainer:
         """
         return self.model.state_dict()
 
-    def _forward_logprobs(self, tokens_BT: torch.Tensor):
+    @property
+    def is_mixture_of_experts(self) -> bool:
+        return bool(self._routers)
+
+    def routing_counts(self) -> tuple[int, int]:
+        """(Mismatched, compared) (token, MoE layer) pairs of this rank's forwards since the
+        last call, against the generator's routing the batches carried (`moe.take_counts`)."""
+        return moe.take_counts(self._routers)
+
+    def _expect(self, routed_BLMK: torch.Tensor | None) -> None:
+        """Give the routers the generator's routing of the next forward's tokens (None: no
+        routing; kept through the backward, whose activation-checkpointing recompute must
+        route as the forward did)."""
+        if self._routers:
+            moe.expect(self._routers, routed_BLMK, self.router_replay)
+
+    def _forward_logprobs(self, tokens_BT: torch.Tensor, routed_BTMK=None):
         """Padded path: full logits of right-padded rows, then logprobs and entropies [B, T]."""
+        self._expect(routed_BTMK)
         positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
         logits_BTV = self.model(tokens_BT, positions_BT, None)
         if isinstance(logits_BTV, DTensor):
@@ -288,6 +309,7 @@ class PolicyTrainer:
         the N positions that predict a scored token.
         """
         row = packing.pack_row(micro, self.device)
+        self._expect(row.routed_1LMK)
         self.model._skip_lm_head = True  # the decoder returns normed hidden states
         try:
             hidden_1LD = self.model(row.tokens_1L, row.positions_1L, row.docs)
@@ -338,13 +360,19 @@ class PolicyTrainer:
         return packing.deal(batch, self.micro_batch_tokens, self.dp_group, self.device)
 
     def _forward(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.micro_batch_tokens:
-            return self._forward_packed(micro)
-        return self._forward_logprobs(micro.tokens_BT)
+        """Logprobs and entropies [B, T] of `micro` (packed or padded); its MoE routing is
+        compared with the generator's (`routing_counts`) and, with router replay, used."""
+        with moe.counting(self._routers):
+            if self.micro_batch_tokens:
+                return self._forward_packed(micro)
+            return self._forward_logprobs(micro.tokens_BT, micro.routed_experts_BTMK)
 
     @torch.no_grad()
     def logprobs(
-        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | None = None
+        self,
+        tokens_BT: torch.Tensor,
+        mask_BT: torch.Tensor | None = None,
+        routed_BTMK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature,
         on `platform.device()`, in the micro-batches a train step would use (the memory of
@@ -352,11 +380,16 @@ class PolicyTrainer:
 
         Column t scores token t given tokens < t; column 0 is 0. Packed, only the columns where
         `mask_BT` > 0 are computed (every column when None), the others are 0.
+        `routed_BTMK`: the generator's MoE routing of the tokens (`RolloutBatch`).
         """
         tokens_BT = tokens_BT.to(self.device)
         if mask_BT is None:
             mask_BT = torch.ones(tokens_BT.shape, device=self.device)
-        batch = RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=mask_BT.to(self.device))
+        batch = RolloutBatch(
+            tokens_BT=tokens_BT,
+            loss_mask_BT=mask_BT.to(self.device),
+            routed_experts_BTMK=None if routed_BTMK is None else routed_BTMK.to(self.device),
+        )
         dealt = self._deal(batch)
         tokens_BT = dealt.batch.tokens_BT
         logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device)
@@ -365,6 +398,7 @@ class PolicyTrainer:
             micro_logprobs_BT, micro_entropy_BT = self._forward(micro)
             logprobs_BT[rows.to(self.device)] = micro_logprobs_BT
             entropy_BT[rows.to(self.device)] = micro_entropy_BT
+        self._expect(None)
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
         return dealt.back(logprobs_BT, entropy_BT)
@@ -447,6 +481,7 @@ class PolicyTrainer:
                 scale = LossScale(tokens=int(tokens), sequences=int(sequences))
             loss, metrics = loss_fn(logprobs_BT, micro, scale)
             loss.backward()
+            self._expect(None)
             local_loss += float(loss.detach())
             entropy_sum += float((entropy_BT * micro.loss_mask_BT).sum())
             for name, value in metrics.items():
