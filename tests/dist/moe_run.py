@@ -73,7 +73,7 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
     tokenizer = Tokenizer.from_file(str(Path(config.model.tokenizer_dir) / "tokenizer.json"))
     ids = [tokenizer.encode(p).ids for p in (prompt, "echo 4:", "echo 98765:")]
     greedy = run.generator.generate([ids[0]], n=1, temperature=0.0, max_tokens=max_tokens)
-    replay = replay_checks(run, ids)
+    replay = replay_checks(run, [tokenizer.encode(f"echo {i * 7919}:").ids for i in range(16)])
     trainer = run.learner.trainer
     expert_weight = trainer.named_parameters()["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
     before, logprobs_before = max_diff(run, ids)
