@@ -123,7 +123,8 @@ class Learner:
         batch.loss_mask_BT = batch.loss_mask_BT * keep_PN.reshape(-1, 1)
         old_BT, results = self.update(step, batch)
         batch = batch.to(old_BT.device)
-        metrics |= self.logprob_diff(step, batch, old_BT) | self.train_summary(results)
+        metrics |= self.logprob_diff(step, batch, old_BT) | self.routing_metrics()
+        metrics |= self.train_summary(results)
         self.log_rollouts(step, rollouts, batch, old_BT)
         return metrics
 
@@ -198,14 +199,23 @@ class Learner:
         (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
         """
         metrics, diff_BT = behaviour_metrics(batch, trainer_BT, self.loss.correction, self.group)
-        if self.trainer.is_mixture_of_experts:
-            counts = torch.tensor(self.routing, dtype=torch.float64)
-            platform.all_reduce_host(counts, group=self.group)
-            metrics["moe/routing_mismatch"] = float(counts[0] / counts[1].clamp(min=1))
-            metrics["moe/routing_compared"] = float(counts[1])
         if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
             self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
         return metrics
+
+    def routing_metrics(self) -> dict[str, float]:
+        """MoE models: the share of (token, MoE layer) pairs whose top-k experts in the step's
+        old-policy pass differ from the generator's, and how many pairs were compared (those
+        the generator ran), over all ranks. Beside logprob_diff: where routing differs, so do
+        the logprobs, by far more than kernel rounding."""
+        if not self.trainer.is_mixture_of_experts:
+            return {}
+        counts = torch.tensor(self.routing, dtype=torch.float64)
+        platform.all_reduce_host(counts, group=self.group)
+        return {
+            "moe/routing_mismatch": float(counts[0] / counts[1].clamp(min=1)),
+            "moe/routing_compared": float(counts[1]),
+        }
 
     def invariance_broken(self, step, batch, trainer_BT, diff_BT, largest: float) -> None:
         """Batch-invariant mode promised equal logprobs and a step saw a difference: every rank

@@ -70,10 +70,14 @@ def _invariant_linear_forward(self: nn.Linear, x):
 
 
 def make_linears_invariant(model: nn.Module) -> None:
-    """Run every nn.Linear of `model` through `ops.linear` (parameters and names unchanged)."""
+    """Run every nn.Linear of `model` through `ops.linear` (parameters and names unchanged),
+    and this project's MoE experts and routers (models/moe.py: the modules with a
+    `batch_invariant` switch) through their batch-invariant kernels."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = types.MethodType(_invariant_linear_forward, module)
+        if hasattr(type(module), "batch_invariant"):
+            module.batch_invariant = True
 
 
 class CausalAttention(Module):

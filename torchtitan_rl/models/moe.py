@@ -7,7 +7,8 @@ on, and with a seam for recording and replaying the experts each token went to.
 - `Experts` replaces `GroupedExperts`, whose forward casts every expert GEMM to bf16 (a GPU
   training choice): an fp32 model's experts then differ from an HF or vLLM forward of the same
   checkpoint by ~1e-2. Ours runs `torch._grouped_mm` in the input's dtype (bf16 under FSDP's
-  bf16 mixed precision, so GPU training is unchanged). Under batch-invariant mode it loops
+  bf16 mixed precision, so GPU training is unchanged). Under batch-invariant mode
+  (`batch_invariant.make_linears_invariant` sets each module's `batch_invariant`) it loops
   over the experts with `batch_invariant.ops.linear`, whose rows do not depend on how many
   tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows).
 - `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
@@ -40,12 +41,6 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def _invariant() -> bool:
-    from torchtitan_rl import batch_invariant
-
-    return batch_invariant.uses_own_kernels()
-
-
 class Experts(GroupedExperts):
     """SwiGLU experts over routed rows grouped by expert: w2(silu(w1 x) * w3 x), in x's dtype."""
 
@@ -53,11 +48,14 @@ class Experts(GroupedExperts):
     class Config(GroupedExperts.Config):
         pass
 
+    batch_invariant = False
+    """Loop over the experts with batch-invariant GEMMs (`make_linears_invariant` sets it)."""
+
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
         w1_EFD, w2_EDF, w3_EFD = (
             _local(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
-        if _invariant():
+        if self.batch_invariant:
             return _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD)
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         h_RF = F.silu(torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=offsets_E))
@@ -93,6 +91,9 @@ class Router(TokenChoiceTopKRouter):
     class Config(TokenChoiceTopKRouter.Config):
         pass
 
+    batch_invariant = False
+    """Gate logits through `ops.linear` (`make_linears_invariant` sets it)."""
+
     def __init__(self, config: Config):
         super().__init__(config)
         self.record = None
@@ -105,7 +106,7 @@ class Router(TokenChoiceTopKRouter):
         if self.num_expert_groups is not None or self._debug_force_load_balance:
             raise NotImplementedError("group-limited and forced routing are not supported")
         weight = self.gate.weight
-        if _invariant():
+        if self.batch_invariant:
             logits_BLE = ops.linear(x_BLD.float(), weight.float())
         else:
             logits_BLE = F.linear(x_BLD.float(), weight.float())
