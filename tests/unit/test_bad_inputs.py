@@ -99,6 +99,31 @@ BAD_INPUTS = {
         [],
         ["parallelism.dp_replicate * parallelism.tp = 2", "world size 1"],
     ),
+    "expert parallel on a dense model": (
+        "[parallelism]\nep = 2\n",
+        ["--world_size_for_test", "2"],
+        ["parallelism.ep = 2", "has no experts (a dense model)", "parallelism.ep = 1"],
+    ),
+    "expert parallel not dividing the experts": (
+        '[model]\nflavor = "tiny_moe"\n[parallelism]\nep = 3\n',
+        ["--world_size_for_test", "3"],
+        ["parallelism.ep = 3 does not divide the 8 experts of qwen3/tiny_moe"],
+    ),
+    "expert parallel not dividing the ranks": (
+        '[model]\nflavor = "tiny_moe"\n[parallelism]\nep = 4\n',
+        ["--world_size_for_test", "2"],
+        ["parallelism.ep = 4 does not divide the 2 ranks"],
+    ),
+    "router replay on a dense model": (
+        "[algorithm]\nrouter_replay = true\n",
+        [],
+        ["algorithm.router_replay = true", "qwen3/tiny has no experts"],
+    ),
+    "lora on experts": (
+        '[model]\nflavor = "tiny_moe"\n[lora]\nenable = true\ntarget = "mlp"\n',
+        [],
+        ["lora.target = 'mlp' adapts no layer of qwen3/tiny_moe", "lora.target = 'attention'"],
+    ),
     "generator tp vs world": (
         "[generator.parallelism]\ntensor_parallel_degree = 3\n",
         [],

@@ -80,11 +80,16 @@ class JobConfig:
         from torchtitan_rl.models import model_spec
 
         ep = self.parallelism.ep
-        if ep == 1 and not self.algorithm.router_replay:
+        if ep == 1 and not self.algorithm.router_replay and not self.lora.enable:
             return
         name = f"{self.model.name}/{self.model.flavor}"
         moe = [layer.moe for layer in model_spec(self.model.name, self.model.flavor).model.layers]
         experts = {m.num_experts for m in moe if m is not None}
+        require(
+            not (experts and self.lora.enable and self.lora.target == "mlp"),
+            f"lora.target = 'mlp' adapts no layer of {name}: its MLPs are experts, whose "
+            "weights are not linear layers LoRA can wrap; set lora.target = 'attention'",
+        )
         require(
             bool(experts) or not self.algorithm.router_replay,
             f"algorithm.router_replay = true but {name} has no experts (a dense model): "

@@ -183,7 +183,8 @@ class LoRASection:
     """Scale numerator: the adapter adds (alpha / rank) B A to the weight."""
     target: Literal["attention", "mlp", "all"] = "all"
     """Linears that get adapters: attention (fused wqkv, wo), mlp (w1, w2, w3) or all. Never
-    the output layer (tied to the embedding in the small Qwen3 models)."""
+    the output layer (tied to the embedding in the small Qwen3 models). A mixture-of-experts
+    model's experts and routers stay frozen: `all` adapts its attention, `mlp` is refused."""
 
     def validate(self) -> None:
         if not self.enable:
