@@ -14,10 +14,13 @@ RESULT = "RESULT "
 
 
 def ensure_checkpoint(path: str) -> None:
-    """Write the tiny (or, for a path naming "debug", the debugmodel-sized) checkpoint once."""
+    """Write the tiny (or, for a path naming "debug", the debugmodel-sized) checkpoint once;
+    a path naming "moe" gets the mixture-of-experts flavor of that size."""
     if (Path(path) / "torchtitan.json").is_file():
         return
-    flavor = "debugmodel" if "debug" in Path(path).name else "tiny"
+    name = Path(path).name
+    flavor = "debugmodel" if "debug" in name else "tiny"
+    flavor = f"{flavor}_moe" if "moe" in name else flavor
     script = str(REPO / "scripts" / "make_tiny_checkpoint.py")
     subprocess.run([sys.executable, script, "--out", path, "--flavor", flavor], check=True)
 

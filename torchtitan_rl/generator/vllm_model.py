@@ -67,6 +67,59 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class PackedExperts(nn.Module):
+    """An MoE layer's routed experts on vLLM's CPU fused-MoE kernel (what its native MoE
+    models run) over a packed copy of the expert weights: gate and up projections, SiLU,
+    down projection and the routing-weighted sum of each token's experts in one call.
+
+    It takes the place of torchtitan's `RoutedExperts` (dispatch, grouped GEMMs, combine);
+    `inner_experts` keeps the weights weight sync writes into, under the same FQNs, and
+    `repack()` refreshes the packed copy after every update, as `PackedLinear`'s.
+    """
+
+    ISA = "vec"  # vLLM's portable CPU kernel (its "amx" one needs AMX and bf16)
+
+    def __init__(self, routed_experts: nn.Module):
+        super().__init__()
+        self.inner_experts = routed_experts.inner_experts
+        self._w13_EFD = self._w2_EDF = None
+
+    @staticmethod
+    def fits(inner_experts: nn.Module) -> bool:
+        """The kernel's alignment: model and expert widths multiples of 32."""
+        _, F, D = inner_experts.w1_EFD.shape
+        return F % 32 == 0 and D % 32 == 0
+
+    def repack(self) -> None:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        experts = self.inner_experts
+        w13 = torch.cat([experts.w1_EFD.detach(), experts.w3_EFD.detach()], dim=1)
+        self._w13_EFD = cpu_prepack_moe_weight(w13.contiguous(), self.ISA)
+        self._w2_EDF = cpu_prepack_moe_weight(experts.w2_EDF.detach().contiguous(), self.ISA)
+
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_tokens_per_expert_E):
+        from vllm._custom_ops import cpu_fused_moe
+
+        x_TD = x_BLD.reshape(-1, x_BLD.shape[-1]).contiguous()
+        K = topk_scores_BLK.shape[-1]
+        out_TD = torch.empty_like(x_TD)
+        cpu_fused_moe(
+            out_TD,
+            x_TD,
+            self._w13_EFD,
+            self._w2_EDF,
+            None,
+            None,
+            topk_scores_BLK.reshape(-1, K).float().contiguous(),
+            topk_expert_ids_BLK.reshape(-1, K).to(torch.int32).contiguous(),
+            "silu",
+            self.ISA,
+            False,  # weight each expert's output by its routing score
+        )
+        return out_TD.view_as(x_BLD)
+
+
 class PagedAttention(nn.Module):
     """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen).
 
@@ -190,9 +243,11 @@ class TorchTitanForCausalLM(nn.Module):
             vllm_config.model_config.dtype
         ):
             for name, module in list(model.named_modules()):
+                parent, _, child = name.rpartition(".")
                 if isinstance(module, nn.Linear):
-                    parent, _, child = name.rpartition(".")
                     setattr(model.get_submodule(parent), child, PackedLinear(module))
+                elif child == "routed_experts" and PackedExperts.fits(module.inner_experts):
+                    setattr(model.get_submodule(parent), child, PackedExperts(module))
         self.model = model
         moe_routers = routers(model)
         self.routing = RoutingLog(moe_routers) if moe_routers else None
@@ -201,7 +256,7 @@ class TorchTitanForCausalLM(nn.Module):
     def repack(self) -> None:
         """Refresh derived copies of the weights; call after every in-place weight update."""
         for module in self.model.modules():
-            if isinstance(module, PackedLinear):
+            if isinstance(module, (PackedLinear, PackedExperts)):
                 module.repack()
 
     def drop_packed(self) -> None:
@@ -209,6 +264,8 @@ class TorchTitanForCausalLM(nn.Module):
         for module in self.model.modules():
             if isinstance(module, PackedLinear):
                 module._handler = None
+            elif isinstance(module, PackedExperts):
+                module._w13_EFD = module._w2_EDF = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(input_ids)
