@@ -2,6 +2,8 @@
 packed against padded micro-batches on a long-tailed mix of lengths.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny
+    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py \
+        --flavor debugmodel_moe --ep 2 --batch 4 --steps 5
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --ac full --steps 2 --warmup 0
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor 0.6B --sequences 4 \
         --max_completion 2048 --steps 1 --warmup 0 --ac full
@@ -71,7 +73,11 @@ def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float)
     logits_BTV = trainer.model(tokens_BT, positions_BT, None)
     loss = cross_entropy_loss(logits_BTV[:, :-1], tokens_BT[:, 1:]) / tokens_BT[:, 1:].numel()
     loss.backward()
-    dist_utils.clip_grad_norm_(list(trainer.model.parameters()), max_norm=max_norm)
+    dist_utils.clip_grad_norm_(
+        list(trainer.model.parameters()),
+        max_norm=max_norm,
+        ep_enabled=trainer.parallel_dims.ep_enabled,
+    )
     trainer.optimizers.step()
     trainer.lr_schedulers.step()
     trainer.optimizers.zero_grad()
@@ -91,7 +97,8 @@ def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
         micro_batch_tokens=micro_batch_tokens,
         activation_checkpoint=args.ac,
     )
-    return PolicyTrainer(model=model, training=training, parallelism=ParallelismSection())
+    parallelism = ParallelismSection(ep=args.ep)
+    return PolicyTrainer(model=model, training=training, parallelism=parallelism)
 
 
 def uniform(args) -> None:
@@ -129,6 +136,7 @@ def uniform(args) -> None:
             "lengths": "uniform",
             "flavor": args.flavor,
             "nproc": world,
+            "ep": args.ep,
             "batch_per_rank": args.batch,
             "seq": args.seq,
             "tokens_per_s": round(ours, 1),
@@ -299,6 +307,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="longtail: ranks per world")
     parser.add_argument("--min_free_gib", type=float, default=1.5, help="longtail: stop below")
     parser.add_argument("--ac", default="none", choices=("none", "full", "selective"))
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel (MoE flavors)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each kind")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--child", choices=("packed", "padded"), dest="path")

@@ -64,13 +64,16 @@ class Experts(GroupedExperts):
 
 
 def _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD) -> torch.Tensor:
-    """One batch-invariant GEMM per expert over the rows routed to it, in expert order."""
+    """One batch-invariant GEMM per expert over the rows routed to it, in expert order.
+    (unbind: its backward stacks the experts' gradients once; indexing w[e] per expert would
+    allocate a whole [E, ...] gradient per expert, measured 12x slower at debugmodel_moe.)"""
     outputs, start = [], 0
+    w1s, w2s, w3s = w1_EFD.unbind(0), w2_EDF.unbind(0), w3_EFD.unbind(0)
     for e, count in enumerate(num_tokens_per_expert_E.tolist()):
         rows_RD = x_RD[start : start + int(count)]
         start += int(count)
-        h_RF = F.silu(ops.linear(rows_RD, w1_EFD[e])) * ops.linear(rows_RD, w3_EFD[e])
-        outputs.append(ops.linear(h_RF, w2_EDF[e]))
+        h_RF = F.silu(ops.linear(rows_RD, w1s[e])) * ops.linear(rows_RD, w3s[e])
+        outputs.append(ops.linear(h_RF, w2s[e]))
     return torch.cat(outputs) if outputs else x_RD.new_zeros(0, w2_EDF.shape[1])
 
 
