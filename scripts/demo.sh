@@ -6,6 +6,7 @@
 #   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh     # the 25-second echo demo
 #   TOOLS=1 ./scripts/demo.sh     # the calculator-tool demo: SFT on traces, then RL with the tool
 #   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 1:1 (task.sources), each with its figures
+#   MOE=1 ./scripts/demo.sh       # the arithmetic demo on a mixture-of-experts model, EP = 2
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -21,6 +22,10 @@ if [[ -n "${MIXTURE:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_mixture_cpu.toml
     exec "${torchrun[@]}" -m torchtitan_rl.train \
         --job.config_file run_configs/mixture_cpu.toml "$@"
+fi
+if [[ -n "${MOE:-}" ]]; then
+    "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_moe_cpu.toml
+    exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file run_configs/moe_cpu.toml "$@"
 fi
 if [[ -n "${TOOLS:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml

@@ -18,7 +18,11 @@ from torchtitan_rl.train import RL
 pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-GPU_RECIPES = {"run_configs/qwen3_0.6b.toml", "run_configs/qwen3_1.7b.toml"}
+GPU_RECIPES = {
+    "run_configs/qwen3_0.6b.toml",
+    "run_configs/qwen3_1.7b.toml",
+    "run_configs/qwen3_30b_a3b.toml",
+}
 
 
 def named_configs() -> set[str]:
