@@ -12,6 +12,7 @@ After training (everything `python -m torchtitan_rl.train` does with the flags),
   generator's buffers equal it, and max |generator - trainer| logprob of sampled tokens before
   and after (the bias moves routing, so both sides must read it);
 - `expert_shards`: the experts each rank's trainer holds (expert parallel);
+- `synced_each_step`: what weight sync sends after its first sync (what a step changes);
 - `replay`: on a fresh batch, the trainer's routing and logprobs against the generator's with
   router replay off and on.
 """
@@ -94,6 +95,9 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
         "bias_diff_after": after,
         "bias_moved_logprobs": logprobs_before != logprobs_after,
         "expert_shards": [tuple(expert_weight.to_local().shape), tuple(expert_weight.shape)],
+        "synced_each_step": sorted(
+            {name for bucket in run.weight_sync.update_buckets for name, _, _ in bucket}
+        ),
     }
 
 
