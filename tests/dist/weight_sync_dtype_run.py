@@ -28,7 +28,7 @@ def main() -> None:
     generator = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
     fully_shard(trainer, mesh=init_device_mesh("cpu", (world,)))
     sync = WeightSync(
-        dict(trainer.named_parameters()), dict(generator.weights()), bucket_mb=1.0
+        dict(trainer.named_parameters()), dict(generator.named_parameters()), bucket_mb=1.0
     )
     result = {"shared_memory": sync.shared is not None}
     for transport, shared in (("shared", sync.shared), ("process_group", None)):
