@@ -2,7 +2,8 @@
 
     .venv/bin/python -m pytest tests/integration/test_policy_trainer.py tests/unit/test_model.py
 
-Built from torchtitan parts: the model spec's config and `parallelize_fn` (FSDP2 / HSDP / TP),
+Built from torchtitan parts: the model spec's config and `parallelize_fn` (FSDP2 / HSDP / TP /
+EP: trainer/parallel.py),
 its state-dict adapter with DCP's HF reader, and torchtitan's optimizer and LR-scheduler
 containers. Shapes: B sequences, T tokens, V vocabulary, L tokens of a packed row, N scored
 tokens, D model width.
@@ -17,7 +18,6 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import (
@@ -40,7 +37,7 @@ from torchtitan_rl.config import (
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.models import moe, weights
 from torchtitan_rl.trainer import lora as lora_adapters
-from torchtitan_rl.trainer import packing
+from torchtitan_rl.trainer import packing, parallel
 from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 from torchtitan_rl.types import LossScale, RolloutBatch
@@ -92,13 +89,6 @@ def _lr_scheduler_config(training: TrainingSection) -> LRSchedulersContainer.Con
     return LRSchedulersContainer.Config(warmup_steps=warmup, decay_type=training.lr_decay)
 
 
-def _activation_checkpointing(mode: str):
-    """torchtitan's activation-checkpointing policy for `training.activation_checkpoint`."""
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-
-    return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode]
-
-
 # torch's checkpoint wrapper (activation checkpointing) inserts this into parameter names;
 # state dicts drop it, and so do the names weight sync pairs by.
 _AC_PREFIX = "_checkpoint_wrapped_module."
@@ -137,37 +127,12 @@ class PolicyTrainer:
         self.group = group
         world_size = dist.get_world_size(group)
         self.tp_degree = parallelism.tp
-        dp_shard = parallelism.resolved_dp_shard(world_size)
-        spmd_backend = platform.spmd_backend()
-        # torchtitan's Trainer sets this process-wide before building; its EP dispatcher reads
-        # it (under the default "spmd_types" it looks for a mesh that partial_dtensor never set).
-        dist_utils.set_spmd_backend(spmd_backend)
-        self.parallel_dims = ParallelDims(
-            dp_replicate=parallelism.dp_replicate,
-            dp_shard=dp_shard,
-            cp=1,
-            tp=parallelism.tp,
-            pp=1,
-            ep=parallelism.ep,
-            world_size=world_size,
-            spmd_backend=spmd_backend,
-        )
-        parallelism_config = ParallelismConfig(
-            data_parallel_replicate_degree=parallelism.dp_replicate,
-            data_parallel_shard_degree=dp_shard,
-            tensor_parallel_degree=parallelism.tp,
-            expert_parallel_degree=parallelism.ep,
-            spmd_backend=spmd_backend,
-        )
+        self.parallel_dims, parallelism_config = parallel.layout(parallelism, world_size)
         self.spec = build_spec(model)
         self.lora = lora if lora is not None and lora.enable else None
         if self.lora is not None:
             self.spec.model = lora_adapters.convert(self.spec.model, self.lora)
-        # torchtitan's Trainer calls this hook before building: it fills every module's
-        # sharding config (the TP plan). Without it parallelize_fn shards nothing for TP, yet
-        # the embedding still does its vocab-parallel lookup on the TP group, so logits differ
-        # by rank (measured: by 2.0 on the tiny model).
-        self.spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism_config))
+        parallel.fill_sharding_plan(self.spec, parallelism_config)
         with torch.device("meta"):
             module = self.spec.model.build()
         if batch_invariant.uses_own_kernels():
@@ -175,21 +140,16 @@ class PolicyTrainer:
             batch_invariant.make_linears_invariant(module)
         if batch_invariant.is_enabled() and self.lora is not None:
             lora_adapters.use_merged_forward(module)
-        module = self.spec.parallelize_fn(
+        # Losses are normalized by global token counts (LossScale): FSDP sums gradients.
+        module = parallel.parallelize(
+            self.spec,
             module,
-            parallel_dims=self.parallel_dims,
-            training=TrainingConfig(
-                mixed_precision_param=model.dtype, mixed_precision_reduce="float32"
-            ),
-            parallelism=parallelism_config,
-            compile_config=CompileConfig(enable=False),
-            ac_config=_activation_checkpointing(training.activation_checkpoint),
+            self.parallel_dims,
+            parallelism_config,
+            dtype=model.dtype,
+            activation_checkpoint=training.activation_checkpoint,
             dump_folder=dump_folder,
         )
-        # Losses are normalized by global token counts (LossScale), so FSDP must sum
-        # gradients over data-parallel ranks instead of averaging them.
-        disable_fsdp_gradient_division(module)
-        platform.enable_fsdp_sum_reduction(module)
         module.to_empty(device=self.device)
         torch.manual_seed(seed)
         with torch.no_grad():
