@@ -14,11 +14,14 @@ from collections.abc import Callable
 VOCAB_SIZE, DIM, HEAD_DIM = 68, 128, 32
 
 
-def _qwen3_parts():
+def _qwen3(attn_backend: str, build_layers, **layer_sizes):
+    """A tiny Qwen3 config whose decoder layers `build_layers` (torchtitan's dense or MoE
+    layer builder) makes with the shared attention sizes and `layer_sizes`."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import _EMBEDDING_SKIP_INIT, _LINEAR_INIT, _qwen3_norm
+    from torchtitan.models.qwen3.model import Qwen3Model
 
-    return dict(
+    return Qwen3Model.Config(
         vocab_size=VOCAB_SIZE,
         dim=DIM,
         norm=_qwen3_norm(DIM),
@@ -27,48 +30,38 @@ def _qwen3_parts():
             num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=_EMBEDDING_SKIP_INIT
         ),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB_SIZE, param_init=_LINEAR_INIT),
-    ), CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=1024, theta=1000000.0)
+        layers=build_layers(
+            n_layers=2,
+            dim=DIM,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=HEAD_DIM,
+            attn_backend=attn_backend,
+            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=1024, theta=1000000.0),
+            **layer_sizes,
+        ),
+    )
 
 
 def qwen3_tiny(attn_backend: str):
     from torchtitan.models.qwen3 import _build_qwen3_layers
-    from torchtitan.models.qwen3.model import Qwen3Model
 
-    parts, rope = _qwen3_parts()
-    layers = _build_qwen3_layers(
-        n_layers=2,
-        dim=DIM,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=HEAD_DIM,
-        hidden_dim=256,
-        attn_backend=attn_backend,
-        rope=rope,
-    )
-    return Qwen3Model.Config(**parts, layers=layers)
+    return _qwen3(attn_backend, _build_qwen3_layers, hidden_dim=256)
 
 
 def qwen3_tiny_moe(attn_backend: str):
     """`tiny` with each MLP replaced by 8 experts of width 64, 2 per token: the same active
     FFN width (128) as half of tiny's MLP, and Qwen3-30B-A3B's router."""
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
-    from torchtitan.models.qwen3.model import Qwen3Model
 
-    parts, rope = _qwen3_parts()
-    layers = _build_qwen3_moe_layers(
-        n_layers=2,
-        dim=DIM,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=HEAD_DIM,
+    return _qwen3(
+        attn_backend,
+        _build_qwen3_moe_layers,
         moe_hidden_dim=64,
         num_experts=8,
         top_k=2,
-        attn_backend=attn_backend,
         moe_comm_backend="standard",
-        rope=rope,
     )
-    return Qwen3Model.Config(**parts, layers=layers)
 
 
 def llama3_tiny(attn_backend: str):
