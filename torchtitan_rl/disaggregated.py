@@ -46,7 +46,7 @@ from torchtitan_rl.evaluation import build_evaluator, log_eval
 from torchtitan_rl.generator.remote import RemoteGenerator
 from torchtitan_rl.learner import Learner, rollout_metrics
 from torchtitan_rl.metrics import run_metrics
-from torchtitan_rl.producer import RolloutProducer
+from torchtitan_rl.producer import RolloutProducer, engine_failure_at
 from torchtitan_rl.rl_trainer import Hooks, step_metrics, train
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Rollout, Rollouts
@@ -136,7 +136,10 @@ class GeneratorWorker:
         when the trainers stop the run instead."""
         # Waiting on the trainers' step: their phases are timed (watchdog.py), not this wait.
         watchdog.mark(self.generator.policy_version + 1, "wait_weights", timed=False)
-        if not self.receiver.receive():
+        # The weights of step v + 1: an engine that dies while taking them names that step.
+        with engine_failure_at(f"step {self.generator.policy_version + 1}"):
+            received = self.receiver.receive()
+        if not received:
             raise watchdog.Preempted("the trainers stopped the run")
         version = self.generator.policy_version
         # A resumed run evaluated its restored version before it stopped (version 0: at_start).

@@ -64,7 +64,7 @@ class RolloutProducer:
         rounds: list[Rollouts] = []
         for round in range(algorithm.max_generation_rounds):
             prompts = self.prompts(step, round)
-            with _at(f"step {step}"):
+            with engine_failure_at(f"step {step}"):
                 scored = self.episodes.run(
                     generator,
                     prompts,
@@ -96,12 +96,12 @@ class RolloutProducer:
 
     def evaluate(self, generator, version: int) -> EvalShard:
         """This shard's evaluation of `generator`'s policy (after step `version`)."""
-        with _at(f"evaluating the policy after step {version}"):
+        with engine_failure_at(f"evaluating the policy after step {version}"):
             return self.evaluator.run(generator, version, self.shard, self.shards)
 
 
 @contextmanager
-def _at(where: str):
+def engine_failure_at(where: str):
     """Name where an engine failure happened (the step) in its one line."""
     try:
         yield
