@@ -77,14 +77,13 @@ class JobConfig:
         return generators
 
     def _validate_experts(self) -> None:
-        from torchtitan_rl.models import model_spec
+        from torchtitan_rl.models import expert_counts
 
         ep = self.parallelism.ep
         if ep == 1 and not self.algorithm.router_replay and not self.lora.enable:
             return
         name = f"{self.model.name}/{self.model.flavor}"
-        moe = [layer.moe for layer in model_spec(self.model.name, self.model.flavor).model.layers]
-        experts = {m.num_experts for m in moe if m is not None}
+        experts = expert_counts(self.model.name, self.model.flavor)
         require(
             not (experts and self.lora.enable and self.lora.target == "mlp"),
             f"lora.target = 'mlp' adapts no layer of {name}: its MLPs are experts, whose "

@@ -124,11 +124,10 @@ class Generator:
                 raise
             raise ConfigError(_kv_cache_error(generator, str(e))) from None
         # After the engine: vLLM sets this process's threads, which the check runs with.
+        self.native = native
         if not native:
             spec = model_spec(model.name, model.flavor)
             batch_invariant.check_kernels(spec.model, generator.dtype)
-        self.native = native
-        if not native:
             self.engine.collective_rpc(_bind_runner)
         self.stop_token_ids = checkpoint_stop_ids(model.hf_checkpoint)
         self._next_request = 0

@@ -57,10 +57,6 @@ class RoutingLog:
             out[positions[inside]] = ids[inside]
         return out
 
-    def forget(self) -> None:
-        """Drop everything filed (requests whose routing nobody takes)."""
-        self._requests.clear()
-
 
 def _external(request_id: str) -> str:
     """The id the request was added with: vLLM 0.32 runs it as "{id}-{8 hex digits}" (and

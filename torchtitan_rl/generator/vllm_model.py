@@ -22,6 +22,7 @@ from torchtitan_rl.batch_invariant import make_linears_invariant, ops
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import model_spec
 from torchtitan_rl.models.moe import routers
+from torchtitan_rl.trainer.model import hf_shapes
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:
@@ -164,15 +165,8 @@ class PagedAttention(nn.Module):
         return self.attn.kv_cache.view(-1, self.attn.kv_cache.shape[-1] // 2)
 
     def _invariant_forward(self, q_LNH, k_LKH, v_LKH) -> torch.Tensor:
-        from vllm.forward_context import get_forward_context
-
         out_LNH = torch.zeros_like(q_LNH)
-        context = get_forward_context()
-        metadata = context.attn_metadata
-        if isinstance(metadata, list):
-            metadata = metadata[0]
-        if isinstance(metadata, dict):
-            metadata = metadata.get(self.attn.layer_name)
+        metadata = _attention_metadata(self.attn.layer_name)
         if metadata is None:  # a dummy run: nothing to attend to
             return out_LNH
         blocks, kv_heads, block_size, _ = self.attn.kv_cache.shape
@@ -299,8 +293,7 @@ class TorchTitanForCausalLM(nn.Module):
         tensors is held besides the model (not a second copy of the whole model).
         """
         adapter = self.spec.state_dict_adapter(self.spec.model, None)
-        with torch.device("meta"):
-            expected = set(adapter.to_hf(self.spec.model.build().state_dict()))
+        expected = set(hf_shapes(self.spec))
         layer_names: dict[str, set[str]] = {}
         for name in expected:
             layer_names.setdefault(_layer_of(name), set()).add(name)
@@ -337,8 +330,9 @@ class TorchTitanForCausalLM(nn.Module):
         return {name for name, _ in self.named_parameters()}
 
 
-def _query_start_loc() -> torch.Tensor | None:
-    """Where each request's rows start in this forward's flat batch (None: a dummy run)."""
+def _attention_metadata(layer_name: str | None = None):
+    """This forward's attention metadata: `layer_name`'s, or any layer's (None: none, as in
+    a dummy run)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
@@ -347,7 +341,15 @@ def _query_start_loc() -> torch.Tensor | None:
     if isinstance(metadata, list):
         metadata = metadata[0] if metadata else None
     if isinstance(metadata, dict):
-        metadata = next(iter(metadata.values()), None)
+        if layer_name is None:
+            return next(iter(metadata.values()), None)
+        return metadata.get(layer_name)
+    return metadata
+
+
+def _query_start_loc() -> torch.Tensor | None:
+    """Where each request's rows start in this forward's flat batch (None: a dummy run)."""
+    metadata = _attention_metadata()
     return None if metadata is None else metadata.query_start_loc
 
 

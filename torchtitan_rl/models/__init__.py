@@ -30,9 +30,16 @@ def flavors(name: str) -> list[str]:
     return sorted({*registry, *EXTRA_FLAVORS.get(name, {})})
 
 
+def expert_counts(name: str, flavor: str) -> set[int]:
+    """The expert counts of `name`/`flavor`'s MoE layers (the layers whose config has a `moe`);
+    empty for a dense model."""
+    layers = _config(name, flavor).layers
+    return {layer.moe.num_experts for layer in layers if getattr(layer, "moe", None) is not None}
+
+
 def is_mixture_of_experts(name: str, flavor: str) -> bool:
-    """Whether any layer of `name`/`flavor` routes tokens to experts (its config has a `moe`)."""
-    return any(getattr(layer, "moe", None) is not None for layer in _config(name, flavor).layers)
+    """Whether any layer of `name`/`flavor` routes tokens to experts."""
+    return bool(expert_counts(name, flavor))
 
 
 def hf_architecture(name: str, flavor: str) -> str | None:
