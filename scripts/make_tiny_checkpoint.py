@@ -78,8 +78,8 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
-    """HF `config.json` (Qwen3ForCausalLM, Qwen3MoeForCausalLM or LlamaForCausalLM) with the
-    shapes of the flavor."""
+    """HF `config.json` (Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM or
+    GptOssForCausalLM) with the shapes of the flavor."""
     layer = model_config.layers[0]
     attention = layer.attention
     rope = attention.rope
@@ -107,6 +107,8 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
         "pad_token_id": pad_id,
         "use_cache": True,
     }
+    if name == "gpt_oss":
+        return _gpt_oss_config(model_config, config)
     if name == "qwen3" and layer.moe is not None:
         router = layer.moe.router
         return {
@@ -147,6 +149,40 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
         "model_type": "llama",
         **config,
         "mlp_bias": False,
+    }
+
+
+def _gpt_oss_config(model_config, config: dict) -> dict:
+    """gpt-oss's config.json (as the released gpt-oss-20b's, unquantized): per-layer sliding
+    windows, YaRN RoPE, biased attention, experts with a clamped SwiGLU."""
+    layer = model_config.layers[0]
+    rope, router = layer.attention.rope, layer.moe.router
+    windows = {a.sliding_window_size for a in (x.attention for x in model_config.layers)}
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        **config,
+        "attention_bias": True,
+        "layer_types": [
+            "sliding_attention" if x.attention.sliding_window_size else "full_attention"
+            for x in model_config.layers
+        ],
+        "sliding_window": max(w for w in windows if w),
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": float(rope.rope_factor),
+            "beta_fast": rope.beta_fast,
+            "beta_slow": rope.beta_slow,
+            "truncate": rope.truncate,
+            "original_max_position_embeddings": rope.original_seq_len,
+        },
+        "initial_context_length": rope.original_seq_len,
+        "num_local_experts": router.num_experts,
+        "num_experts_per_tok": router.top_k,
+        "experts_per_token": router.top_k,
+        "swiglu_limit": layer.moe.routed_experts.inner_experts.swiglu_limit,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
     }
 
 
@@ -239,11 +275,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="qwen3", choices=["qwen3", "llama3"])
+    parser.add_argument("--model", default="qwen3", choices=["qwen3", "llama3", "gpt_oss"])
     parser.add_argument(
         "--flavor",
         default="tiny",
-        help="tiny or tiny_moe (tests and the demos), debugmodel[_moe] (benchmarks)",
+        help="tiny or tiny_moe (tests and the demos), debugmodel[_moe] (benchmarks); gpt_oss: tiny",
     )
     parser.add_argument(
         "--mean_completion_tokens",

@@ -33,7 +33,7 @@ fi
 
 # The tiny checkpoint is deterministic: rebuild it only when its recipe changed.
 recipe=$(cat scripts/make_tiny_checkpoint.py torchtitan_rl/models/*.py | sha256sum | cut -d' ' -f1)
-for target in qwen3:tiny llama3:tiny qwen3:tiny_moe; do
+for target in qwen3:tiny llama3:tiny qwen3:tiny_moe gpt_oss:tiny; do
     model=${target%%:*} flavor=${target#*:}
     ASSETS=assets/${flavor}_$model
     if [ "$(cat "$ASSETS/.recipe" 2>/dev/null)" != "$recipe" ]; then
@@ -42,4 +42,4 @@ for target in qwen3:tiny llama3:tiny qwen3:tiny_moe; do
         echo "$recipe" > "$ASSETS/.recipe"
     fi
 done
-echo "setup: ready ($VENV, assets/tiny_qwen3, assets/tiny_llama3, assets/tiny_moe_qwen3)"
+echo "setup: ready ($VENV, assets/tiny_qwen3, assets/tiny_llama3, assets/tiny_moe_qwen3, assets/tiny_gpt_oss)"

@@ -187,7 +187,9 @@ def use_platform_attention(model_config, dtype: str = "float32") -> None:
     kernel = packed_attention_kernel(dtype)
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
-            layer.attention.inner_attention = DocumentCausalAttention.Config(packed=kernel)
+            layer.attention.inner_attention = DocumentCausalAttention.Config(
+                packed=kernel, window=getattr(layer.attention, "sliding_window_size", None)
+            )
 
 
 def packed_attention_kernel(dtype: str = "float32"):

@@ -8,10 +8,12 @@ from torchtitan_rl.config import ModelSection
 from torchtitan_rl.trainer.model import build_spec, load_hf_weights
 
 
-def torchtitan_logits(checkpoint: str, ids: list[int], flavor: str = "tiny") -> torch.Tensor:
-    """[T, V] logits of the unsharded qwen3 `flavor` loaded through the spec's HF adapter."""
+def torchtitan_logits(
+    checkpoint: str, ids: list[int], flavor: str = "tiny", name: str = "qwen3"
+) -> torch.Tensor:
+    """[T, V] logits of the unsharded `name`/`flavor` loaded through the spec's HF adapter."""
     platform.patch_torchtitan()
-    spec = build_spec(ModelSection(hf_checkpoint=checkpoint, flavor=flavor))
+    spec = build_spec(ModelSection(name=name, hf_checkpoint=checkpoint, flavor=flavor))
     model = spec.model.build()
     model.init_states()
     load_hf_weights(model, spec, checkpoint)

@@ -195,7 +195,6 @@ def test_run_configs_are_left_unchanged_by_resolve_and_validate(name, entry):
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        ("gpt_oss", "attention sinks"),
         ("deepseek_v3", "multi-head latent attention (MLA)"),
         ("kimi_k2_7", "multi-head latent attention (MLA)"),
         ("qwen3_5", "Gated DeltaNet"),
@@ -211,11 +210,12 @@ def test_families_not_supported_yet_are_refused_with_the_reason(name, reason):
     message = str(error.value)
     assert message.startswith(f"model.name = {name!r} is not supported yet: ")
     assert "\n" not in message
-    assert reason in message and message.endswith("use one of qwen3, llama3")
+    assert reason in message and message.endswith("use one of qwen3, llama3, gpt_oss")
 
 
 def test_mixture_of_experts_flavors_are_accepted():
-    """qwen3's MoE flavors (torchtitan's and this project's tiny_moe) are valid flavors."""
+    """qwen3's MoE flavors (torchtitan's and this project's tiny_moe) are valid flavors, and
+    gpt-oss (all mixture-of-experts) is a valid family."""
     from torchtitan_rl.models import hf_architecture, is_mixture_of_experts
 
     for flavor in ("debugmodel_moe", "30B-A3B", "tiny_moe"):
@@ -224,3 +224,8 @@ def test_mixture_of_experts_flavors_are_accepted():
     assert not is_mixture_of_experts("qwen3", "tiny")
     assert hf_architecture("qwen3", "tiny_moe") == "Qwen3MoeForCausalLM"
     assert hf_architecture("qwen3", "tiny") == "Qwen3ForCausalLM"
+    config = parse_args(
+        ["--job.config_file", DEBUG_TOML, "--model.name", "gpt_oss", "--model.flavor", "tiny"]
+    )
+    assert config.model.name == "gpt_oss" and is_mixture_of_experts("gpt_oss", "tiny")
+    assert hf_architecture("gpt_oss", "20b") == "GptOssForCausalLM"

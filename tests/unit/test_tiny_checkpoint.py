@@ -30,20 +30,28 @@ def test_tokenizer_round_trips_task_text():
 
 
 @pytest.mark.parametrize(
-    ("flavor", "architecture"), [("tiny", "Qwen3ForCausalLM"), ("tiny_moe", "Qwen3MoeForCausalLM")]
+    ("name", "flavor", "architecture"),
+    [
+        ("qwen3", "tiny", "Qwen3ForCausalLM"),
+        ("qwen3", "tiny_moe", "Qwen3MoeForCausalLM"),
+        ("gpt_oss", "tiny", "GptOssForCausalLM"),
+    ],
 )
-def test_transformers_loads_it_with_torchtitan_logits(flavor, architecture):
+def test_transformers_loads_it_with_torchtitan_logits(name, flavor, architecture):
     """The dense and the mixture-of-experts tiny checkpoints: HF's own model class gives the
-    logits of the torchtitan model (the MoE's experts run in fp32, as HF's: models/moe.py)."""
+    logits of the torchtitan model (the MoE's experts run in fp32, as HF's: models/moe.py).
+    gpt-oss's prompt (53 tokens) crosses its 16-token sliding window and the 32-token original
+    context of its YaRN RoPE; HF's eager attention is its reference for sinks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = REPO / "assets" / f"{flavor}_qwen3"
-    ids = AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(path)
+    path = REPO / "assets" / f"{flavor}_{name}"
+    prompt = PROMPT if name == "qwen3" else " ".join([PROMPT] * 4)
+    ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     assert type(model).__name__ == architecture
     with torch.no_grad():
         hf_logits = model(torch.tensor([ids])).logits[0]
-    titan = torchtitan_logits(str(path), ids, flavor)
+    titan = torchtitan_logits(str(path), ids, flavor, name)
     assert hf_logits.shape == titan.shape == (len(ids), 68)
     torch.testing.assert_close(titan, hf_logits, rtol=1e-5, atol=1e-5)
     assert hf_logits.std() > 0.05  # real weights, not zeros

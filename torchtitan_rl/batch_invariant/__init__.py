@@ -15,6 +15,7 @@ batch-invariant kernels, so the two agree bit for bit whatever the batch composi
   batch-invariant; bitwise equality between them is unverified (different attention kernels).
 """
 
+import functools
 import importlib.util
 import os
 import types
@@ -88,30 +89,46 @@ class CausalAttention(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        pass
+        window: int | None = None
+        """The layer's sliding window (gpt-oss's sliding layers), None: all keys."""
 
     def __init__(self, config: Config | None = None):
         super().__init__()
+        self.window = (config or self.Config()).window
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **_):
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **kwargs):
+        causal = functools.partial(
+            _causal, scale=scale, window=self.window, out_transform=kwargs.get("out_transform")
+        )
         if attention_masks is not None:
             from torchtitan_rl.trainer.attention import per_document
 
-            return per_document(_causal, q_BLNH, k_BLNH, v_BLNH, attention_masks, scale=scale)
-        return _causal(q_BLNH, k_BLNH, v_BLNH, scale=scale)
+            return per_document(causal, q_BLNH, k_BLNH, v_BLNH, attention_masks)
+        return causal(q_BLNH, k_BLNH, v_BLNH)
 
 
-def _causal(q_BLNH, k_BLNH, v_BLNH, scale=None):
+def _causal(q_BLNH, k_BLNH, v_BLNH, scale=None, window=None, out_transform=None):
     B, L = q_BLNH.shape[:2]
     positions_BL = torch.arange(L, device=q_BLNH.device).expand(B, L)
-    return ops.attention(q_BLNH, k_BLNH, v_BLNH, positions_BL, scale)
+    return attend(q_BLNH, k_BLNH, v_BLNH, positions_BL, scale, window, out_transform)
+
+
+def attend(q_BLNH, k_BSKH, v_BSKH, positions_BL, scale, window=None, out_transform=None):
+    """`ops.attention`, then torchtitan's `out_transform` (gpt-oss's sinks) of its output and
+    logsumexp: the trainer's and the generator's one routine in this mode."""
+    if out_transform is None:
+        return ops.attention(q_BLNH, k_BSKH, v_BSKH, positions_BL, scale, window)
+    out, lse = ops.attention(q_BLNH, k_BSKH, v_BSKH, positions_BL, scale, window, with_lse=True)
+    return out_transform(out, lse)
 
 
 def use_invariant_attention(model_config) -> None:
     """Make every layer of a torchtitan model config build CausalAttention (before build)."""
     for layer in model_config.layers:
         if getattr(layer, "attention", None) is not None:
-            layer.attention.inner_attention = CausalAttention.Config()
+            layer.attention.inner_attention = CausalAttention.Config(
+                window=getattr(layer.attention, "sliding_window_size", None)
+            )
 
 
 def check_kernels(model_config, dtype: str) -> None:

@@ -65,12 +65,17 @@ def attention(
     v_BSKH: torch.Tensor,
     positions_BL: torch.Tensor,
     scale: float | None = None,
-) -> torch.Tensor:
+    window: int | None = None,
+    with_lse: bool = False,
+):
     """Causal attention of B sequences' L queries over their S keys (positions 0..S-1).
 
-    Query l of sequence b sits at position positions_BL[b, l] and sees keys 0..that position.
+    Query l of sequence b sits at position positions_BL[b, l] and sees keys 0..that position,
+    or with `window` the last `window` of them (itself included; gpt-oss's sliding layers).
     N query heads share K kv heads in groups of N // K (consecutive query heads per kv head,
-    like SDPA's enable_gqa). Computed in fp32, returned in q's dtype.
+    like SDPA's enable_gqa). Computed in fp32, returned in q's dtype; with `with_lse`, also
+    each query's logsumexp of scores [B, L, N] (fp32), summed over the same key chunks in
+    order, for attention sinks (torchtitan's `out_transform`).
     """
     B, L, N, H = q_BLNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -84,6 +89,10 @@ def attention(
     def keys(x_BSKH):  # [B, S, K, H] -> [B * tiles * K, padded, H], zero keys past S
         x_BKPH = F.pad(x_BSKH.float(), (0, 0, 0, 0, 0, padded - S)).permute(0, 2, 1, 3)
         return x_BKPH.unsqueeze(1).expand(B, tiles, K, padded, H).reshape(batch, padded, H)
+
+    def per_query(x_bM):  # [B * tiles * K, G * ROW_TILE, ...] -> [B, L, N, ...]
+        x = x_bM.view(B, tiles, K, G, ROW_TILE, *x_bM.shape[2:])
+        return x.permute(0, 1, 4, 2, 3, *range(5, x.dim())).flatten(1, 2).flatten(2, 3)[:, :L]
 
     # Queries in tiles of ROW_TILE rows: one [G * ROW_TILE, H] block per (b, tile, kv head).
     q_bMH = (
@@ -101,20 +110,28 @@ def attention(
         .expand(B, tiles, K, G, ROW_TILE)
         .reshape(batch, G * ROW_TILE, 1)
     )
-    future = torch.arange(padded, device=q_BLNH.device).view(1, 1, padded) > pos_bM1
-    probs_bMP = torch.softmax(scores_bMP.masked_fill(future, float("-inf")), dim=-1)
+    key_P = torch.arange(padded, device=q_BLNH.device).view(1, 1, padded)
+    hidden = key_P > pos_bM1
+    if window is not None:
+        hidden = hidden | (key_P <= pos_bM1 - window)
+    scores_bMP = scores_bMP.masked_fill(hidden, float("-inf"))
+    probs_bMP = torch.softmax(scores_bMP, dim=-1)
     # P @ V over fixed-size key chunks, summed in order: the contraction length never changes.
     out_bMH = None
     for start in range(0, padded, KEY_CHUNK):
         chunk = slice(start, start + KEY_CHUNK)
         part = torch.bmm(probs_bMP[:, :, chunk], v_bPH[:, chunk])
         out_bMH = part if out_bMH is None else out_bMH + part
-    out_BLNH = (
-        out_bMH.view(B, tiles, K, G, ROW_TILE, H)
-        .permute(0, 1, 4, 2, 3, 5)
-        .reshape(B, tiles * ROW_TILE, N, H)[:, :L]
-    )
-    return out_BLNH.to(q_BLNH.dtype)
+    out_BLNH = per_query(out_bMH).to(q_BLNH.dtype)
+    if not with_lse:
+        return out_BLNH
+    # The same for the logsumexp: the max is exact, the sum runs over the key chunks in order.
+    max_bM1 = scores_bMP.amax(-1, keepdim=True)
+    total_bM = None
+    for start in range(0, padded, KEY_CHUNK):
+        part = (scores_bMP[:, :, start : start + KEY_CHUNK] - max_bM1).exp().sum(-1)
+        total_bM = part if total_bM is None else total_bM + part
+    return out_BLNH, per_query(max_bM1[..., 0] + total_bM.log())
 
 
 def invariance_failures(dim: int, heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
@@ -132,9 +149,14 @@ def invariance_failures(dim: int, heads: int, head_dim: int, dtype: torch.dtype)
     L, H = 80, head_dim
     q, k, v = (torch.randn(1, L, heads, H, generator=g).to(dtype) for _ in range(3))
     positions = torch.arange(L)[None]
-    full = attention(q, k, v, positions)
-    for t in (0, 63, 79):  # decode one query over the keys so far
-        alone = attention(q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], positions[:, t : t + 1])
-        if not torch.equal(alone, full[:, t : t + 1]):
-            failures.append(f"attention query {t} decoded alone vs in a causal forward")
+    for window in (None, 24):
+        full, full_lse = attention(q, k, v, positions, window=window, with_lse=True)
+        for t in (0, 63, 79):  # decode one query over the keys so far
+            kv = (k[:, : t + 1], v[:, : t + 1], positions[:, t : t + 1])
+            alone, lse = attention(q[:, t : t + 1], *kv, window=window, with_lse=True)
+            same = torch.equal(alone, full[:, t : t + 1])
+            if not (same and torch.equal(lse, full_lse[:, t : t + 1])):
+                failures.append(
+                    f"attention query {t} (window {window}) decoded alone vs in a causal forward"
+                )
     return failures

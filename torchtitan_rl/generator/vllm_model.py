@@ -18,10 +18,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from torchtitan_rl import console
-from torchtitan_rl.batch_invariant import make_linears_invariant, ops
+from torchtitan_rl.batch_invariant import attend, make_linears_invariant
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import model_spec
-from torchtitan_rl.models.moe import routers
+from torchtitan_rl.models.moe import Experts, routers
 from torchtitan_rl.trainer.model import hf_shapes
 
 
@@ -88,6 +88,8 @@ class PackedExperts(nn.Module):
     @staticmethod
     def fits(inner_experts: nn.Module) -> bool:
         """The kernel's alignment: model and expert widths multiples of 32."""
+        if not isinstance(inner_experts, Experts):  # gpt-oss's run as the trainer's
+            return False
         _, F, D = inner_experts.w1_EFD.shape
         return F % 32 == 0 and D % 32 == 0
 
@@ -122,7 +124,9 @@ class PackedExperts(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen).
+    """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen), with
+    gpt-oss's per-layer sliding `window` and attention `sinks` (the torchtitan layer's own
+    parameter, so weight sync reaches it) passed to vLLM's kernel, which applies both.
 
     With `batch_invariant`, vLLM's Attention keeps the paged KV cache (its allocation, block
     tables, prefix caching) but the attention itself is `batch_invariant.ops.attention`, the
@@ -137,25 +141,34 @@ class PagedAttention(nn.Module):
         n_heads: int,
         n_kv_heads: int,
         head_dim: int,
+        scale: float,
         prefix: str,
         cache_config,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
         batch_invariant: bool = False,
     ):
         super().__init__()
         self.batch_invariant = batch_invariant
+        self.window = window
+        extra = {} if sinks is None else {"sinks": sinks}
         self.attn = Attention(
             n_heads,
             head_dim,
-            head_dim**-0.5,
+            scale,
             num_kv_heads=n_kv_heads,
             cache_config=cache_config,
+            per_layer_sliding_window=window,
             prefix=prefix,  # vLLM binds each layer's KV cache by this unique name
+            **extra,
         )
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, **_) -> torch.Tensor:
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, out_transform=None, **_) -> torch.Tensor:
+        """`out_transform`: torchtitan's sink rescale, applied here in batch-invariant mode
+        only (vLLM's kernel applies the sinks itself)."""
         B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
         if self.batch_invariant:
-            return self._invariant_forward(q_BLNH[0], k_BLNH[0], v_BLNH[0])[None]
+            return self._invariant_forward(q_BLNH[0], k_BLNH[0], v_BLNH[0], out_transform)
         out_LD = self.attn(q_BLNH.reshape(L, N * H), k_BLNH.reshape(L, -1), v_BLNH.reshape(L, -1))
         return out_LD.view(B, L, N, H)
 
@@ -164,11 +177,12 @@ class PagedAttention(nn.Module):
         block size, 2H]; this mode owns the layout inside each block: (K head, k|v, slot)."""
         return self.attn.kv_cache.view(-1, self.attn.kv_cache.shape[-1] // 2)
 
-    def _invariant_forward(self, q_LNH, k_LKH, v_LKH) -> torch.Tensor:
-        out_LNH = torch.zeros_like(q_LNH)
+    def _invariant_forward(self, q_LNH, k_LKH, v_LKH, out_transform) -> torch.Tensor:
+        """[1, L, N, H] attention of the flat batch with the trainer's routine."""
+        out_1LNH = torch.zeros_like(q_LNH)[None]
         metadata = _attention_metadata(self.attn.layer_name)
         if metadata is None:  # a dummy run: nothing to attend to
-            return out_LNH
+            return out_1LNH
         blocks, kv_heads, block_size, _ = self.attn.kv_cache.shape
         H = q_LNH.shape[-1]
         rows = self._cache_rows()
@@ -192,15 +206,22 @@ class PagedAttention(nn.Module):
                 continue
             used = metadata.block_table[i, : -(-length // block_size)].long()
             kv_2SKH = cache[used].permute(2, 0, 3, 1, 4).reshape(2, -1, kv_heads, H)[:, :length]
-            positions = torch.arange(length - (last - first), length)[None]
-            out_LNH[first:last] = ops.attention(
+            first_position = length - (last - first)
+            if self.window is not None:
+                # vLLM frees the blocks that fell out of every query's window: their slots may
+                # hold other data now. The trainer masks these keys; zero them so they add
+                # exact zeros here as there.
+                kv_2SKH[:, : max(0, first_position - self.window + 1)] = 0
+            out_1LNH[:, first:last] = attend(
                 q_LNH[None, first:last],
                 kv_2SKH[0][None],
                 kv_2SKH[1][None],
-                positions,
+                torch.arange(first_position, length)[None],
                 self.attn.impl.scale,
-            )[0]
-        return out_LNH
+                self.window,
+                out_transform,
+            )
+        return out_1LNH
 
 
 class TorchTitanForCausalLM(nn.Module):
@@ -218,14 +239,20 @@ class TorchTitanForCausalLM(nn.Module):
         self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
         model = self.spec.model.build()
         invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
-        for index, layer in model.layers.items():
+        layer_configs = self.spec.model.layers
+        for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
             attention = layer.attention
             layer.attention.inner_attention = PagedAttention(
                 n_heads=attention.n_heads,
                 n_kv_heads=attention.n_kv_heads,
                 head_dim=attention.head_dim,
+                # gpt-oss folds YaRN's attention factor into its softmax scale (its RoPE, which
+                # this wrapper runs, does not apply it).
+                scale=getattr(attention, "softmax_scale", attention.head_dim**-0.5),
                 prefix=f"{prefix}layers.{index}.attention.inner_attention",
                 cache_config=vllm_config.cache_config,
+                window=getattr(config.attention, "sliding_window_size", None),
+                sinks=getattr(attention, "sinks", None),
                 batch_invariant=invariant,
             )
         with torch.no_grad():

@@ -19,6 +19,7 @@ from torchtitan.protocols.module import Module
 # Not from the package: torchtitan_rl.config.job imports this module.
 from torchtitan_rl.config.errors import read_json
 from torchtitan_rl.models.families import FAMILIES, SUPPORTED_MODELS, Family  # noqa: F401
+from torchtitan_rl.models.gpt_oss import GptOssAdapter
 from torchtitan_rl.models.moe import use_project_moe
 from torchtitan_rl.models.tiny import EXTRA_FLAVORS
 
@@ -51,8 +52,10 @@ def _config(name: str, flavor: str, attn_backend: str = "flex"):
     extra = EXTRA_FLAVORS.get(name, {})
     if flavor in extra:
         return extra[flavor](attn_backend)
+    # Through the family's model_registry: its factories' arguments differ (gpt_oss's need a
+    # moe_comm_backend).
     module = importlib.import_module(f"torchtitan.models.{name}")
-    return getattr(module, FAMILIES[name].registry)[flavor](attn_backend=attn_backend)
+    return module.model_registry(flavor, attn_backend=attn_backend).model
 
 
 def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
@@ -66,6 +69,8 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     spec = module.model_registry("debugmodel", attn_backend=attn_backend)
     spec.flavor = flavor
     spec.model = _config(name, flavor, attn_backend)
+    if name == "gpt_oss":  # torchtitan's drops the experts (models/gpt_oss.py)
+        spec.state_dict_adapter = GptOssAdapter
     use_project_moe(spec.model)
     return spec
 

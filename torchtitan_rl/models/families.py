@@ -28,13 +28,7 @@ FAMILIES = {
     for family in (
         Family("qwen3", "qwen3_configs", ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
         Family("llama3", "llama3_configs", ("LlamaForCausalLM", None)),
-        Family(
-            "gpt_oss",
-            "gptoss_configs",
-            (None, "GptOssForCausalLM"),
-            refused="its attention sinks and alternating sliding windows are not in the "
-            "trainer's or the generator's attention yet",
-        ),
+        Family("gpt_oss", "gptoss_configs", (None, "GptOssForCausalLM")),
         Family(
             "deepseek_v3",
             "deepseekv3_configs",

@@ -11,6 +11,8 @@ on, and with a seam for recording and replaying the experts each token went to.
   (`batch_invariant.make_linears_invariant` sets each module's `batch_invariant`) it loops
   over the experts with `batch_invariant.ops.linear`, whose rows do not depend on how many
   tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows).
+- `OssExperts` replaces gpt-oss's `GptOssGroupedExperts` (biased, clamped SwiGLU over
+  interleaved gate/up rows), likewise: its own dtype, or looped under batch-invariant mode.
 - `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
   `torch.autocast(float32)` is a no-op on CPU, which has no fp32 autocast, and warns each
   call), through `ops.linear` under batch-invariant mode. `Router.record` reads routing out
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 
 from torchtitan_rl.batch_invariant import ops
 
@@ -56,25 +59,77 @@ class Experts(GroupedExperts):
             _local(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
         if self.batch_invariant:
-            return _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD)
+            w1s, w2s, w3s = w1_EFD.unbind(0), w2_EDF.unbind(0), w3_EFD.unbind(0)
+
+            def expert(rows_RD, e):
+                h_RF = F.silu(ops.linear(rows_RD, w1s[e])) * ops.linear(rows_RD, w3s[e])
+                return ops.linear(h_RF, w2s[e])
+
+            return _looped(x_RD, num_tokens_per_expert_E, expert)
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         h_RF = F.silu(torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=offsets_E))
         h_RF = h_RF * torch._grouped_mm(x_RD, w3_EFD.transpose(-2, -1), offs=offsets_E)
         return torch._grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offs=offsets_E)
 
 
-def _looped(x_RD, num_tokens_per_expert_E, w1_EFD, w2_EDF, w3_EFD) -> torch.Tensor:
-    """One batch-invariant GEMM per expert over the rows routed to it, in expert order.
-    (unbind: its backward stacks the experts' gradients once; indexing w[e] per expert would
-    allocate a whole [E, ...] gradient per expert, measured 12x slower at debugmodel_moe.)"""
+class OssExperts(GptOssGroupedExperts):
+    """gpt-oss's experts: mlp2(swiglu(mlp1 x + b1)) + b2, swiglu clamped at `swiglu_limit`
+    over interleaved (glu, linear) rows of mlp1 (torchtitan's `swiglu`), in x's dtype."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GptOssGroupedExperts.Config):
+        pass
+
+    batch_invariant = False
+    """Loop over the experts with batch-invariant GEMMs (`make_linears_invariant` sets it)."""
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
+        weights = (self.mlp1_weight_EGD, self.mlp1_bias_EG, self.mlp2_weight_EDF, self.mlp2_bias_ED)
+        w1_EGD, b1_EG, w2_EDF, b2_ED = (_local(w).to(x_RD.dtype) for w in weights)
+        limit = self.swiglu_limit
+        if self.batch_invariant:
+            w1s, b1s, w2s, b2s = (w.unbind(0) for w in (w1_EGD, b1_EG, w2_EDF, b2_ED))
+
+            def expert(rows_RD, e):
+                h_RF = swiglu(ops.linear(rows_RD, w1s[e], b1s[e]), limit=limit)
+                return ops.linear(h_RF, w2s[e], b2s[e])
+
+            return _looped(x_RD, num_tokens_per_expert_E, expert)
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_RG = torch._grouped_mm(x_RD, w1_EGD.transpose(-2, -1), offs=offsets_E)
+        h_RF = swiglu(h_RG + _per_row(b1_EG, num_tokens_per_expert_E, x_RD.shape[0]), limit=limit)
+        out_RD = torch._grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offs=offsets_E)
+        # Under TP every rank adds the bias before the partial sums are reduced: torchtitan
+        # divides it by the TP degree in the forward only.
+        b2_RD = _per_row(b2_ED, num_tokens_per_expert_E, x_RD.shape[0])
+        return out_RD + ScaleBiasForward.apply(b2_RD, _tp_degree(self.mlp1_weight_EGD), x_RD.dtype)
+
+
+def _per_row(bias_EX, num_tokens_per_expert_E, rows: int) -> torch.Tensor:
+    """Each routed row's expert bias; rows past the experts' counts (a dispatcher's padding)
+    get 0."""
+    counts_E = num_tokens_per_expert_E.long()
+    slack = (rows - counts_E.sum()).reshape(1)
+    padded_EX = torch.cat([bias_EX, bias_EX.new_zeros(1, bias_EX.shape[-1])])
+    return padded_EX.repeat_interleave(torch.cat([counts_E, slack]), dim=0, output_size=rows)
+
+
+def _tp_degree(weight: torch.Tensor) -> int:
+    if isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ()):
+        return weight.device_mesh.size(weight.device_mesh.mesh_dim_names.index("tp"))
+    return 1
+
+
+def _looped(x_RD, num_tokens_per_expert_E, expert) -> torch.Tensor:
+    """`expert(rows, e)` (batch-invariant GEMMs) on each expert's routed rows, in expert order.
+    (The callers unbind the weights: unbind's backward stacks the experts' gradients once;
+    indexing w[e] per expert would allocate a whole [E, ...] gradient per expert, measured 12x
+    slower at debugmodel_moe.)"""
     outputs, start = [], 0
-    w1s, w2s, w3s = w1_EFD.unbind(0), w2_EDF.unbind(0), w3_EFD.unbind(0)
     for e, count in enumerate(num_tokens_per_expert_E.tolist()):
-        rows_RD = x_RD[start : start + int(count)]
+        outputs.append(expert(x_RD[start : start + int(count)], e))
         start += int(count)
-        h_RF = F.silu(ops.linear(rows_RD, w1s[e])) * ops.linear(rows_RD, w3s[e])
-        outputs.append(ops.linear(h_RF, w2s[e]))
-    return torch.cat(outputs) if outputs else x_RD.new_zeros(0, w2_EDF.shape[1])
+    return torch.cat(outputs)
 
 
 class Router(TokenChoiceTopKRouter):
@@ -108,11 +163,12 @@ class Router(TokenChoiceTopKRouter):
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         if self.num_expert_groups is not None or self._debug_force_load_balance:
             raise NotImplementedError("group-limited and forced routing are not supported")
-        weight = self.gate.weight
+        weight, bias = self.gate.weight.float(), self.gate.bias  # gpt-oss's gate has a bias
+        bias = None if bias is None else bias.float()
         if self.batch_invariant:
-            logits_BLE = ops.linear(x_BLD.float(), weight.float())
+            logits_BLE = ops.linear(x_BLD.float(), weight, bias)
         else:
-            logits_BLE = F.linear(x_BLD.float(), weight.float())
+            logits_BLE = F.linear(x_BLD.float(), weight, bias)
         if self.score_func == "sigmoid":
             scores_BLE = torch.sigmoid(logits_BLE)
         else:
@@ -179,20 +235,27 @@ def take_counts(routers_: list[Router]) -> tuple[int, int]:
 
 
 def use_project_moe(model_config) -> None:
-    """Make every MoE layer of a torchtitan model config build `Experts` and `Router`, in
-    place (before build); parameter names and shapes stay torchtitan's."""
+    """Make every MoE layer of a torchtitan model config build `Experts` (`OssExperts` for
+    gpt-oss's) and `Router`, in place (before build); parameter names and shapes stay
+    torchtitan's."""
     for layer in model_config.layers:
         moe = getattr(layer, "moe", None)
         if moe is None:
             continue
         inner = moe.routed_experts.inner_experts
-        moe.routed_experts.inner_experts = Experts.Config(
+        sizes = dict(
             dim=inner.dim,
             hidden_dim=inner.hidden_dim,
             num_experts=inner.num_experts,
             param_init=inner.param_init,
             sharding_config=inner.sharding_config,
         )
+        if isinstance(inner, GptOssGroupedExperts.Config):
+            moe.routed_experts.inner_experts = OssExperts.Config(
+                swiglu_limit=inner.swiglu_limit, **sizes
+            )
+        else:
+            moe.routed_experts.inner_experts = Experts.Config(**sizes)
         router = moe.router
         moe.router = Router.Config(
             num_experts=router.num_experts,

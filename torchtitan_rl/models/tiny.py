@@ -5,7 +5,9 @@ demo (they match the checkpoints `scripts/make_tiny_checkpoint.py` writes).
 
 Each reuses the private helpers torchtitan builds its own flavors with, so a tiny model has the
 real ones' structure: fused QKV, QK-norm, tied embeddings, and for `tiny_moe` Qwen3-MoE's
-router (softmax, top-k renormalized) and SwiGLU experts.
+router (softmax, top-k renormalized) and SwiGLU experts; gpt-oss's `tiny`: attention sinks,
+a sliding window on every other layer, YaRN RoPE, biased projections and clamped SwiGLU
+experts.
 """
 
 from collections.abc import Callable
@@ -102,8 +104,101 @@ def llama3_tiny(attn_backend: str):
     )
 
 
+GPT_OSS_WINDOW = 16
+"""The tiny gpt-oss's sliding window (gpt-oss's is 128): shorter than the tests' sequences, so
+they cross it."""
+
+
+def gpt_oss_tiny(attn_backend: str):
+    """gpt-oss at the tiny size: 2 layers (the first with a sliding window, as gpt-oss's even
+    layers), 4 heads over 2 kv heads with sinks, 8 experts of width 64 (top 2) with biases, and
+    gpt-oss's YaRN RoPE (factor 32) over an original context of 32 tokens, so the tests'
+    positions reach its scaled frequencies. torchtitan's layer builder fixes 64 heads and a
+    128 window, so the layers are built here with its per-layer helpers."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+    from torchtitan.models.gpt_oss import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        _depth_init,
+        _make_gptoss_attn_config,
+        _make_gptoss_experts_config,
+        _output_linear_init,
+    )
+    from torchtitan.models.gpt_oss.model import GptOssModel, GptOssTransformerBlock
+    from torchtitan.models.gpt_oss.moe import GptOssMoE
+
+    experts, top_k = 8, 2
+    rope = CosSinRoPE.Config(
+        dim=HEAD_DIM,
+        max_seq_len=1024,
+        theta=150000.0,
+        scaling="yarn",
+        rope_factor=32,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_seq_len=32,
+    )
+    layers = []
+    for layer_id in range(2):
+        router = TokenChoiceTopKRouter.Config(
+            num_experts=experts,
+            score_func="softmax",
+            route_norm=True,
+            gate=Linear.Config(
+                in_features=DIM, out_features=experts, bias=True, param_init=_depth_init(layer_id)
+            ),
+            top_k=top_k,
+        )
+        routed = _make_gptoss_experts_config(
+            dim=DIM,
+            hidden_dim=64,
+            num_experts=experts,
+            layer_id=layer_id,
+            top_k=top_k,
+            moe_comm_backend="standard",
+        )
+        attention = _make_gptoss_attn_config(
+            dim=DIM,
+            layer_id=layer_id,
+            attn_backend=attn_backend,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=HEAD_DIM,
+            sliding_window_size=GPT_OSS_WINDOW if layer_id % 2 == 0 else None,
+            rope=rope,
+        )
+        layers.append(
+            GptOssTransformerBlock.Config(
+                attention=attention,
+                attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+                ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+                moe=GptOssMoE.Config(
+                    num_experts=experts,
+                    load_balance_coeff=1e-3,
+                    routed_experts=routed,
+                    router=router,
+                ),
+            )
+        )
+    return GptOssModel.Config(
+        vocab_size=VOCAB_SIZE,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=_EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB_SIZE, param_init=_output_linear_init(DIM)
+        ),
+        layers=layers,
+    )
+
+
 # {model name: {flavor: config factory(attn_backend)}}
 EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "qwen3": {"tiny": qwen3_tiny, "tiny_moe": qwen3_tiny_moe},
     "llama3": {"tiny": llama3_tiny},
+    "gpt_oss": {"tiny": gpt_oss_tiny},
 }

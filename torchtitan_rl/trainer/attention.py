@@ -7,10 +7,13 @@ torchtitan's attention hands its inner attention `attention_masks` unchanged: No
 right-padded rows, a `Documents` (torchtitan's `VarlenMetadata`: cumulative document starts)
 for packed ones. `platform.packed_attention_kernel()` picks the packed kernel: varlen flash
 attention on CUDA; on CPU (no varlen kernel, no FlexAttention backward) SDPA per document,
-which measured fastest (docs/trainer_and_generator.md, "Packed micro-batches"). Shapes: B rows,
-L tokens, N heads, H head dim.
+which measured fastest (docs/trainer_and_generator.md, "Packed micro-batches"). gpt-oss's
+layers (a sliding `window`, or attention sinks: torchtitan passes their rescale as
+`out_transform`) run `sink_attention` on both, per document. Shapes: B rows, L tokens, N heads,
+H head dim.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ from torchtitan_rl.trainer.packed_attention import (  # noqa: F401
     per_document,
     runs,
     sdpa_per_document,
+    sink_attention,
     spans,
     varlen,
 )
@@ -51,15 +55,29 @@ class DocumentCausalAttention(Module):
     class Config(Module.Config):
         packed: Callable[..., torch.Tensor] = sdpa_per_document
         """Attention of one packed row: fn(q, k, v, docs, scale=, enable_gqa=)."""
+        window: int | None = None
+        """The layer's sliding window (gpt-oss's sliding layers), None: causal over all keys."""
 
     def __init__(self, config: Config | None = None):
         super().__init__()
+        config = config or self.Config()
         # Right-padded rows run torchtitan's own SDPA module (its backend priority on CUDA).
         self.padded = ScaledDotProductAttention(ScaledDotProductAttention.Config())
-        self.packed = (config or self.Config()).packed
+        self.packed = config.packed
+        self.window = config.window
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **kwargs):
         enable_gqa = kwargs.get("enable_gqa", False)
+        out_transform = kwargs.get("out_transform")
+        if self.window is not None or out_transform is not None:
+            kernel = functools.partial(
+                sink_attention, window=self.window, out_transform=out_transform
+            )
+            if attention_masks is None:
+                return kernel(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa)
+            return per_document(
+                kernel, q_BLNH, k_BLNH, v_BLNH, attention_masks, scale=scale, enable_gqa=enable_gqa
+            )
         if attention_masks is None:
             return self.padded(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa)
         return self.packed(

@@ -8,6 +8,8 @@ A packed row holds several sequences end to end; `docs` gives their cumulative s
 Every sequence attends causally to itself only. Shapes: B rows, L tokens, N heads, H head dim.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -85,6 +87,31 @@ def masked_sdpa(q_1LNH, k_1LNH, v_1LNH, docs, scale=None, enable_gqa=False):
     position = torch.arange(L, device=q_1LNH.device)
     mask_LL = (doc_L[:, None] == doc_L[None, :]) & (position[:, None] >= position[None, :])
     return causal_sdpa(q_1LNH, k_1LNH, v_1LNH, scale, enable_gqa, mask_LL=mask_LL)
+
+
+def sink_attention(
+    q_BLNH, k_BLNH, v_BLNH, scale=None, enable_gqa=False, window=None, out_transform=None
+):
+    """Causal attention of (B, L, N, H) rows in plain ops, fp32 scores, for gpt-oss's layers:
+    within the last `window` keys (itself included) when given, and with `out_transform`
+    (torchtitan's attention-sink rescale: fn(out_BLNH, lse_BLN)) applied to the output and
+    each query's logsumexp of scores. Every step is differentiable, the logsumexp included
+    (flash kernels return it without a gradient). Memory: the L x L scores of each head."""
+    L, N, H = q_BLNH.shape[1:]
+    q_BNLH, k_BNLH, v_BNLH = (x.transpose(1, 2).float() for x in (q_BLNH, k_BLNH, v_BLNH))
+    if k_BNLH.shape[1] != N:  # GQA: consecutive query heads share a kv head (as SDPA's)
+        k_BNLH, v_BNLH = (x.repeat_interleave(N // x.shape[1], dim=1) for x in (k_BNLH, v_BNLH))
+    scale = H**-0.5 if scale is None else scale
+    position = torch.arange(L, device=q_BLNH.device)
+    back_LL = position[:, None] - position[None, :]
+    visible_LL = (back_LL >= 0) if window is None else (back_LL >= 0) & (back_LL < window)
+    scores_BNLL = (q_BNLH @ k_BNLH.transpose(-1, -2) * scale).masked_fill(~visible_LL, -math.inf)
+    lse_BNL = torch.logsumexp(scores_BNLL, dim=-1)
+    out_BLNH = ((scores_BNLL - lse_BNL[..., None]).exp() @ v_BNLH).transpose(1, 2)
+    out_BLNH = out_BLNH.to(q_BLNH.dtype)
+    if out_transform is None:
+        return out_BLNH
+    return out_transform(out_BLNH, lse_BNL.transpose(1, 2))
 
 
 def varlen_arguments(q_1LNH, k_1LNH, v_1LNH, docs, scale=None, enable_gqa=False):
