@@ -25,6 +25,10 @@ MOE_MODEL = (
     *("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"),
     *("--parallelism.ep", "2"),
 )
+GPT_OSS_MODEL = (
+    *("--model.name", "gpt_oss", "--model.flavor", "tiny"),
+    *("--model.hf_checkpoint", "assets/tiny_gpt_oss", "--parallelism.ep", "2"),
+)
 MOE = (
     *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
     *MOE_MODEL,

@@ -98,3 +98,9 @@ def engine_plain(tmp_path_factory) -> list[dict]:
 def engine_plain_llama3(tmp_path_factory) -> list[dict]:
     """The tiny Llama3 in a plain process, the generator's checks."""
     return engine_world(tmp_path_factory, 0, "llama3", "generator")
+
+
+@pytest.fixture(scope="session")
+def engine_plain_gpt_oss(tmp_path_factory) -> list[dict]:
+    """The tiny gpt-oss in a plain process, the generator's and the weight sync's checks."""
+    return engine_world(tmp_path_factory, 0, "gpt_oss", "generator,weight_sync")

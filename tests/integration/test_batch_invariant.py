@@ -56,7 +56,12 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_p
 
 @pytest.mark.parametrize(
     ("dtype", "mode", "model"),
-    [("bfloat16", "true", "moe"), ("float32", "false", "dense"), ("bfloat16", "false", "dense")],
+    [
+        ("bfloat16", "true", "moe"),
+        ("bfloat16", "true", "gpt_oss"),
+        ("float32", "false", "dense"),
+        ("bfloat16", "false", "dense"),
+    ],
 )
 def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, model, tmp_path):
     """3 RL steps that move the weights, then the probes: with the mode on every difference
@@ -64,8 +69,11 @@ def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, model, tmp_p
     mode on is the demo above. The bf16 case with the mode on is the mixture-of-experts tiny
     Qwen3 with its experts split over the ranks (EP = 2): routing is a top-k of batch-invariant
     gate logits, so both sides pick the same experts, whose batch-invariant GEMMs then give
-    the same bits however many tokens share an expert."""
-    model_flags = runs.MOE_MODEL if model == "moe" else ()
+    the same bits however many tokens share an expert. The other bf16 case with the mode on is
+    the tiny gpt-oss (EP = 2), whose prompts of up to 200 tokens cross its 16-token sliding
+    window, with its attention sinks: both sides attend with `ops.attention` and rescale by
+    its chunked logsumexp."""
+    model_flags = {"moe": runs.MOE_MODEL, "gpt_oss": runs.GPT_OSS_MODEL}.get(model, ())
     result = probe(
         tmp_path,
         *("--training.steps", "3", "--training.lr", "1e-2", *model_flags),

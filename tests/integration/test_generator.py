@@ -90,3 +90,20 @@ def test_llama3_in_a_plain_process(engine_plain_llama3):
     assert all(run["greedy_match"])
     assert run["generator_params"] == run["trainer_params"]
     assert "layers.1.attention.qkv_linear.wqkv.weight" in run["generator_params"]
+
+
+def test_gpt_oss_in_a_plain_process(engine_plain_gpt_oss):
+    """gpt-oss's attention in vLLM's CPU kernel (its sinks, the sliding window of layer 0)
+    against the trainer's `sink_attention`: the 150-token prompt crosses the 16-token window
+    and a 128-token KV block. Weight sync reaches the sinks, in place."""
+    run, sync = engine_plain_gpt_oss[0]["generator"], engine_plain_gpt_oss[0]["weight_sync"]
+    assert max(run["logprob_diffs"]) <= 1e-5, run["logprob_diffs"]
+    assert max(run["lengths"]) > 1 and all(run["greedy_match"])
+    # The generator's weights are the trainer's parameters and the routers' bias buffers.
+    bias = {"layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"}
+    assert run["generator_params"].keys() - bias == run["trainer_params"].keys()
+    assert run["generator_params"]["layers.0.attention.sinks"] == (4,)
+    assert sync["stale_params_before_sync"] == sync["num_params"] == 29
+    assert sync["mismatched_after_sync"] == []
+    assert max(sync["diff_before_step"], sync["diff_long"], sync["diff_short"]) <= 1e-5
+    assert sync["diff_stale_cache"] > 1e-2

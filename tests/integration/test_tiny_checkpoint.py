@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.launch import REPO, run_helper
 from helpers.titan import torchtitan_logits
@@ -52,19 +53,23 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").stat().st_size < 5 * 2**20
 
 
-def test_vllm_loads_it_and_greedy_matches_torchtitan():
+@pytest.mark.parametrize(("name", "max_tokens"), [("qwen3", 6), ("gpt_oss", 30)])
+def test_vllm_loads_it_and_greedy_matches_torchtitan(name, max_tokens):
+    """vLLM's own model class for the checkpoint (Qwen3ForCausalLM, GptOssForCausalLM: its
+    sinks and sliding window in its CPU kernel, its YaRN RoPE) reads what the adapter wrote.
+    gpt-oss's 43 tokens cross its 16-token window and 32-token original context."""
     from transformers import AutoTokenizer
 
-    max_tokens = 6
-    result = run_helper("vllm_greedy.py", str(TINY), PROMPT, str(max_tokens))
+    path = REPO / "assets" / f"tiny_{name}"
+    result = run_helper("vllm_greedy.py", str(path), PROMPT, str(max_tokens))
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == max_tokens
 
     # Replay vLLM's completion through torchtitan: each token must be the argmax, with the
     # logprob vLLM reported (fp32; generator and trainer differ by ~1e-6, see DESIGN.md).
-    ids = AutoTokenizer.from_pretrained(TINY)(PROMPT)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
     logprobs_TV = torch.log_softmax(
-        torchtitan_logits(str(TINY), ids + out["token_ids"]).float(), dim=-1
+        torchtitan_logits(str(path), ids + out["token_ids"], "tiny", name).float(), dim=-1
     )
     for i, token in enumerate(out["token_ids"]):
         row = logprobs_TV[len(ids) - 1 + i]

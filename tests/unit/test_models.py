@@ -1,7 +1,9 @@
 """The model families and this project's mixture-of-experts modules (torchtitan_rl/models/):
-the experts' two kernels agree, routing can be recorded and replayed with gradients reaching
-the gate, batch-invariant experts give a token the same bits whoever shares its expert, and
-weight sync's tensors include the router bias. MoE runs end to end: test_moe.py.
+the experts' two kernels agree (qwen3's and gpt-oss's), routing can be recorded and replayed
+with gradients reaching the gate, batch-invariant experts give a token the same bits whoever
+shares its expert, and weight sync's tensors include the router bias. gpt-oss's attention
+(sinks, sliding window): the trainer's kernels against HF's formula, packed against alone.
+MoE runs end to end: test_moe.py; gpt-oss against HF and vLLM: test_tiny_checkpoint.py.
 
     .venv/bin/python -m pytest tests/unit/test_models.py
 """
@@ -11,22 +13,25 @@ import torch
 
 from torchtitan_rl import batch_invariant
 from torchtitan_rl.models import flavors, model_spec, moe, weights
-from torchtitan_rl.models.moe import Experts, Router, routers
+from torchtitan_rl.models.moe import Experts, OssExperts, Router, routers
+from torchtitan_rl.trainer.attention import DocumentCausalAttention, documents, sink_attention
+
+MOE_MODELS = [("qwen3", "tiny_moe"), ("gpt_oss", "tiny")]
 
 
-def tiny_moe(seed: int = 0):
+def tiny_moe(seed: int = 0, name: str = "qwen3", flavor: str = "tiny_moe"):
     torch.manual_seed(seed)
-    model = model_spec("qwen3", "tiny_moe").model.build()
+    model = model_spec(name, flavor).model.build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     return model
 
 
-def experts_input(seed: int = 0):
+def experts_input(seed: int = 0, model=MOE_MODELS[0]):
     """8 experts of width 64 over dim 128; 40 routed rows, unevenly spread (one expert gets
     none)."""
     torch.manual_seed(seed)
-    experts = tiny_moe(seed).layers["0"].moe.routed_experts.inner_experts
+    experts = tiny_moe(seed, *model).layers["0"].moe.routed_experts.inner_experts
     counts = torch.tensor([9, 0, 3, 12, 1, 5, 6, 4])
     return experts, torch.randn(int(counts.sum()), 128, requires_grad=True), counts
 
@@ -38,10 +43,14 @@ def test_every_registry_is_found_under_its_own_name():
     layer = tiny_moe().layers["0"].moe
     assert isinstance(layer.router, Router)
     assert isinstance(layer.routed_experts.inner_experts, Experts)
+    oss = tiny_moe(0, "gpt_oss", "tiny").layers["0"].moe
+    assert isinstance(oss.routed_experts.inner_experts, OssExperts)
+    assert oss.router.gate.bias is not None  # gpt-oss's gate is biased: Router adds it
 
 
-def test_grouped_and_looped_experts_agree_values_and_gradients():
-    experts, x_RD, counts = experts_input()
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_grouped_and_looped_experts_agree_values_and_gradients(model):
+    experts, x_RD, counts = experts_input(model=model)
     grouped = experts(x_RD, counts)
     (grad_grouped,) = torch.autograd.grad(grouped.square().sum(), x_RD)
     batch_invariant.make_linears_invariant(experts)
@@ -54,9 +63,10 @@ def test_grouped_and_looped_experts_agree_values_and_gradients():
     assert grouped.abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("model", MOE_MODELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_invariant_experts_give_a_row_the_same_bits_whoever_shares_its_expert(dtype):
-    experts, x_RD, counts = experts_input()
+def test_batch_invariant_experts_give_a_row_the_same_bits_whoever_shares_its_expert(dtype, model):
+    experts, x_RD, counts = experts_input(model=model)
     batch_invariant.make_linears_invariant(experts)
     experts = experts.to(dtype)
     x_RD = x_RD.detach().to(dtype)
@@ -122,3 +132,86 @@ def test_weight_sync_carries_the_router_bias_and_no_derived_buffer():
     }
     dense = model_spec("qwen3", "tiny").model.build()
     assert set(weights(dense)) == {n for n, _ in dense.named_parameters()}
+
+
+def gpt_oss_attention_input(L: int, seed: int = 0):
+    """q [1, L, 4, 32], k and v [1, L, 2, 32] (gpt-oss's tiny GQA), and 4 sinks, all leaves."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, L, n, 32, generator=g) for n in (4, 2, 2))
+    sinks = torch.randn(4, generator=g)
+    return [x.requires_grad_() for x in (q, k, v, sinks)]
+
+
+def hf_eager_attention(q, k, v, sinks, window):
+    """HF transformers' gpt-oss eager attention: the sink a softmax column of its own."""
+    q_NLH, k_NLH, v_NLH = (x[0].transpose(0, 1) for x in (q, k, v))
+    k_NLH, v_NLH = (x.repeat_interleave(2, dim=0) for x in (k_NLH, v_NLH))
+    scores_NLL = q_NLH @ k_NLH.transpose(1, 2) * 32**-0.5
+    i = torch.arange(q.shape[1])
+    allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+    scores_NLL = scores_NLL.masked_fill(~allowed, float("-inf"))
+    sink_NL1 = sinks[:, None, None].expand(-1, q.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores_NLL, sink_NL1], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v_NLH).transpose(0, 1)[None]
+
+
+def test_sink_attention_is_hf_gpt_oss_attention_values_and_gradients():
+    """torchtitan's sink rescale of `sink_attention`'s output and logsumexp equals the sink as
+    a softmax column, gradients to q, k and the sinks included. The logsumexp's gradient
+    matters: with it detached, q's and k's gradients here are off by 3.3 and 4.6."""
+    from torchtitan.models.gpt_oss.model import apply_attention_sink_rescale
+
+    q, k, v, sinks = gpt_oss_attention_input(40)
+    rescale = lambda out, lse: apply_attention_sink_rescale(out, lse, sinks)  # noqa: E731
+    ours = sink_attention(q, k, v, window=16, out_transform=rescale)
+    reference = hf_eager_attention(q, k, v, sinks, window=16)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    grads_ours = torch.autograd.grad(ours.square().sum(), (q, k, sinks))
+    grads_reference = torch.autograd.grad(reference.square().sum(), (q, k, sinks))
+    for mine, theirs in zip(grads_ours, grads_reference, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    # Both matter: without the window or the sinks the output is another.
+    assert not torch.allclose(sink_attention(q, k, v, out_transform=rescale), ours, atol=1e-3)
+    assert not torch.allclose(sink_attention(q, k, v, window=16), ours, atol=1e-3)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_gpt_oss_layer_attention_packed_equals_each_sequence_alone(invariant):
+    """A packed row of three sequences (one shorter than the 16-token window, two longer)
+    through the inner attention the trainer builds for gpt-oss's windowed layer (plain, or
+    batch-invariant) gives each sequence what it gets alone; the batch-invariant one gives the
+    same bits, and agrees with the plain one."""
+    from torchtitan.models.gpt_oss.model import apply_attention_sink_rescale
+
+    q, k, v, sinks = gpt_oss_attention_input(20 + 7 + 33)
+    rescale = lambda out, lse: apply_attention_sink_rescale(out, lse, sinks)  # noqa: E731
+    if invariant:
+        attention = batch_invariant.CausalAttention(
+            batch_invariant.CausalAttention.Config(window=16)
+        )
+    else:
+        attention = DocumentCausalAttention(DocumentCausalAttention.Config(window=16))
+    packed = attention(
+        q,
+        k,
+        v,
+        attention_masks=documents([20, 7, 33], torch.device("cpu")),
+        enable_gqa=True,
+        out_transform=rescale,
+    )
+    for start, end in ((0, 20), (20, 27), (27, 60)):
+        alone = attention(
+            q[:, start:end],
+            k[:, start:end],
+            v[:, start:end],
+            enable_gqa=True,
+            out_transform=rescale,
+        )
+        if invariant:
+            assert torch.equal(packed[:, start:end], alone)
+        else:
+            torch.testing.assert_close(packed[:, start:end], alone, rtol=1e-6, atol=1e-6)
+        plain = sink_attention(
+            q[:, start:end], k[:, start:end], v[:, start:end], window=16, out_transform=rescale
+        )
+        torch.testing.assert_close(alone, plain, rtol=1e-5, atol=1e-6)

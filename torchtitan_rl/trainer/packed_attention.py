@@ -96,7 +96,8 @@ def sink_attention(
     within the last `window` keys (itself included) when given, and with `out_transform`
     (torchtitan's attention-sink rescale: fn(out_BLNH, lse_BLN)) applied to the output and
     each query's logsumexp of scores. Every step is differentiable, the logsumexp included
-    (flash kernels return it without a gradient). Memory: the L x L scores of each head."""
+    (without its gradient, q's and k's are wrong: tests/unit/test_models.py). Memory: the
+    L x L scores of each head."""
     L, N, H = q_BLNH.shape[1:]
     q_BNLH, k_BNLH, v_BNLH = (x.transpose(1, 2).float() for x in (q_BLNH, k_BLNH, v_BLNH))
     if k_BNLH.shape[1] != N:  # GQA: consecutive query heads share a kv head (as SDPA's)
