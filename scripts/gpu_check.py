@@ -16,10 +16,18 @@ each catching its own error so that one failure does not hide the others:
 - "batch_invariance": a row's GEMM and log_softmax bits at several batch sizes, plain and under
   `batch_invariant_ops` (torchtitan's set_batch_invariance uses it) where it is installed;
 - "process_groups": a `cpu:gloo,cuda:nccl` world (platform.init_distributed): a host tensor
-  through gloo (platform.all_reduce_host), a device tensor through NCCL, a subgroup.
+  through gloo (platform.all_reduce_host), a device tensor through NCCL, a subgroup;
+- "grouped_mm": `torch._grouped_mm` as models/moe.py's experts call it (rows grouped by
+  expert, the weights [E, out, in] transposed), in fp32 and bf16, against a loop over the
+  experts, at a gpt-oss-20b expert layer's shape (4 experts per rank under EP = 8);
+- "sink_attention": `packed_attention.sink_attention` (gpt-oss's layers: sinks, a 128-token
+  window) on a long-tailed packed row at gpt-oss-20b's attention shape, bf16 against fp32,
+  forward and backward; its window against flash varlen_attn's (window_size (127, 0)) without
+  sinks; time and peak memory against varlen's for the same row.
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -35,6 +43,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan_rl import platform  # noqa: E402  (plain torch, like the two below)
 from torchtitan_rl.trainer import packed_attention  # noqa: E402
 from torchtitan_rl.trainer.logprobs import head_logprobs  # noqa: E402
+
+
+def gqa_shim_for_old_torch() -> str:
+    """torch 2.11's varlen_attn has no `enable_gqa` (2.13's, which this project pins, has): on
+    such a torch, wrap it to repeat the kv heads itself, so the checks still run the flash
+    kernel through `packed_attention.varlen`. Returns what it did."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen_module
+
+    original = varlen_module.varlen_attn
+    if "enable_gqa" in inspect.signature(original).parameters:
+        return "none"
+
+    def varlen_attn(q, k, v, *args, enable_gqa=False, **kwargs):
+        if enable_gqa and k.shape[-2] != q.shape[-2]:
+            k, v = (x.repeat_interleave(q.shape[-2] // x.shape[-2], dim=-2) for x in (k, v))
+        return original(q, k, v, *args, **kwargs)
+
+    varlen_module.varlen_attn = varlen_attn
+    return f"torch {torch.__version__}: varlen_attn lacks enable_gqa; kv heads repeated"
 
 
 def docs_of(lengths: list[int], device) -> SimpleNamespace:
@@ -62,6 +91,12 @@ def synced_ms(fn) -> tuple[object, float]:
     return out, 1000 * (time.perf_counter() - began)
 
 
+def warm_ms(fn) -> tuple[object, float]:
+    """`synced_ms` of a second call: the first pays for kernel selection and allocation."""
+    fn()
+    return synced_ms(fn)
+
+
 def check_varlen(device, small: bool) -> dict:
     lengths = [37, 5, 9, 3] if small else [1811, 903, 377, 150, 64, 33, 17, 5, 1]
     N, K, H = (4, 2, 16) if small else (16, 8, 128)  # Qwen3-0.6B: 16 query, 8 kv heads of 128
@@ -78,8 +113,8 @@ def check_varlen(device, small: bool) -> dict:
         return out.detach().float(), [x.grad.float() for x in (q, k, v)]
 
     bf16 = torch.bfloat16
-    (out, grads), varlen_ms = synced_ms(lambda: run(packed_attention.varlen, bf16))
-    (sdpa, sdpa_grads), sdpa_ms = synced_ms(lambda: run(packed_attention.sdpa_per_document, bf16))
+    (out, grads), varlen_ms = warm_ms(lambda: run(packed_attention.varlen, bf16))
+    (sdpa, sdpa_grads), sdpa_ms = warm_ms(lambda: run(packed_attention.sdpa_per_document, bf16))
     ref, ref_grads = run(packed_attention.sdpa_per_document, torch.float32)
 
     # Causal per document: a later token's key/value change leaves earlier outputs' bits.
@@ -213,6 +248,109 @@ def check_process_groups(device) -> dict:
     }
 
 
+def check_grouped_mm(device, small: bool) -> dict:
+    E, D, G = (4, 64, 128) if small else (4, 2880, 5760)  # gpt-oss-20b: mlp1 [E, 2F, D]
+    counts = [37, 0, 5, 90] if small else [1500, 0, 600, 1996]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x_cpu = torch.randn(sum(counts), D, generator=g)
+    w_cpu = torch.randn(E, G, D, generator=g) * D**-0.5
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(device, torch.int32)
+    figures = {"rows": sum(counts), "experts": E, "dim": D, "out": G}
+    reference = torch.cat(
+        [x.double() @ w.double().t() for x, w in zip(x_cpu.split(counts), w_cpu, strict=True)]
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = x_cpu.to(device, dtype), w_cpu.to(device, dtype)
+        try:
+            out, grouped_ms = warm_ms(
+                lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+            )
+        except Exception as e:  # noqa: BLE001  (a dtype without a kernel is this figure)
+            figures[str(dtype)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            continue
+        loop, loop_ms = warm_ms(
+            lambda x=x, w=w: torch.cat([a @ b.t() for a, b in zip(x.split(counts), w, strict=True)])
+        )
+        figures[str(dtype).removeprefix("torch.")] = {
+            "max_err_vs_fp64": (out.double().cpu() - reference).abs().max().item(),
+            "loop_max_err_vs_fp64": (loop.double().cpu() - reference).abs().max().item(),
+            "out_dtype": str(out.dtype).removeprefix("torch."),
+            "grouped_ms": round(grouped_ms, 3),
+            "loop_ms": round(loop_ms, 3),
+        }
+    return figures
+
+
+def check_sink_attention(device, small: bool) -> dict:
+    lengths = [37, 5, 20, 3] if small else [1811, 903, 377, 150, 64, 33, 17, 5, 1]
+    N, K, H, window = (4, 2, 16, 8) if small else (64, 8, 64, 128)  # gpt-oss-20b's attention
+    g = torch.Generator(device="cpu").manual_seed(0)
+    L = sum(lengths)
+    base = [torch.randn(1, L, heads, H, generator=g) for heads in (N, K, K)]
+    sinks_cpu = torch.randn(N, generator=g)
+    docs = docs_of(lengths, device)
+    grad_out = torch.randn(1, L, N, H, generator=g).to(device)
+
+    def rescale(sinks):  # torchtitan's gpt-oss apply_attention_sink_rescale
+        def transform(out, lse):
+            return out * torch.sigmoid(lse - sinks.view(1, 1, -1)).unsqueeze(-1).to(out.dtype)
+
+        return transform
+
+    def run(dtype, kernel=None):
+        q, k, v = (x.to(device, dtype).requires_grad_() for x in base)
+        sinks = sinks_cpu.to(device).requires_grad_()
+        if kernel is None:
+
+            def kernel(q, k, v, **kwargs):
+                return packed_attention.sink_attention(
+                    q, k, v, window=window, out_transform=rescale(sinks), **kwargs
+                )
+
+        out = packed_attention.per_document(kernel, q, k, v, docs, enable_gqa=True)
+        out.backward(grad_out.to(dtype))
+        return out.detach().float(), [x.grad.float() for x in (q, k, v, sinks)]
+
+    (out, grads), sink_gib = peak_gib(device, lambda: run(torch.bfloat16))
+    _, sink_ms = warm_ms(lambda: run(torch.bfloat16))
+    ref, ref_grads = run(torch.float32)
+    figures = {
+        "tokens": L,
+        "window": window,
+        "fwd_max_err_vs_fp32": (out - ref).abs().max().item(),
+        "bwd_max_err_vs_fp32": max(
+            (a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True)
+        ),
+        "sink_attention_fwd_bwd_ms": round(sink_ms, 2),
+        "sink_attention_peak_gib": sink_gib and round(sink_gib, 3),
+    }
+    if device.type != "cuda":
+        return figures
+    from torch.nn.attention.varlen import varlen_attn
+
+    def flash(dtype, window_size):
+        q, k, v = (x.to(device, dtype).requires_grad_() for x in base)
+        args, kwargs = packed_attention.varlen_arguments(q, k, v, docs, enable_gqa=True)
+        out = varlen_attn(*args, **{**kwargs, "window_size": window_size}).view_as(q)
+        out.backward(grad_out.to(dtype))
+        return out.detach().float()
+
+    (flash_out, flash_gib) = peak_gib(device, lambda: flash(torch.bfloat16, (window - 1, 0)))
+    _, flash_ms = warm_ms(lambda: flash(torch.bfloat16, (window - 1, 0)))
+    q, k, v = (x.to(device, torch.bfloat16) for x in base)
+    with torch.no_grad():
+        windowed = packed_attention.per_document(
+            functools.partial(packed_attention.sink_attention, window=window),
+            q, k, v, docs, enable_gqa=True,
+        ).float()  # fmt: skip
+    figures |= {
+        "window_vs_flash_max_diff": (windowed - flash_out).abs().max().item(),
+        "flash_window_fwd_bwd_ms": round(flash_ms, 2),
+        "flash_window_peak_gib": round(flash_gib, 3),
+    }
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="small shapes (CPU runs)")
@@ -222,12 +360,16 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    if device.type == "cuda":
+        figures["gqa_shim"] = gqa_shim_for_old_torch()
     began = time.perf_counter()
     checks = {
         "varlen": lambda: check_varlen(device, args.small),
         "head": lambda: check_head(device, args.small),
         "batch_invariance": lambda: check_batch_invariance(device),
         "process_groups": lambda: check_process_groups(device),
+        "grouped_mm": lambda: check_grouped_mm(device, args.small),
+        "sink_attention": lambda: check_sink_attention(device, args.small),
     }
     for name, check in checks.items():
         try:

@@ -15,14 +15,17 @@ RESULT = "RESULT "
 
 def ensure_checkpoint(path: str) -> None:
     """Write the tiny (or, for a path naming "debug", the debugmodel-sized) checkpoint once;
-    a path naming "moe" gets the mixture-of-experts flavor of that size."""
+    a path naming "moe" gets qwen3's mixture-of-experts flavor of that size, one naming
+    "gpt_oss" gpt-oss's."""
     if (Path(path) / "torchtitan.json").is_file():
         return
     name = Path(path).name
+    model = "gpt_oss" if "gpt_oss" in name else "qwen3"
     flavor = "debugmodel" if "debug" in name else "tiny"
     flavor = f"{flavor}_moe" if "moe" in name else flavor
     script = str(REPO / "scripts" / "make_tiny_checkpoint.py")
-    subprocess.run([sys.executable, script, "--out", path, "--flavor", flavor], check=True)
+    command = [sys.executable, script, "--out", path, "--model", model, "--flavor", flavor]
+    subprocess.run(command, check=True)
 
 
 def report(result: dict) -> None:

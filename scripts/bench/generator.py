@@ -7,7 +7,8 @@ alternating over --trials): the same prompts, sampling parameters and per-reques
 untimed warm-up round per engine, then the median of all timed rounds of a side. Prints one
 JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and `ratio` = ours / native (target
 >= 0.95). `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
-on first use by scripts/make_tiny_checkpoint.py.
+on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3's
+debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel).
 """
 
 import argparse
@@ -27,13 +28,15 @@ def measure(args: argparse.Namespace) -> dict:
     from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection
     from torchtitan_rl.generator.engine import Generator
 
-    flavor = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())["flavor"]
+    recipe = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())
     generator = Generator(
         generator=GeneratorSection(
             max_model_len=args.prompt_len + args.max_tokens + 8,
             sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens),
         ),
-        model=ModelSection(hf_checkpoint=args.checkpoint, flavor=flavor),
+        model=ModelSection(
+            name=recipe["name"], flavor=recipe["flavor"], hf_checkpoint=args.checkpoint
+        ),
         native=args.side == "native",
     )
     g = torch.Generator().manual_seed(0)

@@ -411,3 +411,8 @@ def test_gpu_check_runs_its_checks_at_small_shapes(monkeypatch, capsys):
     assert varlen["fwd_max_err_vs_fp32"] < 2e-2 and varlen["bwd_max_err_vs_fp32"] < 5e-2
     assert figures["head"]["logprob_max_diff"] < 1e-3
     assert figures["process_groups"]["host_all_reduce"]
+    for dtype, tolerance in (("float32", 1e-5), ("bfloat16", 5e-2)):
+        grouped = figures["grouped_mm"][dtype]
+        assert grouped["out_dtype"] == dtype and grouped["max_err_vs_fp64"] < tolerance
+    sink = figures["sink_attention"]
+    assert sink["fwd_max_err_vs_fp32"] < 5e-2 and sink["bwd_max_err_vs_fp32"] < 5e-2

@@ -22,6 +22,7 @@ GPU_RECIPES = {
     "run_configs/qwen3_0.6b.toml",
     "run_configs/qwen3_1.7b.toml",
     "run_configs/qwen3_30b_a3b.toml",
+    "run_configs/gpt_oss_20b.toml",
 }
 
 

@@ -4,6 +4,8 @@ engine itself: tests/integration/test_generator.py.
     .venv/bin/python -m pytest tests/unit/test_generator.py
 """
 
+import pytest
+
 
 def test_plugin_entry_point_registers_the_architecture():
     from vllm import ModelRegistry
@@ -15,28 +17,38 @@ def test_plugin_entry_point_registers_the_architecture():
     assert ARCH in ModelRegistry.get_supported_archs()
 
 
-def test_packed_experts_compute_the_trainers_moe_layer_and_follow_weight_updates():
+@pytest.mark.parametrize(("name", "flavor"), [("qwen3", "tiny_moe"), ("gpt_oss", "tiny")])
+def test_packed_experts_compute_the_trainers_moe_layer_and_follow_weight_updates(name, flavor):
     """vLLM's CPU fused-MoE kernel on the packed copy gives torchtitan's MoE layer (our
-    Experts) to fp32 rounding; after the weights change in place (a weight sync), the stale
-    copy does not, and `repack` brings it back."""
+    Experts, or gpt-oss's OssExperts through the kernel's "swigluoai" with the biases) to fp32
+    rounding; after the weights change in place (a weight sync), the stale copy does not, and
+    `repack` brings it back."""
     import torch
 
     from torchtitan_rl.generator.vllm_model import PackedExperts
     from torchtitan_rl.models import model_spec
 
     torch.manual_seed(0)
-    moe = model_spec("qwen3", "tiny_moe").model.layers[0].moe.build()
+    moe = model_spec(name, flavor).model.layers[0].moe.build()
     with torch.no_grad():
         moe.init_states()
     x_BLD = torch.randn(2, 40, 128)
     with torch.no_grad():
         expected = moe(x_BLD)
         assert PackedExperts.fits(moe.routed_experts.inner_experts)
-        moe.routed_experts = PackedExperts(moe.routed_experts)
-        moe.routed_experts.repack()
+        original, packed = moe.routed_experts, PackedExperts(moe.routed_experts)
+        moe.routed_experts = packed
+        packed.repack()
         torch.testing.assert_close(moe(x_BLD), expected, rtol=1e-5, atol=1e-6)
         assert expected.abs().max() > 1e-3
-        moe.routed_experts.inner_experts.w2_EDF.mul_(2.0)  # as weight sync writes in place
+        down = [
+            p for n, p in packed.inner_experts.named_parameters() if "2_weight" in n or "w2" in n
+        ]
+        down[0].mul_(2.0)  # as weight sync writes in place
         torch.testing.assert_close(moe(x_BLD), expected, rtol=1e-5, atol=1e-6)  # stale
-        moe.routed_experts.repack()
-        torch.testing.assert_close(moe(x_BLD), 2 * expected, rtol=1e-5, atol=1e-6)
+        packed.repack()
+        moe.routed_experts = original  # torchtitan's dispatch on the updated weights
+        updated = moe(x_BLD)
+        moe.routed_experts = packed
+        torch.testing.assert_close(moe(x_BLD), updated, rtol=1e-5, atol=1e-6)
+        assert (updated - expected).abs().max() > 1e-3

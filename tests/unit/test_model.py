@@ -40,7 +40,8 @@ def trainer(**model_fields) -> PolicyTrainer:
 
 
 def full_state(t: PolicyTrainer) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() for k, v in t.state_dict().items()}
+    # An MoE's routers' bias is a buffer FSDP leaves whole.
+    return {k: getattr(v, "full_tensor", v.detach)().clone() for k, v in t.state_dict().items()}
 
 
 def batch() -> RolloutBatch:
@@ -67,6 +68,35 @@ def test_loads_every_tensor_of_the_checkpoint():
     )
     assert torch.equal(state["tok_embeddings.weight"], hf["model.embed_tokens.weight"])
     assert torch.equal(state["lm_head.weight"], hf["model.embed_tokens.weight"])  # tied
+
+
+def test_gpt_oss_experts_load_transposed_as_hf_stores_them():
+    gpt_oss = REPO / "assets" / "tiny_gpt_oss"
+    state = full_state(trainer(name="gpt_oss", hf_checkpoint=str(gpt_oss)))
+    hf = load_file(gpt_oss / "model.safetensors")
+    experts = "layers.1.moe.routed_experts.inner_experts."
+    hf_experts = "model.layers.1.mlp.experts."
+    assert torch.equal(state[experts + "mlp1_weight_EGD"], hf[hf_experts + "gate_up_proj"].mT)
+    assert torch.equal(state[experts + "mlp2_weight_EDF"], hf[hf_experts + "down_proj"].mT)
+    assert torch.equal(state[experts + "mlp2_bias_ED"], hf[hf_experts + "down_proj_bias"])
+    assert torch.equal(state["layers.0.attention.sinks"], hf["model.layers.0.self_attn.sinks"])
+    assert torch.equal(state["layers.0.moe.router.gate.bias"], hf["model.layers.0.mlp.router.bias"])
+
+
+def test_an_mxfp4_checkpoint_is_refused_with_the_fix(tmp_path):
+    """The released gpt-oss checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`)."""
+    shutil.copytree(REPO / "assets" / "tiny_gpt_oss", tmp_path / "ckpt")
+    state = load_file(tmp_path / "ckpt" / "model.safetensors")
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = state.pop(name)
+        state[name + "_blocks"] = torch.zeros(*weight.shape[:2], 4, 16, dtype=torch.uint8)
+        state[name + "_scales"] = torch.zeros(*weight.shape[:2], 4, dtype=torch.uint8)
+    save_file(state, tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ConfigError) as e:
+        trainer(name="gpt_oss", hf_checkpoint=str(tmp_path / "ckpt"))
+    message = str(e.value)
+    assert "is MXFP4-quantized ('model.layers.0.mlp.experts.down_proj_blocks'" in message
+    assert "dequantize it to bf16 first" in message and "\n" not in message
 
 
 def test_wrong_flavor_names_the_first_mismatching_key_and_shapes():

@@ -21,7 +21,7 @@ from torchtitan_rl import console
 from torchtitan_rl.batch_invariant import attend, make_linears_invariant
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import model_spec
-from torchtitan_rl.models.moe import Experts, routers
+from torchtitan_rl.models.moe import Experts, OssExperts, routers
 from torchtitan_rl.trainer.model import hf_shapes
 
 
@@ -70,8 +70,10 @@ class PackedLinear(nn.Module):
 
 class PackedExperts(nn.Module):
     """An MoE layer's routed experts on vLLM's CPU fused-MoE kernel (what its native MoE
-    models run) over a packed copy of the expert weights: gate and up projections, SiLU,
-    down projection and the routing-weighted sum of each token's experts in one call.
+    models run) over a packed copy of the expert weights: gate and up projections, the
+    activation, down projection and the routing-weighted sum of each token's experts in one
+    call. Qwen3's SwiGLU experts run its "silu"; gpt-oss's (biased, clamped SwiGLU over
+    interleaved gate/up rows, as its `mlp1` holds them) its "swigluoai", with the biases.
 
     It takes the place of torchtitan's `RoutedExperts` (dispatch, grouped GEMMs, combine);
     `inner_experts` keeps the weights weight sync writes into, under the same FQNs, and
@@ -83,23 +85,43 @@ class PackedExperts(nn.Module):
     def __init__(self, routed_experts: nn.Module):
         super().__init__()
         self.inner_experts = routed_experts.inner_experts
-        self._w13_EFD = self._w2_EDF = None
+        self._w13_EGD = self._w2_EDF = None
 
     @staticmethod
     def fits(inner_experts: nn.Module) -> bool:
-        """The kernel's alignment: model and expert widths multiples of 32."""
-        if not isinstance(inner_experts, Experts):  # gpt-oss's run as the trainer's
+        """The kernel's alignment: model and expert widths multiples of 32; for gpt-oss's,
+        torchtitan's SwiGLU clamp (7.0), which the kernel has built in."""
+        if isinstance(inner_experts, OssExperts) and inner_experts.swiglu_limit != 7.0:
             return False
-        _, F, D = inner_experts.w1_EFD.shape
+        if not isinstance(inner_experts, (Experts, OssExperts)):
+            return False
+        _, D, F = PackedExperts._weights(inner_experts)[1].shape
         return F % 32 == 0 and D % 32 == 0
+
+    @staticmethod
+    def _weights(experts: nn.Module) -> tuple:
+        """(w13 [E, 2F, D], w2 [E, D, F], w13 bias, w2 bias, the kernel's activation)."""
+        if isinstance(experts, OssExperts):
+            return (
+                experts.mlp1_weight_EGD,
+                experts.mlp2_weight_EDF,
+                experts.mlp1_bias_EG,
+                experts.mlp2_bias_ED,
+                "swigluoai",
+            )
+        w13_EGD = torch.cat([experts.w1_EFD, experts.w3_EFD], dim=1)
+        return w13_EGD, experts.w2_EDF, None, None, "silu"
 
     def repack(self) -> None:
         from vllm._custom_ops import cpu_prepack_moe_weight
 
-        experts = self.inner_experts
-        w13 = torch.cat([experts.w1_EFD.detach(), experts.w3_EFD.detach()], dim=1)
-        self._w13_EFD = cpu_prepack_moe_weight(w13.contiguous(), self.ISA)
-        self._w2_EDF = cpu_prepack_moe_weight(experts.w2_EDF.detach().contiguous(), self.ISA)
+        with torch.no_grad():
+            w13_EGD, w2_EDF, b13_EG, b2_ED, self._activation = self._weights(self.inner_experts)
+            self._w13_EGD = cpu_prepack_moe_weight(w13_EGD.contiguous(), self.ISA)
+            self._w2_EDF = cpu_prepack_moe_weight(w2_EDF.contiguous(), self.ISA)
+            # The bias parameters themselves, read at each call (a tuple: not registered again
+            # under this module's names, which weight sync would see).
+            self._biases = (b13_EG, b2_ED)
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_tokens_per_expert_E):
         from vllm._custom_ops import cpu_fused_moe
@@ -110,13 +132,12 @@ class PackedExperts(nn.Module):
         cpu_fused_moe(
             out_TD,
             x_TD,
-            self._w13_EFD,
+            self._w13_EGD,
             self._w2_EDF,
-            None,
-            None,
+            *self._biases,
             topk_scores_BLK.reshape(-1, K).float().contiguous(),
             topk_expert_ids_BLK.reshape(-1, K).to(torch.int32).contiguous(),
-            "silu",
+            self._activation,
             self.ISA,
             False,  # weight each expert's output by its routing score
         )
@@ -286,7 +307,7 @@ class TorchTitanForCausalLM(nn.Module):
             if isinstance(module, PackedLinear):
                 module._handler = None
             elif isinstance(module, PackedExperts):
-                module._w13_EFD = module._w2_EDF = None
+                module._w13_EGD = module._w2_EDF = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(input_ids)

@@ -7,6 +7,8 @@ Alignment: `logprobs_BT[:, t]` is log p(tokens[:, t] | tokens[:, :t]), read from
 position t - 1 (the logits at t score token t + 1). Column 0 has no prediction and is 0.
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -90,9 +92,11 @@ def head_chunk(vocab: int) -> int:
 
 
 def _head_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
-    from torchtitan_rl import batch_invariant
-
-    if batch_invariant.uses_own_kernels():
+    # The mode is on only where batch_invariant.enable() ran, so only where it was imported;
+    # not importing it here keeps this module torch-only (scripts/gpu_check.py runs it on a GPU
+    # machine without torchtitan, which batch_invariant imports).
+    batch_invariant = sys.modules.get("torchtitan_rl.batch_invariant")
+    if batch_invariant is not None and batch_invariant.uses_own_kernels():
         # The generator's head runs ops.linear: the same kernel gives the same bits.
         return batch_invariant.ops.linear(hidden_CD, weight_VD)
     return F.linear(hidden_CD, weight_VD)

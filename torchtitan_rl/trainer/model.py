@@ -82,6 +82,11 @@ def _check_shards(path: str, present: set[str]) -> None:
 def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor: str) -> None:
     """Raise ConfigError naming the first tensor whose name or shape differs from `expected`."""
     found = read_hf_shapes(path)
+    if quantized := sorted(key for key in found if key.endswith(("_blocks", "_scales"))):
+        raise ConfigError(
+            f"model.hf_checkpoint = {path!r} is MXFP4-quantized ({quantized[0]!r}, as the "
+            f"released gpt-oss checkpoints): dequantize it to bf16 first (docs/moe.md, gpt-oss)"
+        )
     fix = "pick the flavor the checkpoint was saved from"
     for key, shape in expected.items():
         if key not in found:
