@@ -69,10 +69,10 @@ class JobSection:
 @dataclass(kw_only=True, slots=True)
 class ModelSection:
     name: str = "qwen3"
-    """torchtitan model family (a module under torchtitan.models): qwen3 or llama3."""
+    """torchtitan model family (a module under torchtitan.models): qwen3, llama3 or gpt_oss."""
     flavor: str = "tiny"
-    """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts); `tiny`
-    and `tiny_moe` are this project's CPU models."""
+    """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b
+    (gpt_oss); `tiny` and `tiny_moe` are this project's CPU models."""
     hf_checkpoint: str | None = None
     """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
     tokenizer_path: str | None = None
