@@ -3,7 +3,8 @@ weight sync's checks (one engine start per rank for both).
 
     torchrun --standalone --nproc_per_node 2 tests/dist/engine_run.py OUT_DIR qwen3 \
         generator,weight_sync
-    python tests/dist/engine_run.py OUT_DIR llama3 generator     (a world of one)
+    python tests/dist/engine_run.py OUT_DIR qwen3 weight_sync llama3 generator   (a world of
+        one; several models' engines one after the other)
 
 Generator: each rank samples its own prompts (one short, one longer than a 128-token KV
 block), then a trainer recomputes the logprobs of every sampled token; a greedy pass is
@@ -13,9 +14,10 @@ Weight sync: a second trainer takes one step, its weights are copied without the
 reset (to show the stale KV a 150-token prompt keeps), then synced properly.
 
 Each rank saves {"generator": ..., "weight_sync": ...} (the checks asked for) to
-OUT_DIR/rank{r}.pt for the tests.
+OUT_DIR/{model}.rank{r}.pt for the tests.
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -211,14 +213,18 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
 
 
 def main() -> None:
-    out, name, checks = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    out, pairs = Path(sys.argv[1]), sys.argv[2:]
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
-    model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
-    generator = Generator(generator=GeneratorSection(max_model_len=256), model=model, seed=rank)
     run = {"generator": generator_checks, "weight_sync": weight_sync_checks}
-    results = {check: run[check](model, generator, rank, world) for check in checks}
-    torch.save(results, out / f"rank{rank}.pt")
+    # One engine at a time: each model's checks, then its engine is freed before the next.
+    for name, checks in zip(pairs[::2], pairs[1::2], strict=True):
+        model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
+        generator = Generator(generator=GeneratorSection(max_model_len=256), model=model, seed=rank)
+        results = {check: run[check](model, generator, rank, world) for check in checks.split(",")}
+        torch.save(results, out / f"{name}.rank{rank}.pt")
+        del generator
+        gc.collect()
     platform.shutdown_distributed()
 
 

@@ -1,10 +1,13 @@
 """Greedy-generate with the real vLLM engine from an HF checkpoint; print JSON on the last line.
 
     .venv/bin/python tests/helpers/vllm_greedy.py assets/tiny_qwen3 "echo 123:" 8
+    .venv/bin/python tests/helpers/vllm_greedy.py CKPT PROMPT N CKPT2 PROMPT2 N2 ...
+        (several checkpoints, one engine after another: a JSON list, one entry each)
 
 Runs in its own process: vLLM's CPU worker binds threads, which must not leak into pytest.
 """
 
+import gc
 import json
 import os
 import sys
@@ -12,12 +15,20 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-if __name__ == "__main__":
+
+def greedy(path: str, prompt: str, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    path, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     llm = LLM(model=path, dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, out.token_ids, strict=True)]
-    print(json.dumps({"token_ids": list(out.token_ids), "logprobs": logprobs}))
+    del llm
+    gc.collect()
+    return {"token_ids": list(out.token_ids), "logprobs": logprobs}
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    runs = [greedy(p, prompt, int(n)) for p, prompt, n in zip(*[iter(args)] * 3, strict=True)]
+    print(json.dumps(runs[0] if len(runs) == 1 else runs))

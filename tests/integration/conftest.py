@@ -73,34 +73,51 @@ def sft_run(tmp_path_factory) -> Path:
     return folder
 
 
-def engine_world(tmp_path_factory, nproc: int, model: str, checks: str) -> list[dict]:
-    """tests/dist/engine_run.py (`checks`: generator and/or weight_sync, on one engine per
-    rank) with `nproc` ranks (0: a plain process): what each rank measured."""
-    out = tmp_path_factory.mktemp(f"engine_{model}_w{nproc}")
-    run_dist("engine_run.py", str(out), model, checks, nproc=nproc)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
+def engine_world(tmp_path_factory, nproc: int, checks: dict[str, str]) -> dict[str, list[dict]]:
+    """tests/dist/engine_run.py with `nproc` ranks (0: a plain process), one engine per rank for
+    each model of `checks` ({model: "generator" and/or "weight_sync"}), one model after the
+    other: {model: what each rank measured}."""
+    out = tmp_path_factory.mktemp(f"engine_w{nproc}")
+    pairs = [part for model, which in checks.items() for part in (model, which)]
+    run_dist("engine_run.py", str(out), *pairs, nproc=nproc)
+    return {
+        model: [
+            torch.load(out / f"{model}.rank{r}.pt", weights_only=False)
+            for r in range(max(nproc, 1))
+        ]
+        for model in checks
+    }
 
 
 @pytest.fixture(scope="session")
 def engine_two_ranks(tmp_path_factory) -> list[dict]:
     """The tiny Qwen3 on 2 torchrun ranks, the generator's and the weight sync's checks on
     each rank's engine: [{"generator": ..., "weight_sync": ...}] * 2."""
-    return engine_world(tmp_path_factory, 2, "qwen3", "generator,weight_sync")
+    return engine_world(tmp_path_factory, 2, {"qwen3": "generator,weight_sync"})["qwen3"]
 
 
 @pytest.fixture(scope="session")
-def engine_plain(tmp_path_factory) -> list[dict]:
-    """The tiny Qwen3 in a plain process (a world of one), the weight sync's checks."""
-    return engine_world(tmp_path_factory, 0, "qwen3", "weight_sync")
+def engines_plain(tmp_path_factory) -> dict[str, list[dict]]:
+    """One plain process (a world of one), one engine after another: the tiny Qwen3's weight
+    sync checks, the tiny Llama3's generator checks, the tiny gpt-oss's generator and weight
+    sync checks (one process start for the three)."""
+    checks = {"qwen3": "weight_sync", "llama3": "generator", "gpt_oss": "generator,weight_sync"}
+    return engine_world(tmp_path_factory, 0, checks)
 
 
 @pytest.fixture(scope="session")
-def engine_plain_llama3(tmp_path_factory) -> list[dict]:
+def engine_plain(engines_plain) -> list[dict]:
+    """The tiny Qwen3 in a plain process, the weight sync's checks."""
+    return engines_plain["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def engine_plain_llama3(engines_plain) -> list[dict]:
     """The tiny Llama3 in a plain process, the generator's checks."""
-    return engine_world(tmp_path_factory, 0, "llama3", "generator")
+    return engines_plain["llama3"]
 
 
 @pytest.fixture(scope="session")
-def engine_plain_gpt_oss(tmp_path_factory) -> list[dict]:
+def engine_plain_gpt_oss(engines_plain) -> list[dict]:
     """The tiny gpt-oss in a plain process, the generator's and the weight sync's checks."""
-    return engine_world(tmp_path_factory, 0, "gpt_oss", "generator,weight_sync")
+    return engines_plain["gpt_oss"]

@@ -18,25 +18,25 @@ TINY = REPO / "assets" / "tiny_qwen3"
 PROMPT = "echo 123: 123"
 
 
-def make(out: Path, seed: int = 0) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "make_tiny_checkpoint.py"),
-            "--out",
-            str(out),
-            "--seed",
-            str(seed),
-        ],
-        check=True,
-        capture_output=True,
-    )
+def make(*outs: tuple[Path, int]) -> None:
+    """Run scripts/make_tiny_checkpoint.py for each (folder, seed), each its own process, all
+    at once."""
+    script = str(REPO / "scripts" / "make_tiny_checkpoint.py")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, script, "--out", str(out), "--seed", str(seed)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for out, seed in outs
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr.decode()[-3000:]
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
-    make(tmp_path / "a")
-    make(tmp_path / "b")
-    make(tmp_path / "c", seed=1)
+    make((tmp_path / "a", 0), (tmp_path / "b", 0), (tmp_path / "c", 1))
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert names == [
         "config.json",
@@ -53,17 +53,32 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").stat().st_size < 5 * 2**20
 
 
-@pytest.mark.parametrize(("name", "max_tokens"), [("qwen3", 6), ("gpt_oss", 30)])
-def test_vllm_loads_it_and_greedy_matches_torchtitan(name, max_tokens):
+MAX_TOKENS = {"qwen3": 6, "gpt_oss": 30}
+
+
+@pytest.fixture(scope="module")
+def native_greedy() -> dict[str, dict]:
+    """vLLM's own model class greedy-decoding each tiny checkpoint, one engine after another in
+    one process: {name: {"token_ids": ..., "logprobs": ...}}."""
+    args = [
+        str(part)
+        for name, n in MAX_TOKENS.items()
+        for part in (REPO / "assets" / f"tiny_{name}", PROMPT, n)
+    ]
+    result = run_helper("vllm_greedy.py", *args)
+    return dict(zip(MAX_TOKENS, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
+
+
+@pytest.mark.parametrize("name", list(MAX_TOKENS))
+def test_vllm_loads_it_and_greedy_matches_torchtitan(name, native_greedy):
     """vLLM's own model class for the checkpoint (Qwen3ForCausalLM, GptOssForCausalLM: its
     sinks and sliding window in its CPU kernel, its YaRN RoPE) reads what the adapter wrote.
     gpt-oss's 43 tokens cross its 16-token window and 32-token original context."""
     from transformers import AutoTokenizer
 
     path = REPO / "assets" / f"tiny_{name}"
-    result = run_helper("vllm_greedy.py", str(path), PROMPT, str(max_tokens))
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(out["token_ids"]) == max_tokens
+    out = native_greedy[name]
+    assert len(out["token_ids"]) == MAX_TOKENS[name]
 
     # Replay vLLM's completion through torchtitan: each token must be the argmax, with the
     # logprob vLLM reported (fp32; generator and trainer differ by ~1e-6, see DESIGN.md).

@@ -34,6 +34,25 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def count_greater_equal(x_NV: torch.Tensor, values_N1: torch.Tensor) -> torch.Tensor:
+    """vLLM's `batched_count_greater_than` (a sampled token's rank: how many logprobs of its row
+    are >= its own), eager, 256 rows at a time so that no [N, V] mask is made whole (the reason
+    vLLM compiles it). The same integers. vLLM's is torch.compile'd: measured 2.0 s of inductor
+    compilation in every engine's first step on CPU, for ranks this project never reads."""
+    torch._check(x_NV.shape[0] == values_N1.shape[0])
+    counts = [
+        (x_NV[start : start + 256] >= values_N1[start : start + 256]).sum(-1)
+        for start in range(0, x_NV.shape[0], 256)
+    ]
+    return torch.cat(counts) if counts else x_NV.new_zeros(0, dtype=torch.int64)
+
+
+def _use_eager_logprob_ranks() -> None:
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = count_greater_equal
+
+
 def check_tokenizer_fits(model: ModelSection) -> None:
     """Refuse a tokenizer with ids beyond the checkpoint's vocabulary, before any engine starts."""
     tokens = read_tokenizer_json(model.tokenizer_dir).get_vocab_size()
@@ -85,6 +104,7 @@ class Generator:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(generator.kv_cache_space_gib)
         from vllm import EngineArgs, LLMEngine
 
+        _use_eager_logprob_ranks()
         self.config = generator
         under_torchrun = "RANK" in os.environ
         overrides = {
