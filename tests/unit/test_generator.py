@@ -52,3 +52,27 @@ def test_packed_experts_compute_the_trainers_moe_layer_and_follow_weight_updates
         moe.routed_experts = packed
         torch.testing.assert_close(moe(x_BLD), updated, rtol=1e-5, atol=1e-6)
         assert (updated - expected).abs().max() > 1e-3
+
+
+def test_the_eager_rank_count_gives_vllms_integers_across_chunks():
+    """vLLM's sampler counts, per row, the logprobs >= the sampled token's (its rank) with a
+    torch.compile'd function; the engine installs an eager one that works 256 rows at a time
+    (engine.count_greater_equal). Same integers, rows on both sides of a chunk boundary, ties
+    counted."""
+    import torch
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from torchtitan_rl.generator import engine
+
+    g = torch.Generator().manual_seed(0)
+    x_NV = torch.randn(600, 68, generator=g).round(decimals=1)  # ties
+    values_N1 = x_NV[torch.arange(600), torch.randint(0, 68, (600,), generator=g)][:, None]
+    expected = (x_NV >= values_N1).sum(-1)  # what vLLM's docstring and body say
+    assert torch.equal(engine.count_greater_equal(x_NV, values_N1), expected)
+    assert torch.equal(
+        batched_count_greater_than._torchdynamo_orig_callable(x_NV, values_N1), expected
+    )
+    assert engine.count_greater_equal(x_NV[:0], values_N1[:0]).shape == (0,)
+    engine._use_eager_logprob_ranks()
+    assert sampler.batched_count_greater_than is engine.count_greater_equal
