@@ -283,13 +283,25 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+_exit_hooks: list = []
+
+
+def at_exit(hook) -> None:
+    """Run `hook()` in `exit_process`, before the process ends (files to remove: atexit's
+    hooks do not run there)."""
+    _exit_hooks.append(hook)
+
+
 def exit_process(code: int) -> NoReturn:
-    """Flush and end the process without running C++ static destructors.
+    """Run the `at_exit` hooks, flush and end the process without running C++ static
+    destructors.
 
     Measured here (torch 2.13 CPU, gloo, torchrun): about one 2-rank run in six aborts at
     interpreter exit, after all work is done ("terminate called without an active exception",
     SIGABRT), turning a success into a failure; skipping the destructors avoids it.
     """
+    for hook in _exit_hooks:
+        hook()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -8,7 +8,8 @@ weight sync's checks (one engine start per rank for both).
 
 Generator: each rank samples its own prompts (one short, one longer than a 128-token KV
 block), then a trainer recomputes the logprobs of every sampled token; a greedy pass is
-replayed through the trainer's argmax; stop ids, stop strings, seeds, bad prompts.
+replayed through the trainer's argmax (these alone: "sampling"); stop ids, stop strings,
+seeds, bad prompts. "qwen3@tp2": one engine over each 2 ranks (generator tensor parallel).
 
 Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
 reset (to show the stale KV a 150-token prompt keeps), then synced properly.
@@ -24,10 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from helpers.launch import REPO
+from torch.distributed.tensor import DTensor
+from vllm.distributed.parallel_state import destroy_model_parallel
 
 from torchtitan_rl import platform
-from torchtitan_rl.types import RolloutBatch
 from torchtitan_rl.config import (
+    GeneratorParallelismSection,
     GeneratorSection,
     ModelSection,
     ParallelismSection,
@@ -35,11 +38,21 @@ from torchtitan_rl.config import (
 )
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
-from torchtitan_rl.types import LossScale
+from torchtitan_rl.types import LossScale, RolloutBatch
 from torchtitan_rl.weight_sync import WeightSync
 
 TEMPERATURE = 0.7  # the generator checks'
 SYNC_TEMPERATURE = 0.8  # the weight sync checks'
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A TP generator's parameter gathered whole (a plain one as is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a parameter."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def prompts_for(rank: int) -> list[list[int]]:
@@ -60,7 +73,8 @@ def trainer_logprobs(trainer: PolicyTrainer, prompt: list[int], tokens: list[int
     return logprobs_BT[0, len(prompt) :], argmax_T
 
 
-def generator_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+def sampling_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+    """Sampled and greedy tokens against the trainer's recomputation; names and shapes."""
     trainer = PolicyTrainer(
         model=model,
         training=TrainingSection(),
@@ -84,7 +98,25 @@ def generator_checks(model: ModelSection, generator: Generator, rank: int, world
     for prompt, (sample,) in zip(prompts, greedy.samples, strict=True):
         _, argmax_T = trainer_logprobs(trainer, prompt, sample.token_ids)
         greedy_match.append(argmax_T.tolist() == sample.token_ids)
+    return {
+        "world": world,
+        "prompts": prompts,
+        "sampled": [[s.token_ids for s in group] for group in sampled.samples],
+        "sampled_logprobs": [[s.logprobs for s in group] for group in sampled.samples],
+        "finish_reasons": [s.finish_reason for group in sampled.samples for s in group],
+        "logprob_diffs": diffs,
+        "lengths": lengths,
+        "greedy_match": greedy_match,
+        "generator_params": {k: tuple(v.shape) for k, v in generator.weights().items()},
+        "trainer_params": {k: tuple(v.shape) for k, v in trainer.named_parameters().items()},
+    }
 
+
+def generator_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+    """`sampling_checks`, then what does not depend on the engine's layout: bad prompts,
+    seeds, stop ids and stop strings."""
+    result = sampling_checks(model, generator, rank, world)
+    prompts = result["prompts"]
     errors = {}
     for name, bad in {"too_long": [[5] * 256], "empty": [[]]}.items():
         try:
@@ -92,8 +124,6 @@ def generator_checks(model: ModelSection, generator: Generator, rank: int, world
         except ValueError as e:
             errors[name] = str(e)
 
-    generator_params = {k: tuple(v.shape) for k, v in generator.weights().items()}
-    trainer_params = {k: tuple(v.shape) for k, v in trainer.named_parameters().items()}
     generator.reset_prefix_cache()
     again = generator.generate(prompts[:1], n=3, temperature=TEMPERATURE, max_tokens=12, seed=7)
     # The random tiny model emits each of its 68 ids at about the same rate: over 128 samples
@@ -105,16 +135,8 @@ def generator_checks(model: ModelSection, generator: Generator, rank: int, world
     generator.config.sampling.stop = []
 
     return {
-        "world": world,
-        "prompts": prompts,
-        "sampled": [[s.token_ids for s in group] for group in sampled.samples],
-        "finish_reasons": [s.finish_reason for group in sampled.samples for s in group],
-        "logprob_diffs": diffs,
-        "lengths": lengths,
-        "greedy_match": greedy_match,
+        **result,
         "errors": errors,
-        "generator_params": generator_params,
-        "trainer_params": trainer_params,
         "seeded_repeat": [s.token_ids for s in again.samples[0]],
         "stop_token_ids": generator.stop_token_ids,
         "stopping": [(s.token_ids, s.finish_reason) for g in stopping.samples for s in g],
@@ -176,7 +198,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
     )
     trainer.optimizer_step(batch, pg_loss)
     stale_params = sum(
-        not torch.equal(generator.weights()[k], p.full_tensor())
+        not torch.equal(whole(generator.weights()[k]), p.full_tensor())
         for k, p in trainer.named_parameters().items()
     )
 
@@ -189,7 +211,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
     mismatched = [
         name
         for name, param in trainer.named_parameters().items()
-        if not torch.equal(generator.weights()[name], param.full_tensor())
+        if not torch.equal(whole(generator.weights()[name]), param.full_tensor())
     ]
     diff_long = max_logprob_diff(trainer, long_prompt, sample(long_prompt))
     diff_short = max_logprob_diff(trainer, short_prompt, sample(short_prompt))
@@ -197,7 +219,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
         "world": world,
         "model": model.name,
         "generator_bytes": sum(
-            p.numel() * p.element_size() for p in generator.weights().values()
+            p.numel() * p.element_size() for p in map(local, generator.weights().values())
         ),
         "diff_before_step": diff_before_step,
         "stale_params_before_sync": stale_params,
@@ -216,15 +238,33 @@ def main() -> None:
     out, pairs = Path(sys.argv[1]), sys.argv[2:]
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
-    run = {"generator": generator_checks, "weight_sync": weight_sync_checks}
+    run = {
+        "generator": generator_checks,
+        "sampling": sampling_checks,
+        "weight_sync": weight_sync_checks,
+    }
     # One engine at a time: each model's checks, then its engine is freed before the next.
     for name, checks in zip(pairs[::2], pairs[1::2], strict=True):
-        model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
-        generator = Generator(generator=GeneratorSection(max_model_len=256), model=model, seed=rank)
-        results = {check: run[check](model, generator, rank, world) for check in checks.split(",")}
+        # "qwen3@tp2": one engine over each 2 consecutive ranks, which share its prompts and
+        # seeds (the group's first rank's).
+        family, _, tp = name.partition("@tp")
+        tp = int(tp or 1)
+        replica = rank // tp * tp
+        model = ModelSection(name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}"))
+        generator = Generator(
+            generator=GeneratorSection(
+                max_model_len=256,
+                parallelism=GeneratorParallelismSection(tensor_parallel_degree=tp),
+            ),
+            model=model,
+            seed=replica,
+        )
+        results = {c: run[c](model, generator, replica, world) for c in checks.split(",")}
+        results["local_numel"] = sum(local(t).numel() for t in generator.weights().values())
         torch.save(results, out / f"{name}.rank{rank}.pt")
         del generator
         gc.collect()
+        destroy_model_parallel()  # vLLM's groups are this engine's: the next builds its own
     platform.shutdown_distributed()
 
 

@@ -90,10 +90,19 @@ def engine_world(tmp_path_factory, nproc: int, checks: dict[str, str]) -> dict[s
 
 
 @pytest.fixture(scope="session")
-def engine_two_ranks(tmp_path_factory) -> list[dict]:
-    """The tiny Qwen3 on 2 torchrun ranks, the generator's and the weight sync's checks on
-    each rank's engine: [{"generator": ..., "weight_sync": ...}] * 2."""
-    return engine_world(tmp_path_factory, 2, {"qwen3": "generator,weight_sync"})["qwen3"]
+def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """The tiny Qwen3 on 2 torchrun ranks, the generator's and the weight sync's checks: first
+    on one engine per rank ("qwen3"), then on one engine over both ranks, tensor parallel
+    ("qwen3@tp2", both ranks with rank 0's prompts and seeds; the sampling checks, not those
+    of stop ids and bad prompts, which do not depend on the layout)."""
+    checks = {"qwen3": "generator,weight_sync", "qwen3@tp2": "sampling,weight_sync"}
+    return engine_world(tmp_path_factory, 2, checks)
+
+
+@pytest.fixture(scope="session")
+def engine_two_ranks(engines_two_ranks) -> list[dict]:
+    """One engine per rank: [{"generator": ..., "weight_sync": ...}] * 2."""
+    return engines_two_ranks["qwen3"]
 
 
 @pytest.fixture(scope="session")

@@ -107,3 +107,25 @@ def test_gpt_oss_in_a_plain_process(engine_plain_gpt_oss):
     assert sync["mismatched_after_sync"] == []
     assert max(sync["diff_before_step"], sync["diff_long"], sync["diff_short"]) <= 1e-5
     assert sync["diff_stale_cache"] > 1e-2
+
+
+def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines_two_ranks):
+    """generator TP = 2 (tensor_parallel_degree): one vLLM engine over the 2 torchrun ranks
+    (external launcher, gloo), the torchtitan model sharded by its spec's own TP plan
+    (`parallelize_fn(skip_dp=True)`), vLLM's attention on each rank's heads. Both ranks sample
+    the same tokens, which are the one-engine-per-rank run's for the same prompts and seed, with
+    the same logprobs to 1e-5 (fp32), and the trainer's recomputation agrees; each rank holds
+    half the weights."""
+    tp1 = engines_two_ranks["qwen3"][0]
+    tp2 = [rank["sampling"] for rank in engines_two_ranks["qwen3@tp2"]]
+    assert tp2[0]["sampled"] == tp2[1]["sampled"] == tp1["generator"]["sampled"]
+    pairs = zip(tp2[0]["sampled_logprobs"], tp1["generator"]["sampled_logprobs"], strict=True)
+    for mine, theirs in pairs:
+        for a, b in zip(mine, theirs, strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+    for rank in tp2:
+        assert max(rank["logprob_diffs"]) <= 1e-5, rank["logprob_diffs"]
+        assert all(rank["greedy_match"]) and max(rank["lengths"]) > 1
+        assert rank["generator_params"] == rank["trainer_params"]  # whole shapes, same names
+    local = [rank["local_numel"] for rank in engines_two_ranks["qwen3@tp2"]]
+    assert local[0] == local[1] < 0.51 * tp1["local_numel"]  # norms are replicated

@@ -56,6 +56,22 @@ def test_sync_stats(ranks):
         assert r["num_buckets"] > 5
 
 
+def test_sync_reshards_into_a_tensor_parallel_generator(engines_two_ranks):
+    """The trainer's FSDP shards into a TP = 2 generator: each rank writes its own shard of
+    every gathered tensor (fused QKV, row- and column-parallel layers, the vocabulary-parallel
+    embedding), verified shard by shard; the whole tensors then equal the trainer's bit for
+    bit, the prefix-cache control still shows stale KV, and the next samples are the new
+    weights'. A rank holds about half the bytes it gathers."""
+    for r in [rank["weight_sync"] for rank in engines_two_ranks["qwen3@tp2"]]:
+        assert r["stale_params_before_sync"] == r["num_params"] == 20
+        assert r["mismatched_after_sync"] == []
+        assert r["versions"] == (1, 1)
+        assert max(r["diff_before_step"], r["diff_long"], r["diff_short"]) <= 1e-5
+        assert r["diff_stale_cache"] > 1e-2
+        assert r["stats"].bytes == 1217536  # every fp32 parameter, gathered whole
+        assert 0.5 * r["stats"].bytes <= r["generator_bytes"] < 0.51 * r["stats"].bytes
+
+
 def params(**shapes) -> dict[str, nn.Parameter]:
     g = torch.Generator().manual_seed(len(shapes))
     return {k: nn.Parameter(torch.randn(*s, generator=g)) for k, s in shapes.items()}

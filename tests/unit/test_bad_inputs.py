@@ -132,7 +132,7 @@ BAD_INPUTS = {
     "generator tp unsupported": (
         "[generator.parallelism]\ntensor_parallel_degree = 2\n",
         [],
-        ["generator.parallelism.tensor_parallel_degree = 2", "not supported yet"],
+        ["generator.parallelism.tensor_parallel_degree = 2", "does not drive", "use 1"],
     ),
     "group size < 2 for GRPO": (
         "[generator.sampling]\nn = 1\n",

@@ -18,12 +18,14 @@ class GeneratorParallelismSection:
     def validate(self, world_size: int) -> None:
         tp = self.tensor_parallel_degree
         require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
-        # The torchtitan-in-vLLM wrapper keeps full weights and head counts; sharding it needs
-        # the spec's TP plan on vLLM's TP group, which no machine here can verify yet.
+        # The Generator runs a TP engine (the wrapper shards the model with the spec's TP plan,
+        # weight sync reshards into it); the RL loop does not drive one yet: the ranks of an
+        # engine would need one set of prompts, and each rank's rollouts its own.
         require(
             tp == 1,
-            f"generator.parallelism.tensor_parallel_degree = {tp}: generator tensor "
-            "parallelism is not supported yet; use 1 (one replica per rank)",
+            f"generator.parallelism.tensor_parallel_degree = {tp}: the RL loop does not drive "
+            "a tensor-parallel generator yet (its ranks would share one set of prompts); use 1 "
+            "(one replica per rank)",
         )
         require(
             world_size % tp == 0,

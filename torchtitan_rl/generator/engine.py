@@ -11,9 +11,11 @@ This module is the one adapter for vLLM's internals (engine core, executor, work
 runner): everything else goes through `Generator`.
 """
 
+import functools
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -51,6 +53,14 @@ def _use_eager_logprob_ranks() -> None:
     from vllm.v1.sample import sampler
 
     sampler.batched_count_greater_than = count_greater_equal
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def _shared_memory_segments() -> set[Path]:
+    """vLLM's CPU shared-memory segments for TP collectives (`*-cpushm_<rank>`)."""
+    return set(SHARED_MEMORY.glob("*cpushm_*")) if SHARED_MEMORY.is_dir() else set()
 
 
 def check_tokenizer_fits(model: ModelSection) -> None:
@@ -107,6 +117,7 @@ class Generator:
         _use_eager_logprob_ranks()
         self.config = generator
         under_torchrun = "RANK" in os.environ
+        segments_before = _shared_memory_segments()
         overrides = {
             "architectures": [ARCH],
             "torchtitan_model": model.name,
@@ -143,6 +154,12 @@ class Generator:
             if "KV cache" not in str(e) and "cache blocks" not in str(e):
                 raise
             raise ConfigError(_kv_cache_error(generator, str(e))) from None
+        # A TP engine on CPU makes shared-memory segments whose names do not depend on the run
+        # ("-tp:0-[0-1]-cpushm_0"); the process ends without vLLM's teardown
+        # (platform.exit_process), and the next engine of that name would fail ("create shm in
+        # SHMManager failed. errno: 17", measured): remove this engine's at exit.
+        for segment in _shared_memory_segments() - segments_before:
+            platform.at_exit(functools.partial(segment.unlink, missing_ok=True))
         # After the engine: vLLM sets this process's threads, which the check runs with.
         self.native = native
         if not native:

@@ -10,10 +10,13 @@ given positions, MLPs, the tied lm_head) is the trainer's own code, with plain w
 that weight sync can overwrite in place. Shapes: T flat tokens, N heads, H head dim, D model dim.
 """
 
+import re
 from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
+from torchtitan.config.configs import CompileConfig, TrainingConfig
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
@@ -187,6 +190,10 @@ class PagedAttention(nn.Module):
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, out_transform=None, **_) -> torch.Tensor:
         """`out_transform`: torchtitan's sink rescale, applied here in batch-invariant mode
         only (vLLM's kernel applies the sinks itself)."""
+        if isinstance(q_BLNH, DTensor):  # TP: this rank's heads, which vLLM's attention holds
+            q, k, v = (x.to_local() for x in (q_BLNH, k_BLNH, v_BLNH))
+            out_BLNH = self.forward(q, k, v, out_transform=out_transform)
+            return DTensor.from_local(out_BLNH, q_BLNH.device_mesh, q_BLNH.placements)
         B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
         if self.batch_invariant:
             return self._invariant_forward(q_BLNH[0], k_BLNH[0], v_BLNH[0], out_transform)
@@ -258,14 +265,17 @@ class TorchTitanForCausalLM(nn.Module):
         super().__init__()
         hf_config = vllm_config.model_config.hf_config
         self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        if self.tp > 1:
+            self.dims, self.parallelism = _tp_layout(self.spec, self.tp)
         model = self.spec.model.build()
         invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         layer_configs = self.spec.model.layers
         for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
             attention = layer.attention
             layer.attention.inner_attention = PagedAttention(
-                n_heads=attention.n_heads,
-                n_kv_heads=attention.n_kv_heads,
+                n_heads=attention.n_heads // self.tp,
+                n_kv_heads=attention.n_kv_heads // self.tp,
                 head_dim=attention.head_dim,
                 # gpt-oss folds YaRN's attention factor into its softmax scale (its RoPE, which
                 # this wrapper runs, does not apply it).
@@ -276,13 +286,27 @@ class TorchTitanForCausalLM(nn.Module):
                 sinks=getattr(attention, "sinks", None),
                 batch_invariant=invariant,
             )
+        if self.tp > 1:
+            # The spec's own TP plan, as the trainer applies it, without data parallelism.
+            model = self.spec.parallelize_fn(
+                model,
+                parallel_dims=self.dims,
+                training=TrainingConfig(),
+                parallelism=self.parallelism,
+                compile_config=CompileConfig(enable=False),
+                ac_config=None,
+                dump_folder="",
+                skip_dp=True,
+            )
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
         if invariant:
             # The trainer's kernels on the generator side; no packed copies.
             make_linears_invariant(model)
-        elif getattr(hf_config, "torchtitan_packed_gemm", True) and _onednn_available(
-            vllm_config.model_config.dtype
+        elif (
+            self.tp == 1  # oneDNN packs a whole weight; a TP shard runs plain GEMMs
+            and getattr(hf_config, "torchtitan_packed_gemm", True)
+            and _onednn_available(vllm_config.model_config.dtype)
         ):
             for name, module in list(model.named_modules()):
                 parent, _, child = name.rpartition(".")
@@ -294,6 +318,21 @@ class TorchTitanForCausalLM(nn.Module):
         moe_routers = routers(model)
         self.routing = RoutingLog(moe_routers) if moe_routers else None
         """The experts each request's tokens went to (MoE models; generator/routing.py)."""
+
+    def _replicated(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under TP, each whole checkpoint tensor as a Replicate DTensor where its parameter is
+        a DTensor: torchtitan's fused-QKV load hook then concatenates DTensors, and `copy_`
+        keeps each rank's shard of the result."""
+        params = dict(self.model.named_parameters())
+        out = {}
+        for name, tensor in state.items():
+            fused = re.sub(r"\.w[qkv]\.", ".wqkv.", name)
+            target = params.get(name, params.get(fused))
+            if isinstance(target, DTensor):
+                mesh = target.device_mesh
+                tensor = DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim)
+            out[name] = tensor
+        return out
 
     def repack(self) -> None:
         """Refresh derived copies of the weights; call after every in-place weight update."""
@@ -328,10 +367,11 @@ class TorchTitanForCausalLM(nn.Module):
             h_1TD = layer(h_1TD, None, positions_1T)
         if self.routing is not None:
             self.routing.commit(positions, _query_start_loc())
-        return self.model.norm(h_1TD)[0]
+        return _whole(self.model.norm(h_1TD)[0])
 
     def compute_logits(self, hidden_states_TD: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden_states_TD)
+        """Every TP rank's sampler reads the whole vocabulary."""
+        return _whole(self.model.lm_head(hidden_states_TD))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors through the spec's adapter; returns our parameter names.
@@ -356,6 +396,8 @@ class TorchTitanForCausalLM(nn.Module):
             state = adapter.from_hf({"lm_head.weight": placeholder, **group})
             state = {k: v for k, v in state.items() if v is not placeholder}
             # torchtitan's load hooks fuse wq/wk/wv into wqkv: a layer loads in one call.
+            if self.tp > 1:
+                state = self._replicated(state)
             with torch.no_grad():
                 result = self.model.load_state_dict(state, strict=False)
             unexpected.extend(result.unexpected_keys)
@@ -376,6 +418,25 @@ class TorchTitanForCausalLM(nn.Module):
             )
         self.repack()
         return {name for name, _ in self.named_parameters()}
+
+
+def _tp_layout(spec, tp: int):
+    """torchtitan's view of a generator sharded `tp` ways (its TP groups are consecutive
+    ranks, as vLLM's), with the spec's sharding plan filled in as the trainer's is."""
+    import torch.distributed as dist
+
+    from torchtitan_rl.config import ParallelismSection
+    from torchtitan_rl.trainer.parallel import fill_sharding_plan, layout
+
+    world = dist.get_world_size()
+    dims, parallelism = layout(ParallelismSection(dp_shard=world // tp, tp=tp), world)
+    fill_sharding_plan(spec, parallelism)
+    return dims, parallelism
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A TP DTensor gathered to the plain whole tensor vLLM expects (a plain tensor as is)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def _attention_metadata(layer_name: str | None = None):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan_rl import platform
 from torchtitan_rl.trainer.lora import Merged
@@ -32,8 +33,29 @@ from torchtitan_rl.weight_sync.base import (
 )
 
 
-def _write(target: torch.Tensor, source: torch.Tensor) -> None:
-    target.copy_(source)  # casts to the generator's dtype
+def _write(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole tensor `full` into `target`, cast to its dtype; a generator sharded with
+    tensor parallelism (a DTensor target) keeps its own shard of it."""
+    if isinstance(target, DTensor):
+        target.to_local().copy_(full[_shard_of(target)])
+    else:
+        target.copy_(full)
+
+
+def _shard_of(target: DTensor) -> tuple[slice, ...]:
+    """The index of `target`'s local shard in its whole tensor."""
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _check(name: str, full: torch.Tensor, target: torch.Tensor) -> None:
+    """`verify` of what `target` holds of `full` (every TP rank checks its own shard)."""
+    if isinstance(target, DTensor):
+        verify(name, full[_shard_of(target)], target.to_local())
+    else:
+        verify(name, full, target)
 
 
 def _placed(source):
@@ -77,7 +99,7 @@ def _copy_bucket(bucket, check: bool, shared: "platform.HostSharedGather | None"
             full = source.to_local() if isinstance(source, DTensor) else source.detach()
         _write(target, full)
         if check:
-            verify(name, full, target)
+            _check(name, full, target)
     return peak
 
 
@@ -127,17 +149,21 @@ def _copy_fsdp_bucket(bucket, check: bool, shared: "platform.HostSharedGather | 
     for (offset, rows_per_rank, row_numel), (name, source, target) in zip(
         layout, bucket, strict=True
     ):
-        flat_target = target.view(-1)
         pieces = []
         for r in range(world):
             first_row = r * rows_per_rank
             rows = max(0, min(rows_per_rank, source.shape[0] - first_row))
             piece = received[r, offset : offset + rows * row_numel]
-            start = first_row * row_numel
-            _write(flat_target[start : start + piece.numel()], piece)
+            if not isinstance(target, DTensor):  # written in place, rank by rank
+                start = first_row * row_numel
+                target.view(-1)[start : start + piece.numel()].copy_(piece)
             pieces.append(piece)
-        if check:
-            verify(name, torch.cat(pieces).view(source.shape), target)
+        if isinstance(target, DTensor) or check:
+            full = torch.cat(pieces).view(source.shape)
+            if isinstance(target, DTensor):  # a TP generator's shard: of the whole tensor
+                _write(target, full)
+            if check:
+                _check(name, full, target)
     return held
 
 
