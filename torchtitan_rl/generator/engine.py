@@ -117,7 +117,8 @@ class Generator:
         _use_eager_logprob_ranks()
         self.config = generator
         under_torchrun = "RANK" in os.environ
-        segments_before = _shared_memory_segments()
+        tensor_parallel = generator.parallelism.tensor_parallel_degree > 1
+        segments_before = _shared_memory_segments() if tensor_parallel else set()
         overrides = {
             "architectures": [ARCH],
             "torchtitan_model": model.name,
@@ -158,8 +159,9 @@ class Generator:
         # ("-tp:0-[0-1]-cpushm_0"); the process ends without vLLM's teardown
         # (platform.exit_process), and the next engine of that name would fail ("create shm in
         # SHMManager failed. errno: 17", measured): remove this engine's at exit.
-        for segment in _shared_memory_segments() - segments_before:
-            platform.at_exit(functools.partial(segment.unlink, missing_ok=True))
+        if tensor_parallel:
+            for segment in _shared_memory_segments() - segments_before:
+                platform.at_exit(functools.partial(segment.unlink, missing_ok=True))
         # After the engine: vLLM sets this process's threads, which the check runs with.
         self.native = native
         if not native:

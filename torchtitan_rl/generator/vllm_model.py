@@ -98,28 +98,29 @@ class PackedExperts(nn.Module):
             return False
         if not isinstance(inner_experts, (Experts, OssExperts)):
             return False
-        _, D, F = PackedExperts._weights(inner_experts)[1].shape
+        _, D, F = PackedExperts._weights(inner_experts)[1].shape  # w2, read without a copy
         return F % 32 == 0 and D % 32 == 0
 
     @staticmethod
     def _weights(experts: nn.Module) -> tuple:
-        """(w13 [E, 2F, D], w2 [E, D, F], w13 bias, w2 bias, the kernel's activation)."""
+        """(the pieces of w13 [E, 2F, D] along dim 1, w2 [E, D, F], w13 bias, w2 bias, the
+        kernel's activation): the parameters themselves, nothing copied."""
         if isinstance(experts, OssExperts):
             return (
-                experts.mlp1_weight_EGD,
+                (experts.mlp1_weight_EGD,),
                 experts.mlp2_weight_EDF,
                 experts.mlp1_bias_EG,
                 experts.mlp2_bias_ED,
                 "swigluoai",
             )
-        w13_EGD = torch.cat([experts.w1_EFD, experts.w3_EFD], dim=1)
-        return w13_EGD, experts.w2_EDF, None, None, "silu"
+        return (experts.w1_EFD, experts.w3_EFD), experts.w2_EDF, None, None, "silu"
 
     def repack(self) -> None:
         from vllm._custom_ops import cpu_prepack_moe_weight
 
         with torch.no_grad():
-            w13_EGD, w2_EDF, b13_EG, b2_ED, self._activation = self._weights(self.inner_experts)
+            w13_pieces, w2_EDF, b13_EG, b2_ED, self._activation = self._weights(self.inner_experts)
+            w13_EGD = torch.cat(w13_pieces, dim=1)
             self._w13_EGD = cpu_prepack_moe_weight(w13_EGD.contiguous(), self.ISA)
             self._w2_EDF = cpu_prepack_moe_weight(w2_EDF.contiguous(), self.ISA)
             # The bias parameters themselves, read at each call (a tuple: not registered again
