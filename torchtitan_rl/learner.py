@@ -294,7 +294,7 @@ def rollout_metrics(
             float(errors),
             float(rollouts.rounds),
             float(rollouts.parts),
-            float(rollouts.generated_groups or len(rollouts)),
+            float(rollouts.generated),
             float(rollouts.short_groups),
             float(rollouts.truncated_PN().sum()),
             float(sum(s.turns for s in samples)),

@@ -180,11 +180,17 @@ class RLTrainer:
         resume_path = self.checkpointer.find()
         # Before any model or engine: a bad dataset row fails in seconds, naming file:line.
         task = task or open_task(config)
-        # Every rank generates its share of the prompts.
-        self.producer = RolloutProducer(config, task, self.rank, dist.get_world_size())
+        # Every engine (one per rank, or one per group of generator.parallelism
+        # .tensor_parallel_degree consecutive ranks) generates its share of the prompts; each
+        # rank of a group trains on its part of the group's rollouts.
+        engine_ranks = config.generator.parallelism.tensor_parallel_degree
+        self.engine, self.engine_rank = divmod(self.rank, engine_ranks)
+        self.engine_ranks = engine_ranks
+        engines = dist.get_world_size() // engine_ranks
+        self.producer = RolloutProducer(config, task, self.engine, engines)
         self.learner = Learner(config, task.renderer_of)
         self.generator = Generator(
-            generator=config.generator, model=config.model, seed=config.job.seed + self.rank
+            generator=config.generator, model=config.model, seed=config.job.seed + self.engine
         )
         self.weight_sync = WeightSync.between(
             self.learner.trainer,
@@ -208,6 +214,11 @@ class RLTrainer:
         version = self.state.policy_version
         self.weight_sync.sync(self.learner.trainer, self.generator, version=version)
         return step
+
+    def reward_errors(self) -> int:
+        """The reward errors of this rank's engine so far, counted by its first rank (every
+        rank of an engine scores the same samples)."""
+        return self.producer.reward_errors if self.engine_rank == 0 else 0
 
     def train(self) -> None:
         train(self)
@@ -236,6 +247,8 @@ class RLTrainer:
             return None
         watchdog.mark(step, "eval")
         result = self.producer.evaluate(self.generator, step)
+        if self.engine_rank > 0:  # its engine's first rank counts the engine's evaluation
+            result = result.counted_elsewhere()
         return log_eval(self.metrics, step, [result], self.group)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -243,6 +256,7 @@ class RLTrainer:
         self.hooks.before_step(step)
         start = time.perf_counter()
         rollouts = self.producer.rollouts(step, self.generator)
+        rollouts = rollouts.part(self.engine_rank, self.engine_ranks)
         self.generator.release_memory()  # generator.enable_sleep_mode: the trainer gets it
         generated = time.perf_counter()
 
@@ -265,7 +279,7 @@ class RLTrainer:
             "step": synced - start,
         }
         metrics = step_metrics(
-            rollout_metrics(self.config, rollouts, self.producer.reward_errors, self.group),
+            rollout_metrics(self.config, rollouts, self.reward_errors(), self.group),
             learned,
             {},
             version=self.generator.policy_version,

@@ -107,8 +107,8 @@ class Rollouts:
     """Generation rounds it took (dynamic sampling), summed over its parts by `cat`."""
     parts: int = 1
     """How many ranks' rollouts `cat` joined into this one."""
-    generated_groups: int = 0
-    """Groups generated over every round, kept or not (summed by `cat`); 0: len(prompts)."""
+    generated_groups: int | None = None
+    """Groups generated over every round, kept or not (summed by `cat`); None: len(prompts)."""
     short_groups: int = 0
     """Groups without learning signal kept because the rounds ran out (dynamic sampling)."""
     env_s: float = 0.0
@@ -128,6 +128,26 @@ class Rollouts:
         "length")."""
         samples = self.completions.samples
         return torch.tensor([[s.finish_reason == "length" for s in g] for g in samples])
+
+    @property
+    def generated(self) -> int:
+        """Groups generated over every round (`generated_groups`, or len(prompts))."""
+        return len(self) if self.generated_groups is None else self.generated_groups
+
+    def part(self, index: int, count: int) -> "Rollouts":
+        """The `index`-th of `count` equal consecutive shares of the groups; the counts (rounds,
+        generated and short groups) go with share 0 alone, so that summing the shares' counts
+        over ranks counts them once; each share keeps the seconds spent in environments."""
+        size = len(self) // count
+        keep_P = torch.zeros(len(self), dtype=torch.bool)
+        keep_P[index * size : (index + 1) * size] = True
+        share = self.groups(keep_P)
+        first = index == 0
+        share.rounds, share.parts = (self.rounds, self.parts) if first else (0, 0)
+        share.generated_groups = self.generated if first else 0
+        share.short_groups = self.short_groups if first else 0
+        share.env_s = self.env_s
+        return share
 
     def groups(self, keep_P: torch.Tensor) -> "Rollouts":
         """The groups where `keep_P` is true, in order (counts not carried)."""
@@ -154,7 +174,7 @@ class Rollouts:
             rewards_PN=torch.cat([part.rewards_PN for part in parts]),
             rounds=sum(part.rounds for part in parts),
             parts=sum(part.parts for part in parts),
-            generated_groups=sum(part.generated_groups or len(part) for part in parts),
+            generated_groups=sum(part.generated for part in parts),
             short_groups=sum(part.short_groups for part in parts),
             env_s=sum(part.env_s for part in parts),
             reward_parts_PN={
@@ -182,6 +202,12 @@ class EvalShard:
             samples=[x for s in shards for x in s.samples],
             seconds=max(s.seconds for s in shards),
         )
+
+    def counted_elsewhere(self) -> "EvalShard":
+        """This evaluation with nothing to add: zero totals, no samples, the same seconds (for
+        a rank whose engine's evaluation another rank of it reports)."""
+        zero = dict.fromkeys(self.totals, 0.0)
+        return EvalShard(version=self.version, totals=zero, seconds=self.seconds)
 
     def metrics(self) -> dict[str, float]:
         """eval/* metrics of the summed totals."""

@@ -41,6 +41,12 @@ from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
 from torchtitan_rl.weight_sync import WeightSync
 
+# Names beyond a family's tiny flavor.
+MODELS = {
+    "moe": ModelSection(
+        name="qwen3", flavor="tiny_moe", hf_checkpoint=str(REPO / "assets" / "tiny_moe_qwen3")
+    )
+}
 TEMPERATURE = 0.7  # the generator checks'
 SYNC_TEMPERATURE = 0.8  # the weight sync checks'
 
@@ -247,14 +253,19 @@ def main() -> None:
     for name, checks in zip(pairs[::2], pairs[1::2], strict=True):
         # "qwen3@tp2": one engine over each 2 consecutive ranks, which share its prompts and
         # seeds (the group's first rank's).
-        family, _, tp = name.partition("@tp")
-        tp = int(tp or 1)
+        # "moe@ep2": the same, the experts whole over the 2 ranks (expert parallel).
+        family, _, layout = name.partition("@")
+        tp = int(layout[2:] or 1)
         replica = rank // tp * tp
-        model = ModelSection(name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}"))
+        model = MODELS.get(family) or ModelSection(
+            name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
+        )
         generator = Generator(
             generator=GeneratorSection(
                 max_model_len=256,
-                parallelism=GeneratorParallelismSection(tensor_parallel_degree=tp),
+                parallelism=GeneratorParallelismSection(
+                    tensor_parallel_degree=tp, expert_parallel=layout.startswith("ep")
+                ),
             ),
             model=model,
             seed=replica,

@@ -129,10 +129,37 @@ BAD_INPUTS = {
         [],
         ["generator.parallelism.tensor_parallel_degree = 3"],
     ),
-    "generator tp unsupported": (
+    "generator tp not dividing the heads": (
+        "[generator.parallelism]\ntensor_parallel_degree = 4\n",
+        ["--world_size_for_test", "4"],
+        ["generator.parallelism.tensor_parallel_degree = 4 does not divide", "2 KV heads"],
+    ),
+    "generator tp disaggregated": (
+        '[generator]\nplacement = "disaggregated"\nnum_ranks = 2\n'
         "[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        ["--world_size_for_test", "4"],
+        ["tensor_parallel_degree = 2 with generator.placement = 'disaggregated'", "use 1"],
+    ),
+    "generator tp under batch invariance": (
+        "batch_invariant = true\n[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        ["--world_size_for_test", "2"],
+        ["batch_invariant = true with generator.parallelism.tensor_parallel_degree = 2"],
+    ),
+    "generator tp ranks without prompts to share": (
+        "[training]\nprompts_per_step = 2\nmini_batches = 1\n"
+        "[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        ["--world_size_for_test", "4"],
+        ["training.prompts_per_step = 2", "2 tensor-parallel ranks", "multiple of 4"],
+    ),
+    "generator expert parallel on a dense model": (
+        "[generator.parallelism]\ntensor_parallel_degree = 2\nexpert_parallel = true\n",
+        ["--world_size_for_test", "2"],
+        ["generator.parallelism.expert_parallel = true", "qwen3/tiny has no experts"],
+    ),
+    "generator expert parallel without tp": (
+        '[model]\nflavor = "tiny_moe"\n[generator.parallelism]\nexpert_parallel = true\n',
         [],
-        ["generator.parallelism.tensor_parallel_degree = 2", "does not drive", "use 1"],
+        ["generator.parallelism.expert_parallel = true", "tensor_parallel_degree = 1"],
     ),
     "group size < 2 for GRPO": (
         "[generator.sampling]\nn = 1\n",

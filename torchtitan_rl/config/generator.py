@@ -13,24 +13,28 @@ from torchtitan_rl.config.errors import require
 @dataclass(kw_only=True, slots=True)
 class GeneratorParallelismSection:
     tensor_parallel_degree: int = 1
-    """vLLM tensor-parallel degree of one generator replica; replicas = world size / this."""
+    """vLLM tensor-parallel degree of one generator replica; replicas = world size / this.
+    Colocated, each group of this many consecutive ranks runs one engine over the model's shards
+    (the spec's TP plan): the group samples one share of the prompts, and each of its ranks
+    trains on its part of the group's rollouts."""
+    expert_parallel: bool = False
+    """Mixture-of-experts models: shard the experts whole over the tensor-parallel ranks (each
+    rank holds experts / tensor_parallel_degree of them, and tokens travel to their experts)
+    instead of sharding every expert's hidden width (the TP plan's default)."""
 
     def validate(self, world_size: int) -> None:
         tp = self.tensor_parallel_degree
         require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
-        # The Generator runs a TP engine (the wrapper shards the model with the spec's TP plan,
-        # weight sync reshards into it); the RL loop does not drive one yet: the ranks of an
-        # engine would need one set of prompts, and each rank's rollouts its own.
-        require(
-            tp == 1,
-            f"generator.parallelism.tensor_parallel_degree = {tp}: the RL loop does not drive "
-            "a tensor-parallel generator yet (its ranks would share one set of prompts); use 1 "
-            "(one replica per rank)",
-        )
         require(
             world_size % tp == 0,
             f"generator.parallelism.tensor_parallel_degree = {tp} does not divide the world "
             f"size {world_size}: use a divisor of {world_size}",
+        )
+        require(
+            tp > 1 or not self.expert_parallel,
+            "generator.parallelism.expert_parallel = true shards the experts over the "
+            "generator's tensor-parallel ranks, but tensor_parallel_degree = 1: raise it, or "
+            "set expert_parallel = false",
         )
 
 

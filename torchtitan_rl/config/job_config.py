@@ -62,6 +62,13 @@ class JobConfig:
                 "'disaggregated' (colocated ranks alternate generating and training)",
             )
             return 0
+        tp = self.generator.parallelism.tensor_parallel_degree
+        require(
+            tp == 1,
+            f"generator.parallelism.tensor_parallel_degree = {tp} with generator.placement = "
+            "'disaggregated': a disaggregated generator rank runs its own engine in a child "
+            "process, which does not span ranks yet; use 1, or the colocated placement",
+        )
         generators, trainers = self.generator.num_ranks, world_size - self.generator.num_ranks
         require(
             generators >= 1 and trainers >= 1,
@@ -80,10 +87,28 @@ class JobConfig:
         from torchtitan_rl.models import expert_counts
 
         ep = self.parallelism.ep
-        if ep == 1 and not self.algorithm.router_replay and not self.lora.enable:
+        generator = self.generator.parallelism
+        if (
+            ep == 1
+            and not self.algorithm.router_replay
+            and not self.lora.enable
+            and not generator.expert_parallel
+        ):
             return
         name = f"{self.model.name}/{self.model.flavor}"
         experts = expert_counts(self.model.name, self.model.flavor)
+        if generator.expert_parallel:
+            tp = generator.tensor_parallel_degree
+            require(
+                bool(experts),
+                f"generator.parallelism.expert_parallel = true but {name} has no experts (a "
+                "dense model): set it to false or pick a mixture-of-experts flavor",
+            )
+            require(
+                all(count % tp == 0 for count in experts),
+                f"generator.parallelism.expert_parallel = true: tensor_parallel_degree = {tp} "
+                f"does not divide the {max(experts)} experts of {name}: pick one that does",
+            )
         require(
             not (experts and self.lora.enable and self.lora.target == "mlp"),
             f"lora.target = 'mlp' adapts no layer of {name}: its MLPs are experts, whose "
@@ -110,16 +135,23 @@ class JobConfig:
     def _validate_heads(self) -> None:
         from torchtitan_rl.models import model_spec
 
-        tp = self.parallelism.tp
-        if tp == 1:
+        degrees = {
+            "parallelism.tp": self.parallelism.tp,
+            "generator.parallelism.tensor_parallel_degree": (
+                self.generator.parallelism.tensor_parallel_degree
+            ),
+        }
+        if set(degrees.values()) == {1}:
             return
         attention = model_spec(self.model.name, self.model.flavor).model.layers[0].attention
         heads, kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
-        require(
-            heads % tp == 0 and kv_heads % tp == 0,
-            f"parallelism.tp = {tp} does not divide the {heads} attention heads and {kv_heads} "
-            f"KV heads of {self.model.name}/{self.model.flavor}: pick a tp that divides both",
-        )
+        for field_name, tp in degrees.items():
+            require(
+                heads % tp == 0 and kv_heads % tp == 0,
+                f"{field_name} = {tp} does not divide the {heads} attention heads and "
+                f"{kv_heads} KV heads of {self.model.name}/{self.model.flavor}: pick one that "
+                "divides both",
+            )
 
     def _validate_batch_invariant(self) -> None:
         model, generator = self.model.dtype, self.generator.dtype
@@ -140,6 +172,14 @@ class JobConfig:
             f"batch_invariant = true with parallelism.tp = {self.parallelism.tp}: row-parallel "
             "layers add partial products across ranks, which the generator's one-device GEMMs "
             "do not reproduce bit for bit; use parallelism.tp = 1 (FSDP) in this mode",
+        )
+        generator_tp = self.generator.parallelism.tensor_parallel_degree
+        require(
+            generator_tp == 1,
+            f"batch_invariant = true with generator.parallelism.tensor_parallel_degree = "
+            f"{generator_tp}: the generator's row-parallel layers add partial products across "
+            "ranks, which the trainer's one-device GEMMs do not reproduce bit for bit; use 1 "
+            "in this mode",
         )
 
     @property
@@ -263,6 +303,14 @@ class JobConfig:
             self.training.prompts_per_step % replicas == 0,
             f"training.prompts_per_step = {self.training.prompts_per_step} does not split over "
             f"{replicas} generator replicas: use a multiple of {replicas}",
+        )
+        generator_tp = self.generator.parallelism.tensor_parallel_degree
+        require(
+            self.training.prompts_per_step // replicas % generator_tp == 0,
+            f"training.prompts_per_step = {self.training.prompts_per_step}: each of the "
+            f"{replicas} generator replicas samples {self.training.prompts_per_step // replicas} "
+            f"prompts, which its {generator_tp} tensor-parallel ranks cannot share out to train "
+            f"on: use a multiple of {replicas * generator_tp}",
         )
         # Each data-parallel trainer rank (a TP group shares one) trains on this many samples.
         data_ranks = (world_size - generators) // self.parallelism.tp

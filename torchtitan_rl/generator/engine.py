@@ -12,6 +12,7 @@ runner): everything else goes through `Generator`.
 """
 
 import functools
+import hashlib
 import os
 import re
 from collections.abc import Sequence
@@ -125,6 +126,7 @@ class Generator:
             "torchtitan_flavor": model.flavor,
             "torchtitan_packed_gemm": generator.cpu_packed_gemm,
             "torchtitan_batch_invariant": batch_invariant.uses_own_kernels(),
+            "torchtitan_expert_parallel": generator.parallelism.expert_parallel,
         }
         args = EngineArgs(
             model=model.hf_checkpoint,
@@ -234,6 +236,8 @@ class Generator:
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             requests.append((str(first + i), tokens_input(list(prompt)), params))
+        if self.config.parallelism.tensor_parallel_degree > 1:
+            _check_same_requests(requests)
         try:
             finished = self._run(requests, first, progress)
         except Exception as e:  # vLLM's own failure: the run stops with it (errors.EngineError)
@@ -321,6 +325,27 @@ class Generator:
         """What weight sync writes, by torchtitan FQN: the parameters (tied ones once) and the
         persistent buffers the forward reads (`models.weights`)."""
         return weights(self.model())
+
+
+def _check_same_requests(requests: list) -> None:
+    """The ranks of a tensor-parallel engine each add their requests and step together, so they
+    must add the same ones: raise EngineError naming the first rank whose differ (its ranks would
+    otherwise run different batches, and hang or sample garbage)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    sha = hashlib.sha256()
+    for request_id, prompt, params in requests:
+        sha.update(repr((request_id, prompt["prompt_token_ids"], params.seed)).encode())
+        sha.update(repr((params.n, params.temperature, params.max_tokens)).encode())
+    group = get_tp_group()
+    digests = platform.all_gather_objects(sha.hexdigest(), group=group.cpu_group)
+    differ = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differ:
+        raise EngineError(
+            f"the ranks of a tensor-parallel generator were given different requests (rank "
+            f"{differ[0]} of its group differs from rank 0): its prompts, seeds and environment "
+            "replies must not depend on the rank or on timing"
+        )
 
 
 def _bind_runner(worker) -> None:

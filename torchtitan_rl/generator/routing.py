@@ -16,6 +16,7 @@ prefix cache.
 import re
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class RoutingLog:
@@ -37,7 +38,9 @@ class RoutingLog:
         step, self._step[:] = list(self._step), []
         if query_start_loc is None or self.runner is None or not step:
             return
-        ids_TMK = torch.stack([ids_1TK[0] for ids_1TK in step], dim=1).to(torch.int16).cpu()
+        # Under generator TP a router's ids are a DTensor (every rank routes every token).
+        whole = [ids.full_tensor() if isinstance(ids, DTensor) else ids for ids in step]
+        ids_TMK = torch.stack([ids_1TK[0] for ids_1TK in whole], dim=1).to(torch.int16).cpu()
         starts = query_start_loc.tolist()
         request_ids = self.runner.input_batch.req_ids
         positions = positions_T.to("cpu", copy=True)  # vLLM reuses its buffer every step

@@ -176,6 +176,8 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.batch_invariant = batch_invariant
         self.window = window
+        self.tokens: int | None = None
+        """The real rows of this forward's batch under TP (set by the wrapper, which pads)."""
         extra = {} if sinks is None else {"sinks": sinks}
         self.attn = Attention(
             n_heads,
@@ -192,8 +194,13 @@ class PagedAttention(nn.Module):
         """`out_transform`: torchtitan's sink rescale, applied here in batch-invariant mode
         only (vLLM's kernel applies the sinks itself)."""
         if isinstance(q_BLNH, DTensor):  # TP: this rank's heads, which vLLM's attention holds
-            q, k, v = (x.to_local() for x in (q_BLNH, k_BLNH, v_BLNH))
+            # Only the batch's real rows (the wrapper pads it): vLLM writes each row's key and
+            # value to the cache slot its slot mapping gives, and a padding row has none
+            # (measured: written anyway, it corrupted a cached block; logprobs off by 6e-3).
+            q, k, v = (x.to_local()[:, : self.tokens] for x in (q_BLNH, k_BLNH, v_BLNH))
             out_BLNH = self.forward(q, k, v, out_transform=out_transform)
+            pad = q_BLNH.shape[1] - out_BLNH.shape[1]
+            out_BLNH = nn.functional.pad(out_BLNH, (0, 0, 0, 0, 0, pad))
             return DTensor.from_local(out_BLNH, q_BLNH.device_mesh, q_BLNH.placements)
         B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
         if self.batch_invariant:
@@ -268,7 +275,8 @@ class TorchTitanForCausalLM(nn.Module):
         self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         if self.tp > 1:
-            self.dims, self.parallelism = _tp_layout(self.spec, self.tp)
+            ep = self.tp if getattr(hf_config, "torchtitan_expert_parallel", False) else 1
+            self.dims, self.parallelism = _tp_layout(self.spec, self.tp, ep)
         model = self.spec.model.build()
         invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         layer_configs = self.spec.model.layers
@@ -360,15 +368,24 @@ class TorchTitanForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, D] of the flat token batch (positions always given)."""
-        h_1TD = inputs_embeds[None] if inputs_embeds is not None else None
-        if h_1TD is None:
-            h_1TD = self.model.tok_embeddings(input_ids[None])
-        positions_1T = positions[None]
+        # Under TP the spec's plan splits the tokens over the ranks between layers (sequence
+        # parallel), and torchtitan's expert-parallel dispatch assumes equal splits (measured:
+        # 441 tokens over 2 ranks failed in the MoE's residual add): pad the batch to a
+        # multiple of the ranks. vLLM's attention computes only the real rows; the padding's
+        # hidden states are dropped at the end.
+        T = positions.shape[0]
+        pad = -T % self.tp
+        if inputs_embeds is not None:
+            h_1TD = nn.functional.pad(inputs_embeds, (0, 0, 0, pad))[None]
+        else:
+            h_1TD = self.model.tok_embeddings(nn.functional.pad(input_ids, (0, pad))[None])
+        positions_1T = nn.functional.pad(positions, (0, pad))[None]
         for layer in self.model.layers.values():
+            layer.attention.inner_attention.tokens = T
             h_1TD = layer(h_1TD, None, positions_1T)
         if self.routing is not None:
             self.routing.commit(positions, _query_start_loc())
-        return _whole(self.model.norm(h_1TD)[0])
+        return _whole(self.model.norm(h_1TD)[0])[:T]
 
     def compute_logits(self, hidden_states_TD: torch.Tensor) -> torch.Tensor:
         """Every TP rank's sampler reads the whole vocabulary."""
@@ -421,16 +438,17 @@ class TorchTitanForCausalLM(nn.Module):
         return {name for name, _ in self.named_parameters()}
 
 
-def _tp_layout(spec, tp: int):
+def _tp_layout(spec, tp: int, ep: int):
     """torchtitan's view of a generator sharded `tp` ways (its TP groups are consecutive
-    ranks, as vLLM's), with the spec's sharding plan filled in as the trainer's is."""
+    ranks, as vLLM's), its experts `ep` ways (1, or tp: whole experts over the TP ranks), with
+    the spec's sharding plan filled in as the trainer's is."""
     import torch.distributed as dist
 
     from torchtitan_rl.config import ParallelismSection
     from torchtitan_rl.trainer.parallel import fill_sharding_plan, layout
 
     world = dist.get_world_size()
-    dims, parallelism = layout(ParallelismSection(dp_shard=world // tp, tp=tp), world)
+    dims, parallelism = layout(ParallelismSection(dp_shard=world // tp, tp=tp, ep=ep), world)
     fill_sharding_plan(spec, parallelism)
     return dims, parallelism
 
