@@ -39,11 +39,15 @@ def main(argv: list[str]) -> int:
     from torchtitan_rl.generator.engine import Generator
 
     evaluator = build_evaluator(config, opened)
-    # Seeded like the run's generator on this rank (colocated: job.seed + rank).
+    # Seeded like the run's generator on this rank (colocated: job.seed + its engine, one per
+    # rank or per generator.parallelism.tensor_parallel_degree ranks), and sharded alike.
+    engine, engine_rank, engines = config.generator.parallelism.engine_of(rank, world)
     generator = Generator(
-        generator=config.generator, model=config.model, seed=config.job.seed + rank
+        generator=config.generator, model=config.model, seed=config.job.seed + engine
     )
-    result = evaluator.run(generator, version=0, shard=rank, shards=world)
+    result = evaluator.run(generator, version=0, shard=engine, shards=engines)
+    if engine_rank > 0:  # its engine's first rank counts the engine's evaluation
+        result = result.counted_elsewhere()
     evaluation.all_reduce(result)
     if rank == 0:
         metrics = {k: v for k, v in result.metrics().items() if k != "eval/policy_version"}

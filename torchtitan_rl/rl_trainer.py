@@ -183,10 +183,11 @@ class RLTrainer:
         # Every engine (one per rank, or one per group of generator.parallelism
         # .tensor_parallel_degree consecutive ranks) generates its share of the prompts; each
         # rank of a group trains on its part of the group's rollouts.
-        engine_ranks = config.generator.parallelism.tensor_parallel_degree
-        self.engine, self.engine_rank = divmod(self.rank, engine_ranks)
-        self.engine_ranks = engine_ranks
-        engines = dist.get_world_size() // engine_ranks
+        parallelism = config.generator.parallelism
+        self.engine, self.engine_rank, engines = parallelism.engine_of(
+            self.rank, dist.get_world_size()
+        )
+        self.engine_ranks = parallelism.tensor_parallel_degree
         self.producer = RolloutProducer(config, task, self.engine, engines)
         self.learner = Learner(config, task.renderer_of)
         self.generator = Generator(

@@ -11,7 +11,8 @@ After training (everything `python -m torchtitan_rl.train` does with the flags),
   trained with torchtitan's balancing would hold), then one full weight sync: whether the
   generator's buffers equal it, and max |generator - trainer| logprob of sampled tokens before
   and after (the bias moves routing, so both sides must read it);
-- `expert_shards`: the experts each rank's trainer holds (expert parallel);
+- `expert_shards`, `generator_expert_shards`: the experts each rank's trainer and generator hold
+  (expert parallel);
 - `synced_each_step`: what weight sync sends after its first sync (what a step changes);
 - `replay`: on a fresh batch, the trainer's routing and logprobs against the generator's with
   router replay off and on.
@@ -24,10 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
+from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import platform, train
 from torchtitan_rl.rl_trainer import RLTrainer
 from torchtitan_rl.types import rollout_batch
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded generator's tensor gathered whole (a plain one as is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def max_diff(run: RLTrainer, ids: list[list[int]]) -> tuple[float, list]:
@@ -80,6 +87,7 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
     before, logprobs_before = max_diff(run, ids)
     biases = {n: t for n, t in trainer.sync_sources().items() if n.endswith("expert_bias_E")}
     generator_weights = run.generator.weights()
+    generator_experts = generator_weights["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
     with torch.no_grad():
         for name, bias in biases.items():
             bias.copy_(torch.linspace(-0.3, 0.3, bias.numel()))  # the same on every rank
@@ -90,11 +98,15 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
         "greedy": greedy.samples[0][0].token_ids,
         "replay": replay,
         "bias_names": sorted(biases),
-        "bias_synced": all(torch.equal(generator_weights[n], b) for n, b in biases.items()),
+        "bias_synced": all(torch.equal(whole(generator_weights[n]), b) for n, b in biases.items()),
         "bias_diff_before": before,
         "bias_diff_after": after,
         "bias_moved_logprobs": logprobs_before != logprobs_after,
         "expert_shards": [tuple(expert_weight.to_local().shape), tuple(expert_weight.shape)],
+        "generator_expert_shards": [
+            tuple(generator_experts.to_local().shape),
+            tuple(generator_experts.shape),
+        ],
         "synced_each_step": sorted(
             {name for bucket in run.weight_sync.update_buckets for name, _, _ in bucket}
         ),

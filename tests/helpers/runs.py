@@ -20,7 +20,8 @@ WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 GREEDY_PROMPT, GREEDY_TOKENS = "echo 123:", 8
 
 # The reference run's schedule on the mixture-of-experts tiny Qwen3 (8 experts, 2 per token),
-# experts split over the 2 ranks (EP = 2), every weight sync verified by digest.
+# experts split over the 2 ranks (EP = 2) in the trainer and in one generator spanning both,
+# every weight sync verified by digest.
 MOE_MODEL = (
     *("--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"),
     *("--parallelism.ep", "2"),
@@ -32,6 +33,9 @@ GPT_OSS_MODEL = (
 MOE = (
     *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
     *MOE_MODEL,
+    # One generator over both ranks, its experts split between them (generator EP = 2).
+    *("--generator.parallelism.tensor_parallel_degree", "2"),
+    *("--generator.parallelism.expert_parallel", "true"),
     *("--generator.verify_weight_sync", "true"),
     *("--algorithm.kl_beta", "0.05"),
     *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),

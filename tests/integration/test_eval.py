@@ -12,16 +12,25 @@ from helpers.launch import run_script, run_train
 def test_the_run_evaluates_and_scripts_eval_reproduces_it_on_the_export(tmp_path):
     """A colocated run of the arithmetic demo (3 steps) evaluates sampled completions (n = 4,
     temperature 1) at the start and the end; scripts/eval.py on the exported policy, with the
-    run's config and as many ranks, gives the same figures exactly: the same samples."""
+    run's config and as many ranks, gives the same figures exactly: the same samples.
+
+    Both run one generator over the 2 ranks, tensor parallel (the run's config.toml carries
+    generator.parallelism.tensor_parallel_degree = 2 to the script): the ranks sample the same
+    prompts, each trains on half of them, and each evaluation and rollout is counted once."""
     dump = tmp_path / "run"
     sampled = ("--eval.n", "4", "--eval.temperature", "1.0", "--eval.interval", "0")
     result = run_train(
         *("--job.config_file", "run_configs/arith_cpu.toml", "--job.dump_folder", str(dump)),
         *("--training.steps", "3", *sampled),
+        *("--generator.parallelism.tensor_parallel_degree", "2"),
         nproc=2,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    for row in steps:  # 32 prompts x 8 samples, once each; the two sides agree
+        assert row["generated_tokens"] / row["response_length/mean"] == pytest.approx(256)
+        assert row["logprob_diff/max"] < 1e-4
     evaluations = [r for r in rows if "eval/accuracy" in r]
     assert [(r["step"], r["eval/policy_version"]) for r in evaluations] == [(0, 0), (3, 3)]
     last = evaluations[-1]

@@ -1,8 +1,8 @@
 """A mixture-of-experts policy end to end (tests/helpers/runs.py: MOE): the tiny Qwen3-MoE
 with its experts split over 2 ranks (EP = 2), the real vLLM engine running the same torchtitan
-MoE, weight sync verified every step, the routers' bias carried to the generator, and the HF
-export read by vLLM's own Qwen3MoeForCausalLM. Bitwise MoE logprobs under batch-invariant
-mode: test_batch_invariant.py; exact resume: test_resume.py.
+MoE over both ranks (generator EP = 2), weight sync verified every step, the routers' bias
+carried to the generator, and the HF export read by vLLM's own Qwen3MoeForCausalLM. Bitwise
+MoE logprobs under batch-invariant mode: test_batch_invariant.py; exact resume: test_resume.py.
 
     .venv/bin/python -m pytest tests/integration/test_moe.py
 
@@ -26,8 +26,13 @@ def test_moe_run_trains_with_experts_split_over_the_ranks(moe_run):
     assert max(row["logprob_diff/max"] for row in rows) < 1e-4
     assert all(row["kl"] >= 0 for row in rows) and rows[-1]["kl"] > 0
     checks = json.loads((moe_run / "moe.json").read_text())
-    # Expert parallel: each rank holds 4 of the 8 experts of every layer.
+    # Expert parallel: each rank holds 4 of the 8 experts of every layer, in the trainer and
+    # in the generator.
     assert checks["expert_shards"] == [[4, 64, 128], [8, 64, 128]]
+    assert checks["generator_expert_shards"] == [[4, 64, 128], [8, 64, 128]]
+    # The generator's routing, gathered from both ranks, is the trainer's (fp32).
+    assert all(row["moe/routing_compared"] > 1000 for row in rows)
+    assert max(row["moe/routing_mismatch"] for row in rows) < 1e-3
     # Every trained tensor is synced each step, experts and routers included; the frozen
     # router bias only by the first sync.
     synced = checks["synced_each_step"]

@@ -21,6 +21,8 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 GPU_RECIPES = {
     "run_configs/qwen3_0.6b.toml",
     "run_configs/qwen3_1.7b.toml",
+    "run_configs/qwen3_8b.toml",
+    "run_configs/qwen3_32b.toml",
     "run_configs/qwen3_30b_a3b.toml",
     "run_configs/gpt_oss_20b.toml",
 }
@@ -46,6 +48,9 @@ def test_every_named_run_config_exists_and_passes_the_dry_run_checks(tmp_path):
     names = named_configs()
     assert {"run_configs/debug_cpu.toml", "run_configs/sft_arith_cpu.toml"} <= names
     assert [n for n in sorted(names) if not (REPO / n).is_file()] == []
+    # And every config is named, so that each passes the checks below.
+    shipped = {f"run_configs/{p.name}" for p in (REPO / "run_configs").glob("*.toml")}
+    assert sorted(shipped - names) == []
     for name in sorted(names - GPU_RECIPES):
         # What `python -m torchtitan_rl.{train,sft} --job.config_file NAME --job.dry_run`
         # checks, under the demo's torchrun world of 2: the config, then the task's data. A

@@ -22,6 +22,12 @@ class GeneratorParallelismSection:
     rank holds experts / tensor_parallel_degree of them, and tokens travel to their experts)
     instead of sharding every expert's hidden width (the TP plan's default)."""
 
+    def engine_of(self, rank: int, world_size: int) -> tuple[int, int, int]:
+        """(engine, rank within it, engines) of a generating `rank` of `world_size`: each
+        engine spans tensor_parallel_degree consecutive ranks."""
+        engine, engine_rank = divmod(rank, self.tensor_parallel_degree)
+        return engine, engine_rank, world_size // self.tensor_parallel_degree
+
     def validate(self, world_size: int) -> None:
         tp = self.tensor_parallel_degree
         require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
