@@ -28,6 +28,7 @@ from torchtitan_rl.checkpoint import MANIFEST, Checkpointer
 from torchtitan_rl.config import (
     CheckpointSection,
     ConfigError,
+    GeneratorParallelismSection,
     GeneratorSection,
     ModelSection,
     TaskSection,
@@ -447,6 +448,17 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer has 68 tokens but the checkpoint's vocab"):
         check_tokenizer_fits(ModelSection(hf_checkpoint=str(tmp_path / "ckpt")))
     check_tokenizer_fits(ModelSection(hf_checkpoint=str(TINY)))  # the shipped pair fits
+
+
+def test_cpu_sleep_mode_with_a_tensor_parallel_generator_is_refused_before_the_engine():
+    """CPU sleep mode frees weight tensors by name, which sharded parameters do not support:
+    refused before vLLM starts (no torchrun world is needed to see it)."""
+    generator = GeneratorSection(
+        enable_sleep_mode=True,
+        parallelism=GeneratorParallelismSection(tensor_parallel_degree=2),
+    )
+    with pytest.raises(ConfigError, match="enable_sleep_mode = true frees the weight tensors"):
+        Generator(generator=generator, model=ModelSection(hf_checkpoint=TINY))
 
 
 # ---- Damaged input files, each opened by the function of the run that reads it ----

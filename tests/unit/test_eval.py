@@ -49,6 +49,11 @@ def test_eval_metrics_from_merged_shards():
     assert metrics["eval/response_length"] == 20 / 12 and metrics["eval/prompts"] == 3
     assert metrics["eval/policy_version"] == 3 and metrics["time/eval_s"] == 2.0
     assert metrics["eval/tool_calls"] == 6 / 12
+    # The second rank of a tensor-parallel engine evaluated the same prompts as the first: it
+    # adds nothing, and keeps its time.
+    again = EvalShard.merge([a, a.counted_elsewhere(), b]).metrics()
+    assert again == metrics | {"time/eval_s": 2.0}
+    assert a.counted_elsewhere().samples == [] and a.counted_elsewhere().seconds == 1.0
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,33 @@ def _shared_memory_segments() -> set[Path]:
     return set(SHARED_MEMORY.glob("*cpushm_*")) if SHARED_MEMORY.is_dir() else set()
 
 
+def _mapped_segments(proc: Path = Path("/proc")) -> set[Path]:
+    """The segments of `_shared_memory_segments` that a live process maps (its /proc/PID/maps
+    names the file; a process not ours to read counts as mapping nothing)."""
+    mapped = set()
+    for maps in proc.glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "cpushm_" in fields[5]:
+                mapped.add(Path(fields[5]))
+    return mapped
+
+
+def remove_stale_segments() -> list[Path]:
+    """Remove the CPU TP segments no live process maps: those of a killed run (a TP engine
+    removes its own at exit, `platform.at_exit`). Their names do not depend on the run, so
+    left behind, the next engine of that layout fails ("create shm in SHMManager failed.
+    errno: 17", measured on the resume after a killed run). Returns what it removed."""
+    stale = sorted(_shared_memory_segments() - _mapped_segments())
+    for segment in stale:
+        segment.unlink(missing_ok=True)  # the engine's other ranks remove them too
+    return stale
+
+
 def check_tokenizer_fits(model: ModelSection) -> None:
     """Refuse a tokenizer with ids beyond the checkpoint's vocabulary, before any engine starts."""
     tokens = read_tokenizer_json(model.tokenizer_dir).get_vocab_size()
@@ -119,7 +146,16 @@ class Generator:
         self.config = generator
         under_torchrun = "RANK" in os.environ
         tensor_parallel = generator.parallelism.tensor_parallel_degree > 1
-        segments_before = _shared_memory_segments() if tensor_parallel else set()
+        if tensor_parallel and generator.enable_sleep_mode and not platform.vllm_can_sleep():
+            raise ConfigError(
+                "generator.enable_sleep_mode = true frees the weight tensors on CPU, which a "
+                "tensor-parallel generator's sharded parameters do not support yet: set it to "
+                "false, or generator.parallelism.tensor_parallel_degree = 1"
+            )
+        segments_before = set()
+        if tensor_parallel and platform.device_type() == "cpu":
+            remove_stale_segments()
+            segments_before = _shared_memory_segments()
         overrides = {
             "architectures": [ARCH],
             "torchtitan_model": model.name,
