@@ -37,6 +37,11 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor (a plain one: all of it)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def max_diff(run: RLTrainer, ids: list[list[int]]) -> tuple[float, list]:
     completions = run.generator.generate(ids, n=4, max_tokens=6, seed=3)
     batch = rollout_batch(ids, completions.samples, torch.zeros(len(ids), 4), run.learner.pad_id)
@@ -104,7 +109,7 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
         "bias_moved_logprobs": logprobs_before != logprobs_after,
         "expert_shards": [tuple(expert_weight.to_local().shape), tuple(expert_weight.shape)],
         "generator_expert_shards": [
-            tuple(generator_experts.to_local().shape),
+            tuple(local(generator_experts).shape),
             tuple(generator_experts.shape),
         ],
         "synced_each_step": sorted(
