@@ -32,6 +32,7 @@ the step, so the regenerated rollouts sample the same prompts.
 """
 
 import pickle
+import socket
 import time
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask, open_task
 from torchtitan_rl.evaluation import build_evaluator, log_eval
-from torchtitan_rl.generator.remote import RemoteGenerator
+from torchtitan_rl.generator.remote import EngineWorld, RemoteGenerator
 from torchtitan_rl.learner import Learner, rollout_metrics
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.producer import RolloutProducer, engine_failure_at
@@ -70,22 +71,52 @@ class Topology:
     """Trainer rank 0 and every generator rank: the weight broadcast."""
     checkpoint_group: dist.ProcessGroup | None
     """gloo over the trainers, for background checkpoint saves."""
+    engine_groups: list[tuple[dist.ProcessGroup, list[int]]] | None = None
+    """gloo over the generator ranks of each tensor-parallel engine, with their ranks (None:
+    one engine per generator rank)."""
 
     @classmethod
     def build(cls, config: JobConfig) -> "Topology":
         world, generators = dist.get_world_size(), config.generator.num_ranks
         trainers = list(range(world - generators))
+        generator_ranks = list(range(world - generators, world))
         async_saves = config.checkpoint.enable and config.checkpoint.async_mode == "async"
+        tp = config.generator.parallelism.tensor_parallel_degree
+        engines = [generator_ranks[i : i + tp] for i in range(0, generators, tp)]
         return cls(
             trainers=trainers,
-            generators=list(range(world - generators, world)),
+            generators=generator_ranks,
             trainer_group=dist.new_group(trainers),
-            transfer_group=dist.new_group([trainers[0], *range(world - generators, world)]),
+            transfer_group=dist.new_group([trainers[0], *generator_ranks]),
             checkpoint_group=dist.new_group(trainers, backend="gloo") if async_saves else None,
+            engine_groups=(
+                [(dist.new_group(ranks, backend="gloo"), ranks) for ranks in engines]
+                if tp > 1
+                else None
+            ),
         )
+
+    def engine_world(self, generator_rank: int) -> EngineWorld | None:
+        """Where the engine children of `generator_rank`'s tensor-parallel engine meet (None:
+        an engine of one rank): its first rank's host and a free port there."""
+        if self.engine_groups is None:
+            return None
+        tp = len(self.engine_groups[0][1])
+        index = self.generators.index(generator_rank)
+        group, ranks = self.engine_groups[index // tp]
+        offer = (socket.gethostname(), _free_port()) if index % tp == 0 else None
+        address, port = platform.all_gather_objects(offer, group=group)[0]
+        return EngineWorld(address=address, port=port, rank=index % tp, size=len(ranks))
 
     def trainer_of(self, generator_rank: int) -> int:
         return self.trainers[self.generators.index(generator_rank) % len(self.trainers)]
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def _send(obj, dst: int, pending: list) -> None:
@@ -118,17 +149,27 @@ class GeneratorWorker:
         if config.batch_invariant:
             batch_invariant.enable()
         task = task or open_task(config)  # before the engine: a bad dataset row fails in seconds
-        # Prompts and seeds are split over the generator ranks only.
-        shard, shards = topology.generators.index(self.rank), len(topology.generators)
-        self.producer = RolloutProducer(config, task, shard, shards)
+        # Prompts and seeds are split over the engines (one per generator rank, or one per
+        # generator.parallelism.tensor_parallel_degree of them); each rank of an engine sends
+        # its part of the engine's rollouts.
+        parallelism = config.generator.parallelism
+        self.engine, self.engine_rank, engines = parallelism.engine_of(
+            topology.generators.index(self.rank), len(topology.generators)
+        )
+        self.engine_ranks = parallelism.tensor_parallel_degree
+        self.producer = RolloutProducer(config, task, self.engine, engines)
         self.generator = RemoteGenerator(
-            generator=config.generator, model=config.model, seed=config.job.seed + shard
+            generator=config.generator,
+            model=config.model,
+            seed=config.job.seed + self.engine,
+            world=topology.engine_world(self.rank),
         )
         self.receiver = BroadcastReceiver(
             self.generator,
             leader=topology.trainers[0],
             group=topology.transfer_group,
             bucket_mb=config.generator.weight_sync_bucket_mb,
+            verify=config.generator.verify_weight_sync,
         )
 
     def take_weights(self) -> None:
@@ -145,7 +186,15 @@ class GeneratorWorker:
         # A resumed run evaluated its restored version before it stopped (version 0: at_start).
         if self.producer.eval_due(version) and (version > self.start or self.start == 0):
             watchdog.mark(version, "eval")
-            self.evaluations.append(self.producer.evaluate(self.generator, version))
+            evaluation = self.producer.evaluate(self.generator, version)
+            if self.engine_rank > 0:  # its engine's first rank counts the engine's evaluation
+                evaluation = evaluation.counted_elsewhere()
+            self.evaluations.append(evaluation)
+
+    def reward_errors(self) -> int:
+        """The reward errors of this rank's engine so far, counted by its first rank (every
+        rank of an engine scores the same samples)."""
+        return self.producer.reward_errors if self.engine_rank == 0 else 0
 
     def run(self) -> None:
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
@@ -165,8 +214,8 @@ class GeneratorWorker:
                 step=step,
                 version=self.generator.policy_version,
                 weights_sha256=self.receiver.digest() if verify else None,
-                rollouts=rollouts,
-                reward_errors=self.producer.reward_errors,
+                rollouts=rollouts.part(self.engine_rank, self.engine_ranks),
+                reward_errors=self.reward_errors(),
                 generate_s=time.perf_counter() - began,
                 evaluations=self.evaluations,
                 stop_requested=watchdog.stop_requested(),
@@ -179,7 +228,7 @@ class GeneratorWorker:
         while self.generator.policy_version < steps:  # the trainer's last broadcasts
             self.take_weights()
         if self.producer.evaluator is not None:  # the trainer waits for it: the last eval
-            errors = self.producer.reward_errors
+            errors = self.reward_errors()
             last = Rollout(steps + 1, steps, None, None, errors, 0.0, self.evaluations)
             _send(last, trainer, pending)
         for *_, size_sent, data_sent in pending:

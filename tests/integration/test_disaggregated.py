@@ -56,9 +56,13 @@ def test_off_policy_k2_with_the_correction_learns_with_bounded_age_and_bitwise_w
 
 def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_path):
     """4 ranks: FSDP over the 2 trainers, each taking the rollouts of one generator rank. The
-    generator ranks evaluate their halves of the held-out set with each due policy version."""
+    2 generator ranks run one engine, tensor parallel: their children form a world of their
+    own, each receives the whole weights and keeps its shard, and each rank sends its half of
+    the engine's rollouts. The engine evaluates the held-out set with each due policy version,
+    counted once."""
     result = run_train(
         *DISAGGREGATED,
+        *("--generator.parallelism.tensor_parallel_degree", "2"),
         *("--task.name", "dataset", "--task.dataset_path", "data/arith/train.jsonl"),
         *("--eval.dataset_path", "data/arith/test.parquet", "--eval.interval", "2"),
         "--generator.num_ranks",
@@ -84,7 +88,12 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_p
     # rollout; version 4, the last, in the generators' message after the last step.
     evaluations = metric_rows(tmp_path, "eval")
     assert [(r["step"], r["eval/policy_version"]) for r in evaluations] == [(1, 0), (4, 2), (4, 4)]
-    assert {r["eval/prompts"] for r in evaluations} == {36.0}  # both halves, summed
+    assert {r["eval/prompts"] for r in evaluations} == {36.0}  # the engine's, once
+    for row in metrics:  # 32 prompts x 8 samples, each trained once
+        assert row["generated_tokens"] / row["response_length/mean"] == 256
+    # On policy (step 1: the starting weights on both sides), the sharded engine's logprobs
+    # are the trainer's; later rollouts are a version old (k = 1).
+    assert metrics[0]["logprob_diff/max"] < 1e-4
     logged = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     # The samples of the generator that sends to trainer rank 0, which logs.
     assert [len(r["samples"]) for r in logged] == [4, 4, 4]

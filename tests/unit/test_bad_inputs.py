@@ -135,11 +135,11 @@ BAD_INPUTS = {
         ["--world_size_for_test", "4"],
         ["generator.parallelism.tensor_parallel_degree = 4 does not divide", "2 KV heads"],
     ),
-    "generator tp disaggregated": (
-        '[generator]\nplacement = "disaggregated"\nnum_ranks = 2\n'
+    "generator tp not dividing the generator ranks": (
+        '[generator]\nplacement = "disaggregated"\nnum_ranks = 3\n'
         "[generator.parallelism]\ntensor_parallel_degree = 2\n",
         ["--world_size_for_test", "4"],
-        ["tensor_parallel_degree = 2 with generator.placement = 'disaggregated'", "use 1"],
+        ["tensor_parallel_degree = 2 does not divide the 3 generating ranks"],
     ),
     "generator tp under batch invariance": (
         "batch_invariant = true\n[generator.parallelism]\ntensor_parallel_degree = 2\n",

@@ -29,12 +29,13 @@ class GeneratorParallelismSection:
         return engine, engine_rank, world_size // self.tensor_parallel_degree
 
     def validate(self, world_size: int) -> None:
+        """`world_size`: the ranks that generate (all, or generator.num_ranks)."""
         tp = self.tensor_parallel_degree
         require(tp >= 1, f"generator.parallelism.tensor_parallel_degree = {tp}: must be >= 1")
         require(
             world_size % tp == 0,
-            f"generator.parallelism.tensor_parallel_degree = {tp} does not divide the world "
-            f"size {world_size}: use a divisor of {world_size}",
+            f"generator.parallelism.tensor_parallel_degree = {tp} does not divide the "
+            f"{world_size} generating ranks: use a divisor of {world_size}",
         )
         require(
             tp > 1 or not self.expert_parallel,

@@ -62,13 +62,6 @@ class JobConfig:
                 "'disaggregated' (colocated ranks alternate generating and training)",
             )
             return 0
-        tp = self.generator.parallelism.tensor_parallel_degree
-        require(
-            tp == 1,
-            f"generator.parallelism.tensor_parallel_degree = {tp} with generator.placement = "
-            "'disaggregated': a disaggregated generator rank runs its own engine in a child "
-            "process, which does not span ranks yet; use 1, or the colocated placement",
-        )
         generators, trainers = self.generator.num_ranks, world_size - self.generator.num_ranks
         require(
             generators >= 1 and trainers >= 1,

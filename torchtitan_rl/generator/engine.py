@@ -64,6 +64,29 @@ def _shared_memory_segments() -> set[Path]:
     return set(SHARED_MEMORY.glob("*cpushm_*")) if SHARED_MEMORY.is_dir() else set()
 
 
+def _name_segments_by_world() -> None:
+    """Prefix vLLM's CPU shared-memory group names with this world's MASTER_PORT. vLLM names
+    them from the init method ("env://" under its external launcher) and the group's ranks
+    alone, so two worlds on one host (two runs, or the engines of a disaggregated run, each in
+    a world of its own) would both make "-tp:0-[0-1]-cpushm_0" and the second fail ("create
+    shm in SHMManager failed. errno: 17"). Every rank of a world shares its port, and two
+    worlds on a host cannot."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm, "_named_by_world", False):
+        return
+    vllm_name = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        # vLLM's name starts with the init method's "//", which shm_open drops; a slash
+        # inside the name it refuses (measured: errno 22).
+        return f"{os.environ.get('MASTER_PORT', '')}{vllm_name(communicator).lstrip('/')}"
+
+    shm.make_group_name = staticmethod(make_group_name)
+    shm._named_by_world = True
+
+
 def _mapped_segments(proc: Path = Path("/proc")) -> set[Path]:
     """The segments of `_shared_memory_segments` that a live process maps (its /proc/PID/maps
     names the file; a process not ours to read counts as mapping nothing)."""
@@ -154,6 +177,7 @@ class Generator:
             )
         segments_before = set()
         if tensor_parallel and platform.device_type() == "cpu":
+            _name_segments_by_world()
             remove_stale_segments()
             segments_before = _shared_memory_segments()
         overrides = {

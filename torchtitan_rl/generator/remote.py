@@ -18,6 +18,7 @@ import signal
 import traceback
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
@@ -41,6 +42,9 @@ TORCHRUN_ENV = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
+    # A world joined through env:// would take the launcher's store instead of its own (and
+    # wait there forever: measured, the children of a TP engine's ranks).
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 
@@ -59,10 +63,14 @@ def outside_torchrun():
             del os.environ["LOCAL_RANK"]
 
 
-def _serve(generator, model, seed, invariant, requests, replies) -> None:
-    """The child: build the engine, share its parameters, then answer requests."""
+def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
+    """The child: build the engine, share its parameters, then answer requests. `world`: the
+    engine's own world (EngineWorld) when it spans several ranks' children, or None."""
+    from torch.distributed.tensor import DTensor
+
     from torchtitan_rl import batch_invariant, platform
     from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.weight_sync.local import shard_of
 
     platform.die_with_parent()  # no engine outlives its rank
     # A scheduler's SIGTERM/SIGUSR1 is for the rank, which finishes its step and checkpoints
@@ -71,25 +79,41 @@ def _serve(generator, model, seed, invariant, requests, replies) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
     try:
-        platform.init_distributed()  # a world of one, on the parent's device (LOCAL_RANK)
+        if world is not None:  # the children of the engine's ranks: a world of their own
+            os.environ.update(
+                MASTER_ADDR=world.address,
+                MASTER_PORT=str(world.port),
+                RANK=str(world.rank),
+                WORLD_SIZE=str(world.size),
+            )
+        # A world of one (or the engine's), on the parent's device (LOCAL_RANK); torchtitan's
+        # meshes (a TP engine's) on this platform's device.
+        platform.patch_torchtitan()
+        platform.init_distributed()
         # vLLM's external launcher then joins that world and takes its device from LOCAL_RANK;
         # its own single-process executor would put every child on device 0.
-        os.environ.update(RANK="0", WORLD_SIZE="1")
+        if world is None:
+            os.environ.update(RANK="0", WORLD_SIZE="1")
         if invariant:
             batch_invariant.enable()
         engine = Generator(generator=generator, model=model, seed=seed)
-        params = engine.weights()
-        for param in params.values():
-            param.data.share_memory_()
+        params, shards = {}, {}
+        for name, param in engine.weights().items():
+            # A tensor-parallel engine's parameter: this rank's shard, and where it sits.
+            local = (param.to_local() if isinstance(param, DTensor) else param).detach()
+            local.share_memory_()  # moves the storage the engine computes with
+            params[name] = local
+            if isinstance(param, DTensor):
+                shards[name] = (tuple(param.shape), shard_of(param))
         engine.refresh_after_weight_update()
-        replies.put(("ok", params))
+        replies.put(("ok", (params, shards)))
     except ConfigError as e:
         replies.put(("config_error", str(e)))
         return
     while True:
         command, args = requests.get()
-        if command == "stop":
-            return
+        if command == "stop":  # with the engine's exit hooks (its shared-memory segments)
+            platform.exit_process(0)
         try:
             if command == "generate":
                 replies.put(("ok", engine.generate(*args[:1], **args[1])))
@@ -101,10 +125,29 @@ def _serve(generator, model, seed, invariant, requests, replies) -> None:
             replies.put(("error", e))
 
 
+@dataclass(frozen=True)
+class EngineWorld:
+    """Where the children of one tensor-parallel engine's ranks meet: the engine's first rank's
+    host and a free port there, and this child's rank among `size`."""
+
+    address: str
+    port: int
+    rank: int
+    size: int
+
+
 class RemoteGenerator:
     """The Generator interface that disaggregated generator ranks use."""
 
-    def __init__(self, *, generator: GeneratorSection, model: ModelSection, seed: int):
+    def __init__(
+        self,
+        *,
+        generator: GeneratorSection,
+        model: ModelSection,
+        seed: int,
+        world: EngineWorld | None = None,
+    ):
+        """`world`: the engine's world when it spans several ranks (tensor parallel)."""
         from torchtitan_rl import batch_invariant
 
         context = mp.get_context("spawn")
@@ -116,6 +159,7 @@ class RemoteGenerator:
                 model,
                 seed,
                 batch_invariant.uses_own_kernels(),
+                world,
                 self.requests,
                 self.replies,
             ),
@@ -123,7 +167,10 @@ class RemoteGenerator:
         )
         with outside_torchrun():
             self.process.start()
-        self.params: dict[str, torch.Tensor] = self._reply()
+        self.params, self.shards = self._reply()
+        """The parameters' memory shared with the engine (this rank's shards of a tensor-
+        parallel engine's), and for each sharded one its whole shape and where the shard sits
+        in it."""
         self.policy_version = 0
 
     def _reply(self):

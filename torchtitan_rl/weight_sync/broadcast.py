@@ -23,6 +23,7 @@ from torchtitan_rl.weight_sync.base import (
     SyncStats,
     changing,
     digest,
+    verify,
     weights_digest,
     whole,
 )
@@ -86,12 +87,22 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """Generator ranks: receive the weights from `leader` into `generator`'s parameters."""
+    """Generator ranks: receive the weights from `leader` into `generator`'s parameters. A
+    tensor-parallel engine's rank (`generator.shards`: name -> (whole shape, index of its
+    shard)) receives every tensor whole and keeps its shard of it."""
 
-    def __init__(self, generator, *, leader: int, group, bucket_mb: float):
+    def __init__(self, generator, *, leader: int, group, bucket_mb: float, verify: bool = False):
+        """`verify`: keep what `digest` needs (generator.verify_weight_sync)."""
         self.generator, self.leader, self.group = generator, leader, group
-        self.bucket_mb = bucket_mb
+        self.bucket_mb, self.verify = bucket_mb, verify
         self.plan: Plan | None = None
+        self.shards: dict = getattr(generator, "shards", {})
+        self.whole_digests: dict[str, bytes] = {}
+        """The digest of each sharded tensor as received whole (its shard checked against it)."""
+
+    def _numel(self, name: str, param: torch.Tensor) -> int:
+        """The whole tensor's numel (a shard's: of the tensor it is part of)."""
+        return math.prod(self.shards[name][0]) if name in self.shards else param.numel()
 
     @torch.no_grad()
     def receive(self) -> bool:
@@ -106,26 +117,38 @@ class BroadcastReceiver:
         if everything and self.plan is None:
             names = [None]
             dist.broadcast_object_list(names, self.leader, self.group)
-            nbytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+            nbytes = {n: self._numel(n, p) * p.element_size() for n, p in params.items()}
             self.plan = Plan(nbytes, set(names[0]), self.bucket_mb)
         elif everything:
             dist.broadcast_object_list([None], self.leader, self.group)
         buckets = self.plan.all if everything else self.plan.changed
         for names in buckets:
             targets = [params[n] for n in names]
-            flat = torch.empty(
-                sum(t.numel() for t in targets), dtype=targets[0].dtype, device=targets[0].device
-            )
+            sizes = [self._numel(n, t) for n, t in zip(names, targets, strict=True)]
+            flat = torch.empty(sum(sizes), dtype=targets[0].dtype, device=targets[0].device)
             dist.broadcast(flat, self.leader, self.group)
-            for target, piece in zip(
-                targets, flat.split([t.numel() for t in targets]), strict=True
-            ):
-                target.copy_(piece.view_as(target))
+            for name, target, piece in zip(names, targets, flat.split(sizes), strict=True):
+                if name not in self.shards:
+                    target.copy_(piece.view_as(target))
+                    continue
+                shape, index = self.shards[name]
+                whole_tensor = piece.view(shape)
+                target.copy_(whole_tensor[index])
+                if self.verify:
+                    self.whole_digests[name] = digest(whole_tensor)
+                    verify(name, whole_tensor[index], target)
         self.generator.refresh_after_weight_update()
         self.generator.policy_version = version
         return True
 
     def digest(self) -> str:
-        """The digest of the weights this generator holds (`base.weights_digest`)."""
+        """The digest of the weights this generator holds (`base.weights_digest`): of each
+        tensor whole; a shard's, of the whole tensor received with it (and the shard held
+        checked against it bit for bit when written)."""
         params = self.generator.weights()
-        return weights_digest({name: digest(p) for name, p in params.items()})
+        return weights_digest(
+            {
+                name: self.whole_digests[name] if name in self.shards else digest(p)
+                for name, p in params.items()
+            }
+        )
