@@ -64,15 +64,23 @@ def _shared_memory_segments() -> set[Path]:
     return set(SHARED_MEMORY.glob("*cpushm_*")) if SHARED_MEMORY.is_dir() else set()
 
 
+_tp_engines_started = 0
+"""Tensor-parallel engines this process has started (every rank of a world starts them in
+the same order)."""
+
+
 def _name_segments_by_world() -> None:
-    """Prefix vLLM's CPU shared-memory group names with this world's MASTER_PORT. vLLM names
-    them from the init method ("env://" under its external launcher) and the group's ranks
-    alone, so two worlds on one host (two runs, or the engines of a disaggregated run, each in
-    a world of its own) would both make "-tp:0-[0-1]-cpushm_0" and the second fail ("create
-    shm in SHMManager failed. errno: 17"). Every rank of a world shares its port, and two
-    worlds on a host cannot."""
+    """Prefix vLLM's CPU shared-memory group names with this world's MASTER_PORT and the
+    engine's number in this process. vLLM names them from the init method ("env://" under its
+    external launcher) and the group's ranks alone, so two worlds on one host (two runs, or
+    the engines of a disaggregated run, each in a world of its own), or two engines one after
+    the other in one process (whose segments stay mapped until it exits), would make the same
+    "-tp:0-[0-1]-cpushm_0" and the second fail ("create shm in SHMManager failed. errno: 17").
+    Every rank of a world shares its port, and two worlds on a host cannot."""
     from vllm.distributed.device_communicators import cpu_communicator
 
+    global _tp_engines_started
+    _tp_engines_started += 1
     shm = cpu_communicator._CPUSHMDistributed
     if getattr(shm, "_named_by_world", False):
         return
@@ -81,7 +89,8 @@ def _name_segments_by_world() -> None:
     def make_group_name(communicator) -> str:
         # vLLM's name starts with the init method's "//", which shm_open drops; a slash
         # inside the name it refuses (measured: errno 22).
-        return f"{os.environ.get('MASTER_PORT', '')}{vllm_name(communicator).lstrip('/')}"
+        world = f"{os.environ.get('MASTER_PORT', '')}.{_tp_engines_started}"
+        return f"{world}{vllm_name(communicator).lstrip('/')}"
 
     shm.make_group_name = staticmethod(make_group_name)
     shm._named_by_world = True

@@ -297,7 +297,7 @@ class TorchTitanForCausalLM(nn.Module):
                 prefix=f"{prefix}layers.{index}.attention.inner_attention",
                 cache_config=vllm_config.cache_config,
                 window=getattr(config.attention, "sliding_window_size", None),
-                sinks=getattr(attention, "sinks", None),
+                sinks=_local_heads(getattr(attention, "sinks", None), self.tp),
                 batch_invariant=invariant,
             )
         if self.tp > 1:
@@ -312,6 +312,13 @@ class TorchTitanForCausalLM(nn.Module):
                 dump_folder="",
                 skip_dp=True,
             )
+            # vLLM's attention reads the sinks of the rank's heads: the local shard of each
+            # layer's sinks parameter, so that weight sync's in-place writes reach it.
+            for layer in model.layers.values():
+                if getattr(layer.attention, "sinks", None) is not None:
+                    sinks = layer.attention.sinks
+                    local = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+                    layer.attention.inner_attention.attn.impl.sinks = local.detach()
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
         if invariant:
@@ -444,6 +451,15 @@ class TorchTitanForCausalLM(nn.Module):
             )
         self.repack()
         return {name for name, _ in self.named_parameters()}
+
+
+def _local_heads(sinks: torch.Tensor | None, tp: int) -> torch.Tensor | None:
+    """What vLLM's attention is built with for a layer's sinks: the parameter itself, or under
+    TP a stand-in of the rank's heads (the parameter's shard replaces it once the TP plan has
+    sharded it)."""
+    if sinks is None or tp == 1:
+        return sinks
+    return sinks.new_zeros(sinks.shape[0] // tp)
 
 
 def _tp_layout(spec, tp: int, ep: int):

@@ -157,14 +157,26 @@ def _copy_fsdp_bucket(bucket, check: bool, shared: "platform.HostSharedGather | 
             if not isinstance(target, DTensor):  # written in place, rank by rank
                 start = first_row * row_numel
                 target.view(-1)[start : start + piece.numel()].copy_(piece)
+            elif not check:  # a TP generator's shard: the rows of it this piece holds
+                _write_overlap(target, piece.view(rows, *source.shape[1:]), first_row)
             pieces.append(piece)
-        if isinstance(target, DTensor) or check:
+        if check:  # the whole tensor, to compare with
             full = torch.cat(pieces).view(source.shape)
-            if isinstance(target, DTensor):  # a TP generator's shard: of the whole tensor
+            if isinstance(target, DTensor):
                 _write(target, full)
-            if check:
-                _check(name, full, target)
+            _check(name, full, target)
     return held
+
+
+def _write_overlap(target: DTensor, rows: torch.Tensor, first_row: int) -> None:
+    """Write into `target`'s shard the part of it that `rows` (consecutive rows of the whole
+    tensor, from `first_row`) hold, without assembling the whole tensor."""
+    index = shard_of(target)
+    lo = max(first_row, index[0].start)
+    hi = min(first_row + rows.shape[0], index[0].stop)
+    if lo < hi:
+        part = rows[lo - first_row : hi - first_row][(slice(None), *index[1:])]
+        target.to_local()[lo - index[0].start : hi - index[0].start].copy_(part)
 
 
 class WeightSync:
