@@ -149,19 +149,14 @@ class GeneratorWorker:
         if config.batch_invariant:
             batch_invariant.enable()
         task = task or open_task(config)  # before the engine: a bad dataset row fails in seconds
-        # Prompts and seeds are split over the engines (one per generator rank, or one per
-        # generator.parallelism.tensor_parallel_degree of them); each rank of an engine sends
-        # its part of the engine's rollouts.
-        parallelism = config.generator.parallelism
-        self.engine, self.engine_rank, engines = parallelism.engine_of(
-            topology.generators.index(self.rank), len(topology.generators)
-        )
-        self.engine_ranks = parallelism.tensor_parallel_degree
-        self.producer = RolloutProducer(config, task, self.engine, engines)
+        # Prompts and seeds are split over the generator ranks' engines (one per rank, or per
+        # generator TP group); each rank sends its part of its engine's rollouts.
+        index, count = topology.generators.index(self.rank), len(topology.generators)
+        self.producer = RolloutProducer(config, task, index, count)
         self.generator = RemoteGenerator(
             generator=config.generator,
             model=config.model,
-            seed=config.job.seed + self.engine,
+            seed=config.job.seed + self.producer.shard,
             world=topology.engine_world(self.rank),
         )
         self.receiver = BroadcastReceiver(
@@ -186,15 +181,7 @@ class GeneratorWorker:
         # A resumed run evaluated its restored version before it stopped (version 0: at_start).
         if self.producer.eval_due(version) and (version > self.start or self.start == 0):
             watchdog.mark(version, "eval")
-            evaluation = self.producer.evaluate(self.generator, version)
-            if self.engine_rank > 0:  # its engine's first rank counts the engine's evaluation
-                evaluation = evaluation.counted_elsewhere()
-            self.evaluations.append(evaluation)
-
-    def reward_errors(self) -> int:
-        """The reward errors of this rank's engine so far, counted by its first rank (every
-        rank of an engine scores the same samples)."""
-        return self.producer.reward_errors if self.engine_rank == 0 else 0
+            self.evaluations.append(self.producer.evaluate(self.generator, version))
 
     def run(self) -> None:
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
@@ -214,8 +201,8 @@ class GeneratorWorker:
                 step=step,
                 version=self.generator.policy_version,
                 weights_sha256=self.receiver.digest() if verify else None,
-                rollouts=rollouts.part(self.engine_rank, self.engine_ranks),
-                reward_errors=self.reward_errors(),
+                rollouts=rollouts,
+                reward_errors=self.producer.counted_reward_errors,
                 generate_s=time.perf_counter() - began,
                 evaluations=self.evaluations,
                 stop_requested=watchdog.stop_requested(),
@@ -228,7 +215,7 @@ class GeneratorWorker:
         while self.generator.policy_version < steps:  # the trainer's last broadcasts
             self.take_weights()
         if self.producer.evaluator is not None:  # the trainer waits for it: the last eval
-            errors = self.reward_errors()
+            errors = self.producer.counted_reward_errors
             last = Rollout(steps + 1, steps, None, None, errors, 0.0, self.evaluations)
             _send(last, trainer, pending)
         for *_, size_sent, data_sent in pending:

@@ -24,10 +24,19 @@ from torchtitan_rl.types import EvalShard, Prompt, Rollouts
 
 
 class RolloutProducer:
-    """The task side of a run, for shard `shard` of `shards` (the ranks that generate)."""
+    """The task side of a generating rank. Its engine (one per rank, or one per
+    generator.parallelism.tensor_parallel_degree consecutive ranks: `engine_of`) samples shard
+    `shard` of `shards` of the prompts; every rank of an engine runs the same episodes, keeps
+    its part of the engine's rollouts, and only the engine's first rank counts its evaluation
+    and reward errors."""
 
-    def __init__(self, config: JobConfig, task: OpenTask, shard: int, shards: int):
-        self.config, self.shard, self.shards = config, shard, shards
+    def __init__(self, config: JobConfig, task: OpenTask, rank: int, ranks: int):
+        """`rank` of the `ranks` that generate."""
+        self.config = config
+        self.shard, self.engine_rank, self.shards = config.generator.parallelism.engine_of(
+            rank, ranks
+        )
+        self.engine_ranks = config.generator.parallelism.tensor_parallel_degree
         self.task, self.renderer, self.scorer = task.task, task.renderer, task.scorer
         self.episodes = task.episodes
         self.evaluator = build_evaluator(config, task)
@@ -40,6 +49,12 @@ class RolloutProducer:
     @reward_errors.setter
     def reward_errors(self, count: int) -> None:
         self.scorer.errors = count  # restored on resume
+
+    @property
+    def counted_reward_errors(self) -> int:
+        """`reward_errors` as this rank adds them up with the others': its engine's first rank
+        counts them (every rank of an engine scores the same samples)."""
+        return self.reward_errors if self.engine_rank == 0 else 0
 
     def prompts(self, step: int, round: int = 0) -> list[Prompt]:
         """This shard's contiguous share of the step's global prompts (of a dynamic-sampling
@@ -57,6 +72,13 @@ class RolloutProducer:
         return (run * 2**20 + round * per_round * self.config.generator.sampling.n) % 2**62
 
     def rollouts(self, step: int, generator) -> Rollouts:
+        """This rank's part of its engine's rollouts of the step (`Rollouts.part`)."""
+        engine_rollouts = self.engine_rollouts(step, generator)
+        if self.engine_ranks == 1:
+            return engine_rollouts
+        return engine_rollouts.part(self.engine_rank, self.engine_ranks)
+
+    def engine_rollouts(self, step: int, generator) -> Rollouts:
         """This shard's prompts of the step, their episodes run on `generator` and scored
         (one turn each for a single-turn task)."""
         algorithm = self.config.algorithm
@@ -95,9 +117,11 @@ class RolloutProducer:
         return self.evaluator is not None and self.evaluator.due(version, steps)
 
     def evaluate(self, generator, version: int) -> EvalShard:
-        """This shard's evaluation of `generator`'s policy (after step `version`)."""
+        """This shard's evaluation of `generator`'s policy (after step `version`), as this rank
+        adds it up with the others': counted by its engine's first rank."""
         with engine_failure_at(f"evaluating the policy after step {version}"):
-            return self.evaluator.run(generator, version, self.shard, self.shards)
+            result = self.evaluator.run(generator, version, self.shard, self.shards)
+        return result if self.engine_rank == 0 else result.counted_elsewhere()
 
 
 @contextmanager

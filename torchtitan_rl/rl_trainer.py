@@ -180,18 +180,14 @@ class RLTrainer:
         resume_path = self.checkpointer.find()
         # Before any model or engine: a bad dataset row fails in seconds, naming file:line.
         task = task or open_task(config)
-        # Every engine (one per rank, or one per group of generator.parallelism
-        # .tensor_parallel_degree consecutive ranks) generates its share of the prompts; each
-        # rank of a group trains on its part of the group's rollouts.
-        parallelism = config.generator.parallelism
-        self.engine, self.engine_rank, engines = parallelism.engine_of(
-            self.rank, dist.get_world_size()
-        )
-        self.engine_ranks = parallelism.tensor_parallel_degree
-        self.producer = RolloutProducer(config, task, self.engine, engines)
+        # Every rank generates: its engine's share of the prompts (an engine per rank, or per
+        # generator TP group), then trains on its part of them.
+        self.producer = RolloutProducer(config, task, self.rank, dist.get_world_size())
         self.learner = Learner(config, task.renderer_of)
         self.generator = Generator(
-            generator=config.generator, model=config.model, seed=config.job.seed + self.engine
+            generator=config.generator,
+            model=config.model,
+            seed=config.job.seed + self.producer.shard,
         )
         self.weight_sync = WeightSync.between(
             self.learner.trainer,
@@ -215,11 +211,6 @@ class RLTrainer:
         version = self.state.policy_version
         self.weight_sync.sync(self.learner.trainer, self.generator, version=version)
         return step
-
-    def reward_errors(self) -> int:
-        """The reward errors of this rank's engine so far, counted by its first rank (every
-        rank of an engine scores the same samples)."""
-        return self.producer.reward_errors if self.engine_rank == 0 else 0
 
     def train(self) -> None:
         train(self)
@@ -248,8 +239,6 @@ class RLTrainer:
             return None
         watchdog.mark(step, "eval")
         result = self.producer.evaluate(self.generator, step)
-        if self.engine_rank > 0:  # its engine's first rank counts the engine's evaluation
-            result = result.counted_elsewhere()
         return log_eval(self.metrics, step, [result], self.group)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -257,7 +246,6 @@ class RLTrainer:
         self.hooks.before_step(step)
         start = time.perf_counter()
         rollouts = self.producer.rollouts(step, self.generator)
-        rollouts = rollouts.part(self.engine_rank, self.engine_ranks)
         self.generator.release_memory()  # generator.enable_sleep_mode: the trainer gets it
         generated = time.perf_counter()
 
@@ -280,7 +268,7 @@ class RLTrainer:
             "step": synced - start,
         }
         metrics = step_metrics(
-            rollout_metrics(self.config, rollouts, self.reward_errors(), self.group),
+            rollout_metrics(self.config, rollouts, self.producer.counted_reward_errors, self.group),
             learned,
             {},
             version=self.generator.policy_version,
