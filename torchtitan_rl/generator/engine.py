@@ -114,9 +114,10 @@ def _mapped_segments(proc: Path = Path("/proc")) -> set[Path]:
 
 def remove_stale_segments() -> list[Path]:
     """Remove the CPU TP segments no live process maps: those of a killed run (a TP engine
-    removes its own at exit, `platform.at_exit`). Their names do not depend on the run, so
-    left behind, the next engine of that layout fails ("create shm in SHMManager failed.
-    errno: 17", measured on the resume after a killed run). Returns what it removed."""
+    removes its own at exit, `platform.at_exit`). They would hold shared memory until reboot,
+    and one named like the next engine's (the same torchrun port) makes it fail ("create shm
+    in SHMManager failed. errno: 17", measured on the resume after a killed run, before the
+    names carried the port). Returns what it removed."""
     stale = sorted(_shared_memory_segments() - _mapped_segments())
     for segment in stale:
         segment.unlink(missing_ok=True)  # the engine's other ranks remove them too
@@ -226,10 +227,9 @@ class Generator:
             if "KV cache" not in str(e) and "cache blocks" not in str(e):
                 raise
             raise ConfigError(_kv_cache_error(generator, str(e))) from None
-        # A TP engine on CPU makes shared-memory segments whose names do not depend on the run
-        # ("-tp:0-[0-1]-cpushm_0"); the process ends without vLLM's teardown
-        # (platform.exit_process), and the next engine of that name would fail ("create shm in
-        # SHMManager failed. errno: 17", measured): remove this engine's at exit.
+        # A TP engine on CPU makes shared-memory segments (`_name_segments_by_world`) that
+        # vLLM's teardown would remove, but the process ends without it
+        # (platform.exit_process): remove this engine's at exit.
         if tensor_parallel:
             for segment in _shared_memory_segments() - segments_before:
                 platform.at_exit(functools.partial(segment.unlink, missing_ok=True))

@@ -390,20 +390,16 @@ class TorchTitanForCausalLM(nn.Module):
         # only the real rows; the padding's hidden states are dropped at the end.
         T = positions.shape[0]
         pad = -T % math.lcm(self.tp, TP_BATCH_MULTIPLE) if self.tp > 1 else 0
+        positions_1T = positions[None]
         if pad:  # (an engine of one rank pads nothing, and copies nothing)
-            input_ids, positions_padded = (
-                None if input_ids is None else nn.functional.pad(input_ids, (0, pad)),
-                nn.functional.pad(positions, (0, pad)),
-            )
+            input_ids = None if input_ids is None else nn.functional.pad(input_ids, (0, pad))
             if inputs_embeds is not None:
                 inputs_embeds = nn.functional.pad(inputs_embeds, (0, 0, 0, pad))
-        else:
-            positions_padded = positions
+            positions_1T = nn.functional.pad(positions, (0, pad))[None]
         if inputs_embeds is not None:
             h_1TD = inputs_embeds[None]
         else:
             h_1TD = self.model.tok_embeddings(input_ids[None])
-        positions_1T = positions_padded[None]
         for layer in self.model.layers.values():
             layer.attention.inner_attention.tokens = T
             h_1TD = layer(h_1TD, None, positions_1T)

@@ -150,6 +150,7 @@ def _copy_fsdp_bucket(bucket, check: bool, shared: "platform.HostSharedGather | 
         layout, bucket, strict=True
     ):
         pieces = []
+        index = shard_of(target) if isinstance(target, DTensor) else None
         for r in range(world):
             first_row = r * rows_per_rank
             rows = max(0, min(rows_per_rank, source.shape[0] - first_row))
@@ -158,7 +159,7 @@ def _copy_fsdp_bucket(bucket, check: bool, shared: "platform.HostSharedGather | 
                 start = first_row * row_numel
                 target.view(-1)[start : start + piece.numel()].copy_(piece)
             elif not check:  # a TP generator's shard: the rows of it this piece holds
-                _write_overlap(target, piece.view(rows, *source.shape[1:]), first_row)
+                _write_overlap(target, index, piece.view(rows, *source.shape[1:]), first_row)
             pieces.append(piece)
         if check:  # the whole tensor, to compare with
             full = torch.cat(pieces).view(source.shape)
@@ -168,10 +169,10 @@ def _copy_fsdp_bucket(bucket, check: bool, shared: "platform.HostSharedGather | 
     return held
 
 
-def _write_overlap(target: DTensor, rows: torch.Tensor, first_row: int) -> None:
-    """Write into `target`'s shard the part of it that `rows` (consecutive rows of the whole
-    tensor, from `first_row`) hold, without assembling the whole tensor."""
-    index = shard_of(target)
+def _write_overlap(target: DTensor, index: tuple, rows: torch.Tensor, first_row: int) -> None:
+    """Write into `target`'s shard (at `index` of the whole tensor: `shard_of`) the part of it
+    that `rows` (consecutive rows of the whole tensor, from `first_row`) hold, without
+    assembling the whole tensor."""
     lo = max(first_row, index[0].start)
     hi = min(first_row + rows.shape[0], index[0].stop)
     if lo < hi:
