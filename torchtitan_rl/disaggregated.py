@@ -24,7 +24,7 @@ trainer rank 0 logs the sum, naming the version (eval/policy_version) at the ste
 
 Preemption (watchdog.py): a generator rank asked to stop says so with its next rollout; the
 trainers stop after that step, write a checkpoint, and trainer rank 0 sends the generators a
-stop header where the next weights would come (`BroadcastSender.send_stop`).
+stop header where the next weights would come (`BroadcastSender.stop`).
 
 Resume: trainers restore the checkpoint and broadcast its weights first. Rollouts that were in
 flight when the run stopped are discarded and regenerated: prompts and seeds are functions of
@@ -51,8 +51,8 @@ from torchtitan_rl.producer import RolloutProducer, engine_failure_at
 from torchtitan_rl.rl_trainer import Hooks, step_metrics, train
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Rollout, Rollouts
-from torchtitan_rl.weight_sync import SyncStats
-from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+from torchtitan_rl.weight_sync import SyncStats, transport
+from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver
 
 
 class StalenessError(NonFiniteError):
@@ -259,19 +259,12 @@ class DisaggregatedTrainer:
         )
         self.learner.metrics = self.metrics
         self.sources = [g for g in topology.generators if topology.trainer_of(g) == self.rank]
-        self.sender = BroadcastSender(
-            self.learner.trainer.sync_sources(),
-            getattr(torch, config.generator.dtype),
-            leader=topology.trainers[0],
-            group=topology.transfer_group,
-            bucket_mb=config.generator.weight_sync_bucket_mb,
-        )
+        self.transport = transport(config, self.learner.trainer, topology)
         self.sent_digests: dict[int, str | None] = {}
 
     def send_weights(self, version: int) -> SyncStats:
-        stats, digest = self.sender.send(version, self.config.generator.verify_weight_sync)
-        self.learner.trainer.policy_version = version
-        self.sent_digests[version] = digest
+        stats = self.transport.send(version)
+        self.sent_digests[version] = stats.digest
         return stats
 
     def train(self) -> None:
@@ -286,7 +279,7 @@ class DisaggregatedTrainer:
         self.state.step = self.state.policy_version = step
 
     def stop(self, step: int) -> None:
-        self.sender.send_stop()  # the generators leave their loop
+        self.transport.stop()  # the generators leave their loop
 
     def end(self) -> None:
         if self.evaluates:  # the evaluation of the last version, in a message of its own
@@ -309,7 +302,7 @@ class DisaggregatedTrainer:
         for rollout in rollouts:
             if rollout.stop_requested:  # a signal to a generator rank: stop after this step
                 watchdog.request_stop(rollout.stop_requested)
-            age = self.learner.trainer.policy_version - rollout.version
+            age = step - 1 - rollout.version  # the trainer sent version step - 1 last
             if rollout.step != step or age > k:
                 raise StalenessError(
                     f"step {step}: got the rollout of step {rollout.step}, sampled with policy "

@@ -30,7 +30,7 @@ from torchtitan_rl.hf_export import export_policy
 from torchtitan_rl.learner import Learner, rollout_metrics
 from torchtitan_rl.metrics import MetricsLogger, run_metrics
 from torchtitan_rl.producer import RolloutProducer
-from torchtitan_rl.weight_sync import SyncStats, WeightSync
+from torchtitan_rl.weight_sync import SyncStats, transport
 
 
 class Hooks:
@@ -189,12 +189,7 @@ class RLTrainer:
             model=config.model,
             seed=config.job.seed + self.producer.shard,
         )
-        self.weight_sync = WeightSync.between(
-            self.learner.trainer,
-            self.generator,
-            bucket_mb=config.generator.weight_sync_bucket_mb,
-            verify=config.generator.verify_weight_sync,
-        )
+        self.transport = transport(config, self.learner.trainer, self.generator)
         self.state = TrainState()
         self.checkpointer.attach(self.learner.trainer, self.state)
         # Before the first generation: the restored weights go to the generator too.
@@ -208,8 +203,7 @@ class RLTrainer:
             return 0
         step = self.checkpointer.load(path)
         self.producer.reward_errors = self.state.reward_errors
-        version = self.state.policy_version
-        self.weight_sync.sync(self.learner.trainer, self.generator, version=version)
+        self.transport.send(self.state.policy_version)
         return step
 
     def train(self) -> None:
@@ -222,14 +216,14 @@ class RLTrainer:
     def after_step(self, step: int) -> None:
         self.evaluate(step)
         self.state.step = step
-        self.state.policy_version = self.generator.policy_version
+        self.state.policy_version = step
         self.state.reward_errors = self.producer.reward_errors
 
     def end(self) -> None:
         pass
 
     def stop(self, step: int) -> None:
-        pass
+        self.transport.stop()
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         """When due: evaluate the generator's policy (the weights after `step`) on every
@@ -256,7 +250,7 @@ class RLTrainer:
 
         watchdog.mark(step, "weight_sync")
         self.generator.reclaim_memory()
-        sync = self.weight_sync.sync(self.learner.trainer, self.generator)
+        sync = self.transport.send(step)  # the policy after step s is version s
         synced = time.perf_counter()
         self.hooks.after_sync(step, sync)
 
@@ -271,11 +265,11 @@ class RLTrainer:
             rollout_metrics(self.config, rollouts, self.producer.counted_reward_errors, self.group),
             learned,
             {},
-            version=self.generator.policy_version,
+            version=step,
             seconds=seconds,
             sync=sync,
             # A copy that differs raised WeightSyncError already.
-            verified=1.0 if self.weight_sync.verify else None,
+            verified=1.0 if self.transport.verify else None,
         )
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)

@@ -41,7 +41,7 @@ def measure(args) -> dict | None:
     )
     from torchtitan_rl.generator.engine import Generator
     from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
-    from torchtitan_rl.weight_sync import WeightSync
+    from torchtitan_rl.weight_sync import LocalTransport
 
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
@@ -86,13 +86,13 @@ def measure(args) -> dict | None:
     trainer = PolicyTrainer(
         model=model, training=TrainingSection(), parallelism=ParallelismSection()
     )
-    sync = WeightSync.between(trainer, generator, bucket_mb=64.0, verify=False)
+    sync = LocalTransport(trainer, generator, bucket_mb=64.0, verify=False)
     sync_ms, memcpy_ms = [], []
     src, dst = (torch.ones(weight_bytes, dtype=torch.uint8) for _ in range(2))
     for _ in range(args.repeats + 1):  # the first of each: warm-up
         dist.barrier()
         begin = time.perf_counter()
-        sync.sync(trainer, generator)
+        sync.send(version=1)
         sync_ms.append((time.perf_counter() - begin) * 1e3)
         begin = time.perf_counter()
         dst.copy_(src)

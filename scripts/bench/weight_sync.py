@@ -4,7 +4,7 @@
 
 Children measure, the parent prints one JSON line:
 - ours (under torchrun with --procs ranks): FSDP trainer + our generator per rank; median
-  `sync_ms` of WeightSync.sync (gather, in-place copy, repack, prefix-cache reset), `copy_ms`
+  `sync_ms` of LocalTransport.send (gather, in-place copy, repack, prefix-cache reset), `copy_ms`
   of the gather + in-place copy alone, `bytes`, `gbps`, and `memcpy_ms`: one `copy_` of the same
   number of bytes between preallocated buffers, the physical limit here; `ratio_vs_memcpy` =
   sync_ms / memcpy_ms. `--no-pack` turns off the generator's packed GEMM copies (no repack).
@@ -49,7 +49,7 @@ def measure_ours(args) -> dict | None:
     )
     from torchtitan_rl.generator.engine import Generator
     from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
-    from torchtitan_rl.weight_sync import WeightSync
+    from torchtitan_rl.weight_sync import LocalTransport
 
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
@@ -62,13 +62,14 @@ def measure_ours(args) -> dict | None:
         generator=GeneratorSection(max_model_len=128, cpu_packed_gemm=not args.no_pack),
         model=model,
     )
-    sync = WeightSync.between(trainer, generator, bucket_mb=args.bucket_mb, verify=False)
+    transport = LocalTransport(trainer, generator, bucket_mb=args.bucket_mb, verify=False)
+    sync = transport.copier
 
     stats = []
 
     def one_sync():
         dist.barrier()
-        stats.append(sync.sync(trainer, generator))
+        stats.append(transport.send(version=len(stats) + 1))
 
     sync_ms = median_ms(one_sync, args.repeats)
     copy_ms = median_ms(sync.copy, args.repeats)

@@ -39,7 +39,7 @@ from torchtitan_rl.config import (
 from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync import LocalTransport
 
 # Names beyond a family's tiny flavor.
 MODELS = {
@@ -175,7 +175,8 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
         parallelism=ParallelismSection(),
         temperature=SYNC_TEMPERATURE,
     )
-    sync = WeightSync.between(trainer, generator, bucket_mb=0.1, verify=True)
+    transport = LocalTransport(trainer, generator, bucket_mb=0.1, verify=True)
+    sync = transport.copier
 
     g = torch.Generator().manual_seed(rank)
     long_prompt = torch.randint(3, 64, (150,), generator=g).tolist()
@@ -213,7 +214,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
     generator.repack_weights()
     diff_stale_cache = max_logprob_diff(trainer, long_prompt, sample(long_prompt))
 
-    stats = sync.sync(trainer, generator)
+    stats = transport.send(version=7)
     mismatched = [
         name
         for name, param in trainer.named_parameters().items()
@@ -236,7 +237,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
         "num_params": len(trainer.named_parameters()),
         "stats": stats,
         "num_buckets": len(sync.buckets),
-        "versions": (trainer.policy_version, generator.policy_version),
+        "version": generator.policy_version,
     }
 
 

@@ -74,7 +74,7 @@ def main() -> None:
     params = trainer.named_parameters()
     before = {name: full(p) for name, p in params.items()}
     plain = PlainCopy(model)
-    sync = WeightSync.between(trainer, plain, bucket_mb=0.05, verify=True)
+    sync = WeightSync(trainer.sync_sources(), plain.weights(), bucket_mb=0.05, verify=True)
     first_bytes, _ = sync.copy(everything=True)
 
     batch = fixed_batch()

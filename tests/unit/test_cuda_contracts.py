@@ -329,7 +329,11 @@ def test_engine_arguments_on_cuda_and_cpu(device, monkeypatch):
 @pytest.fixture
 def mode_off_after(monkeypatch):
     monkeypatch.setattr(batch_invariant, "_enabled", False)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    # setenv first: delenv of an unset name records nothing, and the VLLM_BATCH_INVARIANT=1
+    # that enable() sets would outlive the test (later engines in this process then ran
+    # vLLM's CUDA batch-invariant ops on CPU and failed).
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
 
 
 def test_cuda_batch_invariance_goes_to_torchtitan_and_vllm(on_cuda, mode_off_after, monkeypatch):

@@ -27,8 +27,7 @@ def test_a_rollout_older_than_k_is_refused(monkeypatch):
         evaluations=[],
     )
     monkeypatch.setattr(disaggregated, "_receive", lambda src: stale)
-    learner = SimpleNamespace(trainer=SimpleNamespace(policy_version=6))
-    trainer = SimpleNamespace(sources=[1], config=config, learner=learner)
+    trainer = SimpleNamespace(sources=[1], config=config)
     message = "step 7: got the rollout of step 7, sampled with policy version 3, 3 versions old"
     with pytest.raises(StalenessError, match=message):
         DisaggregatedTrainer.receive(trainer, 7)

@@ -10,7 +10,7 @@ import torch.nn as nn
 from helpers.launch import run_dist
 
 import torchtitan_rl.weight_sync.local
-from torchtitan_rl.weight_sync import WeightSync, WeightSyncError
+from torchtitan_rl.weight_sync import TRANSPORTS, LocalTransport, WeightSync, WeightSyncError
 
 
 def launch(tmp_path_factory, nproc: int) -> list[dict]:
@@ -25,18 +25,30 @@ def params(**shapes) -> dict[str, nn.Parameter]:
 
 
 class FakeGenerator:
-    """Stands in for Generator's refresh hook in unit tests of the copy logic alone."""
+    """Stands in for Generator's weights and refresh hook in unit tests of the copy alone."""
 
     policy_version = 0
     refreshed = 0
     weights_dropped = False
+
+    def __init__(self, weights: dict):
+        self._weights = weights
+
+    def weights(self) -> dict:
+        return self._weights
 
     def refresh_after_weight_update(self):
         self.refreshed += 1
 
 
 class FakeTrainer:
-    policy_version = 0
+    """Stands in for PolicyTrainer's sync sources."""
+
+    def __init__(self, sources: dict):
+        self.sources = sources
+
+    def sync_sources(self) -> dict:
+        return self.sources
 
 
 def test_mismatching_parameter_sets_are_named():
@@ -49,20 +61,21 @@ def test_mismatching_parameter_sets_are_named():
 def test_copy_casts_to_the_generator_dtype_and_buckets_bound_memory():
     source = params(a=(64, 64), b=(64, 64), c=(256, 64), d=(8,))
     target = {k: nn.Parameter(torch.zeros_like(v, dtype=torch.bfloat16)) for k, v in source.items()}
-    sync = WeightSync(source, target, bucket_mb=32 * 1024 / 2**20, verify=True)
+    generator = FakeGenerator(target)
+    sync = LocalTransport(FakeTrainer(source), generator, bucket_mb=32 * 1024 / 2**20, verify=True)
     # bf16 bytes: a, b = 8 KiB each, c = 32 KiB (alone), d = 16 B.
-    assert [[name for name, _, _ in bucket] for bucket in sync.buckets] == [
+    assert [[name for name, _, _ in bucket] for bucket in sync.copier.buckets] == [
         ["a", "b"],
         ["c"],
         ["d"],
     ]
-    trainer, generator = FakeTrainer(), FakeGenerator()
-    stats = sync.sync(trainer, generator)
+    stats = sync.send(version=5)
     for k in source:
         assert torch.equal(target[k], source[k].detach().to(torch.bfloat16))
     assert stats.bytes == sum(t.numel() * 2 for t in target.values())
     assert stats.peak_extra_bytes == 0  # plain tensors: copied without gathering
-    assert generator.refreshed == 1 and trainer.policy_version == generator.policy_version == 1
+    # The transport carries the version it is given (the placement's TrainState owns it).
+    assert generator.refreshed == 1 and generator.policy_version == stats.version == 5
 
 
 def test_verification_catches_a_bad_copy(monkeypatch):
@@ -75,4 +88,19 @@ def test_verification_catches_a_bad_copy(monkeypatch):
 
     monkeypatch.setattr(torchtitan_rl.weight_sync.local, "_write", corrupting_write)
     with pytest.raises(WeightSyncError, match="b: generator copy differs from the trainer's"):
-        WeightSync(source, target, verify=True).sync(FakeTrainer(), FakeGenerator())
+        sync = LocalTransport(FakeTrainer(source), FakeGenerator(target), bucket_mb=64, verify=True)
+        sync.send(version=1)
+
+
+def test_every_placement_has_a_transport_with_the_interface():
+    """TRANSPORTS names one transport per generator.placement, each with Transport's methods
+    and a `build(config, trainer, peer)` (a new transport is one file and one entry here)."""
+    from typing import get_args
+
+    from torchtitan_rl.config.generator import GeneratorSection
+
+    placements = get_args(GeneratorSection.__annotations__["placement"])
+    assert sorted(TRANSPORTS) == sorted(placements)
+    for cls in TRANSPORTS.values():
+        for method in ("send", "stop", "build"):
+            assert callable(getattr(cls, method)), (cls, method)

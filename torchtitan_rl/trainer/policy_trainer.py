@@ -123,7 +123,6 @@ class PolicyTrainer:
         self.temperature = temperature
         self.device = platform.device()
         self.step = 0
-        self.policy_version = 0  # bumped by weight sync
         self.group = group
         world_size = dist.get_world_size(group)
         self.tp_degree = parallelism.tp

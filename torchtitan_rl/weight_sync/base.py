@@ -1,6 +1,6 @@
-"""What a weight sync sends, in which buckets, and how a copy is checked: one rule for both
-transports, the in-place copy of a colocated run (local.py) and the broadcast to the generator
-ranks of a disaggregated one (broadcast.py).
+"""What a weight sync sends, in which buckets, and how a copy is checked: one rule, and one
+interface (`Transport`), for every transport: the in-place copy of a colocated run (local.py)
+and the broadcast to the generator ranks of a disaggregated one (broadcast.py).
 
     .venv/bin/python -m pytest tests/unit/test_weight_sync.py
 
@@ -14,6 +14,7 @@ compares SHA-256 digests of the bytes in the generator's dtype.
 
 import hashlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -36,6 +37,29 @@ class SyncStats:
     """Largest total of gather buffers held at once (about one bucket; 0 without gathers)."""
     version: int
     """Policy version after this sync."""
+    digest: str | None = None
+    """With verification, where the transport checks whole weights across processes: the
+    digest (`weights_digest`) of the weights the generators hold after this sync, for them to
+    report back (None where every copy was checked in place)."""
+
+
+class Transport(Protocol):
+    """The trainer side of a weight sync, one per placement (`weight_sync.TRANSPORTS`).
+
+    The placement owns the policy version (its TrainState: the version after step s is s) and
+    passes it to `send`; the transport carries it to the generators with the weights, so a
+    generator's `policy_version` always names the weights it holds.
+    """
+
+    verify: bool
+    """Whether every copy is checked bit for bit (generator.verify_weight_sync)."""
+
+    def send(self, version: int) -> SyncStats:
+        """Write the next sync's weights (`Plan`) into the generators' parameters, in place, and
+        tag them with `version`. Collective over the trainer ranks."""
+
+    def stop(self) -> None:
+        """The run stops: no weights follow (preempted)."""
 
 
 def check_same_parameters(trainer: dict, generator: dict) -> None:

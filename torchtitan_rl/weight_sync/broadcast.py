@@ -33,23 +33,47 @@ STOP = -1
 
 
 class BroadcastSender:
-    """Trainer ranks: send `sources` (PolicyTrainer.sync_sources) to the generator ranks of
-    `group`, from rank `leader`, in `dtype`."""
+    """The disaggregated Transport (base.py), on the trainer ranks: send `sources`
+    (PolicyTrainer.sync_sources) to the generator ranks of `group`, from rank `leader`, in
+    `dtype`. With `verify`, the leader keeps the digest of what it sent (`SyncStats.digest`),
+    which the generators' own must equal."""
 
-    def __init__(self, sources: dict, dtype: torch.dtype, *, leader: int, group, bucket_mb: float):
+    def __init__(
+        self,
+        sources: dict,
+        dtype: torch.dtype,
+        *,
+        leader: int,
+        group,
+        bucket_mb: float,
+        verify: bool = False,
+    ):
         self.sources, self.dtype, self.leader, self.group = sources, dtype, leader, group
+        self.verify = verify
         nbytes = {n: math.prod(s.shape) * dtype.itemsize for n, s in sources.items()}
         self.changing = changing(sources)
         self.plan = Plan(nbytes, self.changing, bucket_mb)
         self.digests: dict[str, bytes] = {}
 
+    @classmethod
+    def build(cls, config, trainer, topology) -> "BroadcastSender":
+        """The transport of a run (`weight_sync.transport`): from the first trainer rank to
+        the generator ranks of `topology` (disaggregated.Topology)."""
+        return cls(
+            trainer.sync_sources(),
+            getattr(torch, config.generator.dtype),
+            leader=topology.trainers[0],
+            group=topology.transfer_group,
+            bucket_mb=config.generator.weight_sync_bucket_mb,
+            verify=config.generator.verify_weight_sync,
+        )
+
     @property
     def is_leader(self) -> bool:
         return dist.get_rank() == self.leader
 
-    def send(self, version: int, verify: bool) -> tuple[SyncStats, str | None]:
-        """Send the next sync's buckets; returns its figures and, with `verify`, on the leader,
-        the digest of the weights the generators then hold."""
+    def send(self, version: int) -> SyncStats:
+        """Send the next sync's buckets, headed by `version`."""
         start = time.perf_counter()
         buckets = self.plan.next()
         everything = buckets is self.plan.all
@@ -68,19 +92,19 @@ class BroadcastSender:
             sent += flat.numel() * flat.element_size()
             gathered = sum(t.numel() * t.element_size() for t in full)
             peak = max(peak, gathered + flat.numel() * flat.element_size())
-            if verify:
+            if self.verify:
                 self.digests.update({name: digest(t) for name, t in zip(names, full, strict=True)})
         seconds = time.perf_counter() - start
-        stats = SyncStats(
+        return SyncStats(
             bytes=sent,
             seconds=seconds,
             gb_per_s=sent / seconds / 1e9,
             peak_extra_bytes=peak,  # one bucket's gathered tensors and its flat copy
             version=version,
+            digest=weights_digest(self.digests) if self.verify and self.is_leader else None,
         )
-        return stats, (weights_digest(self.digests) if verify and self.is_leader else None)
 
-    def send_stop(self) -> None:
+    def stop(self) -> None:
         """Tell the generators the run stops: a header with no weights (version STOP)."""
         if self.is_leader:
             dist.broadcast(torch.tensor([STOP, 0]), self.leader, self.group)
@@ -107,7 +131,7 @@ class BroadcastReceiver:
     @torch.no_grad()
     def receive(self) -> bool:
         """One sync: written in place, the engine refreshed, the policy version taken; False
-        when the trainers sent STOP instead (the run stops: `BroadcastSender.send_stop`)."""
+        when the trainers sent STOP instead (the run stops: `BroadcastSender.stop`)."""
         params = self.generator.weights()
         header = torch.zeros(2, dtype=torch.long)
         dist.broadcast(header, self.leader, self.group)

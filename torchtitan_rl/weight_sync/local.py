@@ -1,5 +1,6 @@
-"""WeightSync, the colocated transport: the trainer's sharded parameters copied in place into
-the generator of the same process, every step (what is sent, and the check: base.py).
+"""The colocated transport (LocalTransport): the trainer's sharded parameters copied in place
+into the generator of the same process, every step, by a WeightSync (what is sent, and the
+check: base.py).
 
     .venv/bin/python -m pytest tests/*/test_weight_sync.py
 
@@ -10,7 +11,7 @@ order) and `copy_` each rank's rows straight into the generator's parameters, ca
 dtype. No file, no `load_weights`, no full state dict: peak extra memory is about one bucket,
 and nothing is gathered on a one-rank mesh. Then the generator refreshes what derives from its
 weights (packed GEMM copies, the prefix cache: measured, prompts of >= 128 tokens otherwise
-reuse KV from the old weights) and the policy version goes up on both sides.
+reuse KV from the old weights) and takes the policy version its weights now are.
 """
 
 import math
@@ -198,7 +199,6 @@ class WeightSync:
     ):
         check_same_parameters(trainer_params, generator_params)
         self.verify = verify
-        self.version = 0
         nbytes = {n: t.numel() * t.element_size() for n, t in generator_params.items()}
         self.plan = Plan(nbytes, changing(trainer_params), bucket_mb)
 
@@ -208,16 +208,6 @@ class WeightSync:
         self.buckets = [triples(names) for names in self.plan.all]
         self.update_buckets = [triples(names) for names in self.plan.changed]
         self.shared = self._shared_gather()
-
-    @classmethod
-    def between(cls, trainer, generator, *, bucket_mb: float, verify: bool) -> "WeightSync":
-        """The sync from a PolicyTrainer to a Generator (their live parameters)."""
-        return cls(
-            trainer.sync_sources(),
-            generator.weights(),
-            bucket_mb=bucket_mb,
-            verify=verify,
-        )
 
     def _shared_gather(self) -> "platform.HostSharedGather | None":
         """Shared memory for the FSDP gathers where the ranks share a host (platform.py),
@@ -241,22 +231,45 @@ class WeightSync:
             written += sum(target.numel() * target.element_size() for _, _, target in bucket)
         return written, peak
 
-    def sync(self, trainer, generator, version: int | None = None) -> SyncStats:
+
+class LocalTransport:
+    """The colocated Transport (base.py): a WeightSync from a PolicyTrainer into the Generator
+    of the same process (their live parameters)."""
+
+    def __init__(self, trainer, generator, *, bucket_mb: float, verify: bool):
+        self.generator, self.verify = generator, verify
+        self.copier = WeightSync(
+            trainer.sync_sources(), generator.weights(), bucket_mb=bucket_mb, verify=verify
+        )
+
+    @classmethod
+    def build(cls, config, trainer, generator) -> "LocalTransport":
+        """The transport of a run (`weight_sync.transport`): to this process's Generator."""
+        return cls(
+            trainer,
+            generator,
+            bucket_mb=config.generator.weight_sync_bucket_mb,
+            verify=config.generator.verify_weight_sync,
+        )
+
+    def send(self, version: int) -> SyncStats:
         """Copy the weights (`base.Plan`: all of them first, or after the generator dropped
         them, `generator.weights_dropped`; then what a step changes), refresh the generator,
-        and set the policy version on both sides: `version`, or the next one (a resumed run
-        passes the version it restored)."""
+        and tag it with `version`."""
         start = time.perf_counter()
-        everything = self.plan.next(everything=generator.weights_dropped) is self.plan.all
-        written, peak = self.copy(everything=everything)
-        generator.refresh_after_weight_update()
+        plan = self.copier.plan
+        everything = plan.next(everything=self.generator.weights_dropped) is plan.all
+        written, peak = self.copier.copy(everything=everything)
+        self.generator.refresh_after_weight_update()
+        self.generator.policy_version = version
         seconds = time.perf_counter() - start
-        self.version = self.version + 1 if version is None else version
-        trainer.policy_version = generator.policy_version = self.version
         return SyncStats(
             bytes=written,
             seconds=seconds,
             gb_per_s=written / seconds / 1e9,
             peak_extra_bytes=peak,
-            version=self.version,
+            version=version,
         )
+
+    def stop(self) -> None:
+        """Nothing to tell: the generator is in this process."""
