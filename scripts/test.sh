@@ -2,6 +2,9 @@
 # Set up, then run the test suite: both tiers, or the unit tier alone (tests/README.md).
 #   ./scripts/test.sh [--fast] [pytest arguments]
 #   --fast: tests/unit only (in-process, no torchrun world, no engine; under 2 minutes)
+# Two pytest-xdist workers: a torchrun world keeps 2 cores busy only about two thirds of its
+# time (engine starts, imports, collectives), so a second test fills the rest. The tests that
+# share a run stay on one worker (tests/conftest.py). `-n 0` runs in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -9,4 +12,4 @@ if [ "${1:-}" = "--fast" ]; then
     shift
     exec .venv/bin/python -m pytest tests/unit "$@"
 fi
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"

@@ -21,13 +21,60 @@ if sys.platform.startswith("linux"):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its tier: the folder it lives in (tests/README.md)."""
+    """Mark each test with its tier: the folder it lives in (tests/README.md); and with the
+    xdist group of the runs it shares (`_share_groups`)."""
     for item in items:
         path = Path(item.path)
         tier = next((name for folder, name in TIERS.items() if folder in path.parents), None)
         if tier is None:
             raise pytest.UsageError(f"{path}: tests live in tests/unit or tests/integration")
         item.add_marker(tier)
+    _share_groups(items)
+
+
+def _shared(item) -> set[str]:
+    """What `item` shares with other tests: the session-scoped fixtures of this suite it uses
+    (statically, or through request.getfixturevalue: its `shares` marks), and its module where
+    it uses a module-scoped fixture of this suite."""
+    shared, seen = set(), set()
+    pending = [*item.fixturenames, *(n for mark in item.iter_markers("shares") for n in mark.args)]
+    while pending:
+        name = pending.pop()
+        definitions = item.session._fixturemanager.getfixturedefs(name, item)
+        if name in seen or not definitions:
+            continue
+        seen.add(name)
+        definition = definitions[-1]
+        if TESTS not in Path(definition.func.__code__.co_filename).parents:
+            continue  # pytest's own (tmp_path_factory) or a plugin's
+        pending.extend(definition.argnames)  # and the fixtures it uses
+        if definition.scope == "session":
+            shared.add(name)
+        elif definition.scope == "module":
+            shared.add(str(item.path))
+    return shared
+
+
+def _share_groups(items) -> None:
+    """Under `pytest -n 2 --dist loadgroup` (scripts/test.sh), keep the tests that share a
+    session or module fixture on one worker, so that each shared run starts once: the tests
+    linked through what they share (`_shared`) get one xdist group; the rest go wherever a
+    worker is free."""
+    parent: dict[str, str] = {}
+
+    def root(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
+
+    shares = {item.nodeid: sorted(_shared(item)) for item in items}
+    for names in shares.values():
+        for name in names[1:]:
+            parent[root(name)] = root(names[0])
+    for item in items:
+        if shares[item.nodeid]:
+            group = Path(root(shares[item.nodeid][0])).name
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _reap() -> None:

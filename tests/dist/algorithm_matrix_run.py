@@ -65,16 +65,16 @@ class Lagging:
     older than the trainer's (what a stale generator gives, without a second placement)."""
 
     def __init__(self, rl: RLTrainer):
-        self.rl, self.real = rl, rl.weight_sync.sync
+        self.rl, self.real = rl, rl.transport.send
 
-    def sync(self, trainer, generator, version=None) -> SyncStats:
+    def send(self, version: int) -> SyncStats:
         return SyncStats(bytes=0, seconds=0.0, gb_per_s=0.0, peak_extra_bytes=0, version=0)
 
     def __enter__(self):
-        self.rl.weight_sync.sync = self.sync
+        self.rl.transport.send = self.send
 
     def __exit__(self, *exc):
-        self.rl.weight_sync.sync = self.real
+        self.rl.transport.send = self.real
 
 
 def weights(rl: RLTrainer) -> torch.Tensor:
@@ -89,7 +89,7 @@ def restart(rl: RLTrainer, start: dict[str, torch.Tensor]) -> None:
             param.to_local().copy_(start[name])
     for optimizer in rl.learner.trainer.optimizers.optimizers:
         optimizer.state.clear()
-    rl.weight_sync.sync(rl.learner.trainer, rl.generator)
+    rl.transport.send(version=0)
 
 
 def main() -> None:

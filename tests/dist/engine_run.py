@@ -12,13 +12,16 @@ replayed through the trainer's argmax (these alone: "sampling"); stop ids, stop 
 seeds, bad prompts. "qwen3@tp2": one engine over each 2 ranks (generator tensor parallel).
 
 Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
-reset (to show the stale KV a 150-token prompt keeps), then synced properly.
+reset (to show the stale KV a 150-token prompt keeps), then synced properly. LoRA sync
+("lora_sync", last: it leaves the merged weights): a LoRA trainer's weights, then only its
+adapted linears after a step.
 
 Each rank saves {"generator": ..., "weight_sync": ...} (the checks asked for) to
 OUT_DIR/{model}.rank{r}.pt for the tests.
 """
 
 import gc
+import math
 import sys
 from pathlib import Path
 
@@ -32,11 +35,13 @@ from torchtitan_rl import platform
 from torchtitan_rl.config import (
     GeneratorParallelismSection,
     GeneratorSection,
+    LoRASection,
     ModelSection,
     ParallelismSection,
     TrainingSection,
 )
 from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
 from torchtitan_rl.weight_sync import LocalTransport
@@ -168,6 +173,74 @@ def max_logprob_diff(trainer, prompt, completions) -> float:
     return worst
 
 
+def step_on(trainer: PolicyTrainer, prompt: list[int], completions) -> None:
+    """One real optimizer step on a batch of 4 of the generator's own samples of `prompt`."""
+    tokens = [prompt[-20:] + s.token_ids for s in completions.samples[0]]
+    width = max(len(t) for t in tokens)
+    tokens_BT = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
+    mask_BT = torch.zeros(tokens_BT.shape)
+    for b, t in enumerate(tokens):
+        mask_BT[b, 20 : len(t)] = 1.0
+    batch = RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        generator_logprobs_BT=torch.zeros(tokens_BT.shape),
+    )
+    trainer.optimizer_step(batch, pg_loss)
+
+
+def lora_sync_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+    """A LoRA policy (FSDP) into the generator (TP: each rank writes its shard): every weight
+    first, then after a step only the merged adapted linears, each copy verified against the
+    merged whole tensor; then the generator's weights and samples are the merged policy's."""
+    trainer = PolicyTrainer(
+        model=model,
+        training=TrainingSection(lr=2e-2, max_grad_norm=0.0),
+        parallelism=ParallelismSection(),
+        temperature=SYNC_TEMPERATURE,
+        lora=LoRASection(enable=True, rank=4, alpha=8.0),
+    )
+    transport = LocalTransport(trainer, generator, bucket_mb=0.1, verify=True)
+    first = transport.send(version=1)
+    prompt = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(rank)).tolist()
+
+    def sample():
+        return generator.generate(
+            [prompt], n=4, temperature=SYNC_TEMPERATURE, max_tokens=10, seed=5
+        )
+
+    step_on(trainer, prompt, sample())
+    second = transport.send(version=2)
+    sources = trainer.sync_sources()
+    targets = generator.weights()
+    merged = [name for name, source in sources.items() if isinstance(source, Merged)]
+    mismatched = [
+        name
+        for name, source in sources.items()
+        if not torch.equal(whole(targets[name]), whole_source(source))
+    ]
+    return {
+        "first_bytes": first.bytes,
+        "second_bytes": second.bytes,
+        "all_bytes": sum(math.prod(t.shape) * t.element_size() for t in targets.values()),
+        "merged_bytes": sum(
+            math.prod(targets[n].shape) * targets[n].element_size() for n in merged
+        ),
+        "num_merged": len(merged),
+        "mismatched": mismatched,
+        "diff": max_logprob_diff(trainer, prompt, sample()),
+        "version": generator.policy_version,
+    }
+
+
+def whole_source(source) -> torch.Tensor:
+    """A sync source whole in fp32: a LoRA weight merged, a DTensor gathered."""
+    if isinstance(source, Merged):
+        return source.full(torch.float32)
+    return source.full_tensor() if isinstance(source, DTensor) else source.detach()
+
+
 def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
     trainer = PolicyTrainer(
         model=model,
@@ -190,20 +263,7 @@ def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, wor
     before = sample(long_prompt)  # fills the prefix cache with old-weight KV
     diff_before_step = max_logprob_diff(trainer, long_prompt, before)
 
-    # One real optimizer step on a batch of the generator's own samples.
-    tokens = [long_prompt[-20:] + s.token_ids for s in before.samples[0]]
-    width = max(len(t) for t in tokens)
-    tokens_BT = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
-    mask_BT = torch.zeros(tokens_BT.shape)
-    for b, t in enumerate(tokens):
-        mask_BT[b, 20 : len(t)] = 1.0
-    batch = RolloutBatch(
-        tokens_BT=tokens_BT,
-        loss_mask_BT=mask_BT,
-        advantages_B=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        generator_logprobs_BT=torch.zeros(tokens_BT.shape),
-    )
-    trainer.optimizer_step(batch, pg_loss)
+    step_on(trainer, long_prompt, before)
     stale_params = sum(
         not torch.equal(whole(generator.weights()[k]), p.full_tensor())
         for k, p in trainer.named_parameters().items()
@@ -249,6 +309,7 @@ def main() -> None:
         "generator": generator_checks,
         "sampling": sampling_checks,
         "weight_sync": weight_sync_checks,
+        "lora_sync": lora_sync_checks,
     }
     # One engine at a time: each model's checks, then its engine is freed before the next.
     for name, checks in zip(pairs[::2], pairs[1::2], strict=True):

@@ -96,7 +96,7 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
     with torch.no_grad():
         for name, bias in biases.items():
             bias.copy_(torch.linspace(-0.3, 0.3, bias.numel()))  # the same on every rank
-    run.weight_sync.copy(everything=True)
+    run.transport.copier.copy(everything=True)
     run.generator.refresh_after_weight_update()
     after, logprobs_after = max_diff(run, ids)
     return {
@@ -113,7 +113,7 @@ def checks(run: RLTrainer, prompt: str, max_tokens: int) -> dict:
             tuple(generator_experts.shape),
         ],
         "synced_each_step": sorted(
-            {name for bucket in run.weight_sync.update_buckets for name, _, _ in bucket}
+            {name for bucket in run.transport.copier.update_buckets for name, _, _ in bucket}
         ),
     }
 

@@ -95,7 +95,7 @@ def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     on one engine per rank ("qwen3"), then on one engine over both ranks, tensor parallel
     ("qwen3@tp2", both ranks with rank 0's prompts and seeds; the sampling checks, not those
     of stop ids and bad prompts, which do not depend on the layout)."""
-    checks = {"qwen3": "generator,weight_sync", "qwen3@tp2": "sampling,weight_sync"}
+    checks = {"qwen3": "generator,weight_sync", "qwen3@tp2": "sampling,weight_sync,lora_sync"}
     return engine_world(tmp_path_factory, 2, checks)
 
 

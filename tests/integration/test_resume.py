@@ -84,7 +84,9 @@ def tear(checkpoints: Path, complete: int, torn: int, unfinished: int) -> None:
     (checkpoints / f"step-{unfinished}.tmp" / "__0_0.distcp").write_bytes(b"partial")
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.shares(c.reference)) for n, c in CASES.items()]
+)
 def test_a_stopped_run_resumes_as_the_uninterrupted_run(name, request, tmp_path):
     case = CASES[name]
     reference = request.getfixturevalue(case.reference)

@@ -13,7 +13,13 @@ import torch.nn as nn
 from helpers.launch import run_dist
 
 
-@pytest.fixture(params=["engine_two_ranks", "engine_plain"], ids=["torchrun-2", "plain"])
+@pytest.fixture(
+    params=[
+        pytest.param(name, marks=pytest.mark.shares(name))
+        for name in ("engine_two_ranks", "engine_plain")
+    ],
+    ids=["torchrun-2", "plain"],
+)
 def ranks(request) -> list[dict]:
     """What each rank measured with the tiny Qwen3: on 2 torchrun ranks (whose engines
     test_generator.py shares), in a plain process (tests/dist/engine_run.py)."""
@@ -70,6 +76,20 @@ def test_sync_reshards_into_a_tensor_parallel_generator(engines_two_ranks):
         assert r["diff_stale_cache"] > 1e-2
         assert r["stats"].bytes == 1217536  # every fp32 parameter, gathered whole
         assert 0.5 * r["stats"].bytes <= r["generator_bytes"] < 0.51 * r["stats"].bytes
+
+
+def test_a_lora_policy_reshards_into_a_tensor_parallel_generator(engines_two_ranks):
+    """A LoRA policy's FSDP shards into the TP = 2 generator: every weight first, then after a
+    step only the merged adapted linears (10 of the 20 tensors), each rank's shard verified
+    against the merged whole tensor; the generator then holds the merged policy bit for bit
+    and samples what the trainer's adapters compute."""
+    for r in [rank["lora_sync"] for rank in engines_two_ranks["qwen3@tp2"]]:
+        assert r["first_bytes"] == r["all_bytes"] == 1217536
+        assert r["num_merged"] == 10
+        assert r["second_bytes"] == r["merged_bytes"] < r["all_bytes"]
+        assert r["mismatched"] == []
+        assert r["diff"] <= 1e-5
+        assert r["version"] == 2
 
 
 def params(**shapes) -> dict[str, nn.Parameter]:
