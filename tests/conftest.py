@@ -20,6 +20,7 @@ if sys.platform.startswith("linux"):
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier: the folder it lives in (tests/README.md); and with the
     xdist group of the runs it shares (`_share_groups`)."""

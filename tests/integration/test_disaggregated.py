@@ -58,11 +58,12 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_p
     """4 ranks: FSDP over the 2 trainers, each taking the rollouts of one generator rank. The
     2 generator ranks run one engine, tensor parallel: their children form a world of their
     own, each receives the whole weights and keeps its shard, and each rank sends its half of
-    the engine's rollouts. The engine evaluates the held-out set with each due policy version,
-    counted once."""
+    the engine's rollouts. The policy is LoRA's: after the starting weights each broadcast
+    carries only the merged adapted linears, resharded. The engine evaluates the held-out set
+    with each due policy version, counted once."""
     result = run_train(
         *DISAGGREGATED,
-        *("--generator.parallelism.tensor_parallel_degree", "2"),
+        *("--generator.parallelism.tensor_parallel_degree", "2", "--lora.enable", "true"),
         *("--task.name", "dataset", "--task.dataset_path", "data/arith/train.jsonl"),
         *("--eval.dataset_path", "data/arith/test.parquet", "--eval.interval", "2"),
         "--generator.num_ranks",
@@ -82,6 +83,8 @@ def test_two_trainer_ranks_with_fsdp_and_two_generator_ranks_that_evaluate(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = metric_rows(tmp_path)
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
+    # The tiny Qwen3's 10 adapted linears, fp32: 1179648 of its 1217536 bytes.
+    assert {row["weight_sync/bytes"] for row in metrics} == {1179648.0}
     assert [row["policy_age/max"] for row in metrics] == [0.0, 1.0, 1.0, 1.0]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]
     # Version 0 before step 1; version 2 taken before sampling step 4 (k = 1), sent with that

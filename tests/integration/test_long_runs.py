@@ -105,7 +105,7 @@ def test_a_rank_stuck_in_a_phase_is_named_its_stacks_logged_and_every_rank_exits
     assert re.search(r'File ".*user_hooks\.py", line \d+ in after_train', stuck)
     waiting = (tmp_path / "run.log").read_text()
     assert "watchdog: rank 0: a phase ran past job.phase_timeout_s; stacks:" in waiting
-    assert re.search(r'File ".*weight_sync/local\.py", line \d+ in sync', waiting)
+    assert re.search(r'File ".*weight_sync/local\.py", line \d+ in send', waiting)
     assert_all_gone(ended.processes)
 
 
