@@ -76,6 +76,13 @@ def _share_groups(items) -> None:
         if shares[item.nodeid]:
             group = Path(root(shares[item.nodeid][0])).name
             item.add_marker(pytest.mark.xdist_group(group))
+            if os.environ.get("PYTEST_XDIST_WORKER") and "@" not in item.nodeid:
+                # xdist 3.8 tells its scheduler the group by a "@group" suffix it writes to
+                # item._nodeid, which pytest 9 no longer reads (the id is item._id): write it
+                # where pytest 9 keeps it.
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 def _reap() -> None:
