@@ -9,6 +9,10 @@ batch twice: with plain tensors, and with the sharding a TP plan gives it (colum
 row-parallel linears, sequence parallel norms: torch's `parallelize_module`) on a mesh of one
 rank, where every collective is a no-op. The difference is the per-layer price of dispatching
 through DTensor, which a TP generator pays per layer and per decode step whatever the device.
+
+`--compile` also times the sharded layer under `torch.compile` (default mode), and on CUDA
+under `mode="reduce-overhead"` (CUDA graphs): whether compiling the TP wrapper would take the
+dispatch away, which the generator does not do yet (docs/limitations.md).
 """
 
 import argparse
@@ -86,6 +90,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="a decode step's batch")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--compile", action="store_true", help="also time it compiled")
     args = parser.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -101,9 +106,24 @@ def main() -> None:
     sharded = tensor_parallel(Layer(args.dim, args.dim // 64, 3 * args.dim).to(device), mesh)
     x = torch.randn(1, args.tokens, args.dim, device=device)
     x_sharded = DTensor.from_local(x, mesh, [Shard(1)])
+    compiled = {}
     with torch.no_grad():
         plain_ms = time_ms(lambda: plain(x), args.repeats)
         dtensor_ms = time_ms(lambda: sharded(x_sharded), args.repeats)
+        modes = ["default", "reduce-overhead"] if args.device == "cuda" else ["default"]
+        for mode in modes if args.compile else []:
+            torch._dynamo.reset()
+            layer = torch.compile(sharded, mode=mode)
+            start = time.perf_counter()
+            layer(x_sharded)  # compiles
+            compile_s = time.perf_counter() - start
+            compiled[f"compiled_{mode}_ms_per_layer"] = round(
+                time_ms(lambda layer=layer: layer(x_sharded), args.repeats), 3
+            )
+            compiled[f"compiled_{mode}_ratio"] = round(
+                compiled[f"compiled_{mode}_ms_per_layer"] / plain_ms, 2
+            )
+            compiled[f"compiled_{mode}_compile_s"] = round(compile_s, 1)
     print(
         json.dumps(
             {
@@ -116,6 +136,7 @@ def main() -> None:
                 "dtensor_ms_per_layer": round(dtensor_ms, 3),
                 "overhead_ms_per_layer": round(dtensor_ms - plain_ms, 3),
                 "ratio": round(dtensor_ms / plain_ms, 2),
+                **compiled,
             }
         )
     )
