@@ -21,7 +21,6 @@ OUT_DIR/{model}.rank{r}.pt for the tests.
 """
 
 import gc
-import math
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from torchtitan_rl.generator.engine import Generator
 from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
-from torchtitan_rl.weight_sync import LocalTransport
+from torchtitan_rl.weight_sync import LocalTransport, base
 
 # Names beyond a family's tiny flavor.
 MODELS = {
@@ -218,27 +217,18 @@ def lora_sync_checks(model: ModelSection, generator: Generator, rank: int, world
     mismatched = [
         name
         for name, source in sources.items()
-        if not torch.equal(whole(targets[name]), whole_source(source))
+        if not torch.equal(whole(targets[name]), base.whole(source, torch.float32))
     ]
     return {
         "first_bytes": first.bytes,
         "second_bytes": second.bytes,
-        "all_bytes": sum(math.prod(t.shape) * t.element_size() for t in targets.values()),
-        "merged_bytes": sum(
-            math.prod(targets[n].shape) * targets[n].element_size() for n in merged
-        ),
+        "all_bytes": sum(t.numel() * t.element_size() for t in targets.values()),
+        "merged_bytes": sum(targets[n].numel() * targets[n].element_size() for n in merged),
         "num_merged": len(merged),
         "mismatched": mismatched,
         "diff": max_logprob_diff(trainer, prompt, sample()),
         "version": generator.policy_version,
     }
-
-
-def whole_source(source) -> torch.Tensor:
-    """A sync source whole in fp32: a LoRA weight merged, a DTensor gathered."""
-    if isinstance(source, Merged):
-        return source.full(torch.float32)
-    return source.full_tensor() if isinstance(source, DTensor) else source.detach()
 
 
 def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
