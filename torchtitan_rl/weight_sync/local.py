@@ -237,10 +237,14 @@ class LocalTransport:
     of the same process (their live parameters)."""
 
     def __init__(self, trainer, generator, *, bucket_mb: float, verify: bool):
-        self.generator, self.verify = generator, verify
+        self.generator = generator
         self.copier = WeightSync(
             trainer.sync_sources(), generator.weights(), bucket_mb=bucket_mb, verify=verify
         )
+
+    @property
+    def verify(self) -> bool:
+        return self.copier.verify
 
     @classmethod
     def build(cls, config, trainer, generator) -> "LocalTransport":
