@@ -6,6 +6,7 @@ the metrics of it; used alike by every placement's trainer ranks.
 Shapes: P prompts on this rank, N samples per prompt, B = P * N sequences, T tokens.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -52,9 +53,31 @@ def build_policy(
     )
 
 
+def build_teacher(config: JobConfig, group: dist.ProcessGroup | None = None) -> PolicyTrainer:
+    """The [distill] teacher, frozen, sharded over `group` like the policy (so it may be larger
+    than one rank holds), scoring at the sampling temperature as the policy does."""
+    distill = config.distill
+    model = dataclasses.replace(
+        config.model,
+        flavor=distill.teacher_flavor or config.model.flavor,
+        hf_checkpoint=distill.teacher_checkpoint,
+    )
+    return PolicyTrainer(
+        model=model,
+        training=config.training,
+        parallelism=config.parallelism,
+        temperature=config.generator.sampling.temperature,
+        seed=config.job.seed,
+        dump_folder=config.job.dump_folder,
+        group=group,
+        checkpoint_fields=("distill.teacher_checkpoint", "distill.teacher_flavor"),
+    )
+
+
 class Learner:
     """The policy (`trainer`), the frozen KL reference (built only with a KL penalty), the
-    advantage estimator and the loss, over the trainer ranks `group` (None: the world)."""
+    distill teacher (only with one), the advantage estimator and the loss, over the trainer
+    ranks `group` (None: the world)."""
 
     def __init__(self, config: JobConfig, renderer_of: Callable[[Prompt], Renderer], group=None):
         """`renderer_of(prompt)`: the renderer of the prompt's source (OpenTask.renderer_of),
@@ -66,8 +89,11 @@ class Learner:
         self.reference = None
         if config.algorithm.kl_beta > 0:
             self.reference = build_policy(config, group, trained=False)
+        self.teacher = build_teacher(config, group) if config.distill.enabled else None
         self.advantage = build_advantage(config.algorithm.advantage)
-        self.loss = build_loss(config.algorithm, max_tokens=config.episode_tokens)
+        self.loss = build_loss(
+            config.algorithm, max_tokens=config.episode_tokens, distill=config.distill
+        )
         # Padding follows every real token of a right-padded causal batch and is masked out of
         # the loss, so any valid id serves.
         self.pad_id = 0
@@ -116,7 +142,10 @@ class Learner:
             )
             platform.all_reduce_host(totals, group=self.group)
             metrics["reward/shaped_mean"] = float(totals[0] / totals[1])
-        batch.advantages_B = self.advantage(rewards_PN).reshape(-1).float()
+        advantages_PN = self.advantage(rewards_PN)
+        if self.teacher is not None:
+            metrics |= self.distill(step, batch, rollouts, advantages_PN)
+        batch.advantages_B = advantages_PN.reshape(-1).float()
         keep_PN = overlong_keep_PN(truncated_PN, algorithm.overlong)
         if algorithm.filter_zero_variance_groups or algorithm.dynamic_sampling:
             keep_PN = keep_PN & ~zero_variance_P(rollouts.rewards_PN)[:, None]
@@ -126,6 +155,77 @@ class Learner:
         metrics |= self.logprob_diff(step, batch, old_BT) | self.routing_metrics()
         metrics |= self.train_summary(results)
         self.log_rollouts(step, rollouts, batch, old_BT)
+        return metrics
+
+    def distill(
+        self, step: int, batch: RolloutBatch, rollouts: Rollouts, advantages_PN: torch.Tensor
+    ) -> dict[str, float]:
+        """The teacher's signal on the sampled tokens of the sources that learn from it: in
+        mode advantage each token's advantage gains -coef * (generator - teacher logprob), in
+        mode loss the batch carries the teacher's logprobs for the loss's KL term. The reward's
+        advantages of sources that learn from the teacher alone are zeroed in place. Returns
+        the distill/ figures over every rank (per sampled token of the distilled sources)."""
+        distill = self.config.distill
+        sources = self.config.task.named_sources
+        learn_from = [sources[p.source].learn_from for p in rollouts.prompts]
+        teacher_alone_P = torch.tensor([how == "teacher" for how in learn_from])
+        advantages_PN[teacher_alone_P] = 0.0
+        n = advantages_PN.shape[1]
+        distilled_B = torch.tensor([how != "reward" for how in learn_from]).repeat_interleave(n)
+        mask_BT = batch.loss_mask_BT * distilled_B[:, None]
+        teacher_BT, _ = self.teacher.logprobs(batch.tokens_BT, mask_BT)
+        teacher_BT = teacher_BT.cpu() * mask_BT
+        check_finite(step, "teacher", teacher_BT, mask_BT.bool())
+        reverse_kl_BT = (batch.generator_logprobs_BT - teacher_BT) * mask_BT
+        if distill.mode == "advantage":
+            batch.token_advantages_BT = -distill.coef * reverse_kl_BT
+        else:
+            batch.teacher_logprobs_BT, batch.distilled_B = teacher_BT, distilled_B.float()
+        return self.distill_metrics(
+            rollouts, batch, reverse_kl_BT, teacher_BT, mask_BT, advantages_PN
+        )
+
+    def distill_metrics(
+        self,
+        rollouts: Rollouts,
+        batch: RolloutBatch,
+        reverse_kl_BT: torch.Tensor,
+        teacher_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        advantages_PN: torch.Tensor,
+    ) -> dict[str, float]:
+        """distill/reverse_kl and distill/teacher_logprob, means per distilled token (and per
+        source in a mixture); where a source learns from both signals in mode advantage, the
+        mean |advantage| per sampled token each gives: distill/advantage_reward and
+        distill/advantage_teacher."""
+        names = list(self.config.task.sources) or [""]
+        source_B = torch.tensor([names.index(p.source) for p in rollouts.prompts])
+        source_B = source_B.repeat_interleave(advantages_PN.shape[1])
+        sums = []
+        for s in range(len(names)):
+            rows_B = source_B == s
+            sums += [reverse_kl_BT[rows_B].sum(), teacher_BT[rows_B].sum(), mask_BT[rows_B].sum()]
+        sampled_BT = batch.loss_mask_BT
+        reward_BT = advantages_PN.reshape(-1, 1).abs() * sampled_BT
+        teacher_advantage_BT = self.config.distill.coef * reverse_kl_BT.abs()
+        sums += [reward_BT.sum(), teacher_advantage_BT.sum(), sampled_BT.sum()]
+        totals = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in sums])
+        platform.all_reduce_host(totals, group=self.group)
+        per_source = totals[:-3].view(-1, 3)
+        kl, teacher, tokens = per_source.sum(dim=0).tolist()
+        metrics = {
+            "distill/reverse_kl": kl / max(tokens, 1.0),
+            "distill/teacher_logprob": teacher / max(tokens, 1.0),
+        }
+        if len(names) > 1:
+            for name, (kl, _, tokens) in zip(names, per_source.tolist(), strict=True):
+                if tokens:
+                    metrics[f"distill/reverse_kl/{name}"] = kl / tokens
+        both = any(s.learn_from == "both" for s in self.config.task.named_sources.values())
+        if both and self.config.distill.mode == "advantage":
+            reward, teacher, sampled = totals[-3:].tolist()
+            metrics["distill/advantage_reward"] = reward / max(sampled, 1.0)
+            metrics["distill/advantage_teacher"] = teacher / max(sampled, 1.0)
         return metrics
 
     def update(self, step: int, batch: RolloutBatch) -> tuple[torch.Tensor, list[StepResult]]:
@@ -180,13 +280,12 @@ class Learner:
             "entropy": sum(r.metrics["entropy"] * r.metrics["tokens"] for r in results) / tokens,
             "grad_norm": total("grad_norm") / len(results),
             "lr": results[-1].metrics["lr"],
-            "clip_fraction": total("clipped_tokens") / tokens,
             "optimizer_steps": float(len(results)),
         }
-        if self.config.algorithm.clip_ratio_c > 0:
-            summary["dual_clip_fraction"] = total("dual_clipped_tokens") / tokens
-        if "kl_sum" in results[0].metrics:
-            summary["kl"] = total("kl_sum") / tokens
+        # The loss's own figures, each a share of the trained tokens (PolicyLoss.TOKEN_METRICS).
+        for name, counted in self.loss.TOKEN_METRICS.items():
+            if counted in results[0].metrics:
+                summary[name] = total(counted) / tokens
         return summary
 
     def logprob_diff(

@@ -280,6 +280,14 @@ class RolloutBatch:
     an SFT batch)."""
     reference_logprobs_BT: torch.Tensor | None = None
     """Logprob of each token under the frozen reference model (only with a KL penalty)."""
+    token_advantages_BT: torch.Tensor | None = None
+    """Advantage of each token added to its sequence's (only with a distill teacher in mode
+    advantage: -distill.coef * the token's reverse KL to the teacher; 0 outside the loss mask
+    and in rows whose source does not learn from the teacher)."""
+    teacher_logprobs_BT: torch.Tensor | None = None
+    """Logprob of each sampled token under the distill teacher (only in mode loss)."""
+    distilled_B: torch.Tensor | None = None
+    """1.0 for each sequence whose source learns from the teacher (only in mode loss)."""
     old_logprobs_BT: torch.Tensor | None = None
     """Logprob of each token under the policy before the batch's first update (only with
     several updates per batch; else the loss takes its own forward's, detached)."""

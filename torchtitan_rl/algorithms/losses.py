@@ -10,7 +10,8 @@ Three logprobs of each sampled token meet here:
              weights when off-policy, other numerics when not batch-invariant.
 The PPO ratio current / old is clipped (per token, or per sequence for GSPO); the off-policy
 correction old / behaviour truncates (TIS) or masks (MIS) each token's loss; the KL to the
-frozen reference joins per token. Each micro-batch's share is normalized by the global counts
+frozen reference joins per token, and with a distill teacher in mode loss, the KL to the
+teacher. Each micro-batch's share is normalized by the global counts
 of its optimizer step (LossScale), so micro-batching and data parallelism give the full-batch
 gradient. Shapes: B sequences, T tokens.
 """
@@ -71,8 +72,20 @@ class PolicyLoss:
     `clip_ratio_c` > 1 (dual clip, Ye et al. 2020) a negative-advantage token's loss is also
     capped at -clip_ratio_c * A. GSPO (Zheng et al. 2025) uses one ratio per sequence,
     exp(mean over its sampled tokens of current - old), for every token of it. The off-policy
-    weight multiplies the clipped term; the KL term adds k(current, reference) * kl_beta.
+    weight multiplies the clipped term; the KL term adds k(current, reference) * kl_beta, and
+    `teacher_coef` * k(current, teacher) on the rows of distilled sources. A batch's per-token
+    advantages (`token_advantages_BT`, a teacher's) add to its sequences'.
+
+    TOKEN_METRICS: each figure the loss reports, as a share of the step's trained tokens (the
+    logged name -> the count or sum its micro-batches return); logged where returned.
     """
+
+    TOKEN_METRICS = {
+        "clip_fraction": "clipped_tokens",
+        "dual_clip_fraction": "dual_clipped_tokens",
+        "kl": "kl_sum",
+        "distill/kl": "teacher_kl_sum",
+    }
 
     def __init__(
         self,
@@ -86,12 +99,14 @@ class PolicyLoss:
         correction: OffPolicyCorrection | None = None,
         kl_beta: float = 0.0,
         kl_estimator: str = "k3",
+        teacher_coef: float = 0.0,
     ):
         self.level = level
         self.clip_low, self.clip_high, self.clip_ratio_c = clip_low, clip_high, clip_ratio_c
         self.aggregation, self.max_tokens = aggregation, max_tokens
         self.correction = correction or OffPolicyCorrection()
         self.kl_beta, self.kl_estimator = kl_beta, kl_estimator
+        self.teacher_coef = teacher_coef
 
     def __call__(self, logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
         mask_BT = batch.loss_mask_BT
@@ -101,7 +116,9 @@ class PolicyLoss:
             lengths_B1 = mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
             log_ratio_BT = (log_ratio_BT * mask_BT).sum(dim=1, keepdim=True) / lengths_B1
         ratio_BT = torch.exp(log_ratio_BT)  # [B, T], or [B, 1] at sequence level
-        advantages_B1 = batch.advantages_B[:, None]
+        advantages_B1 = batch.advantages_B[:, None]  # [B, 1], or [B, T] with token advantages
+        if batch.token_advantages_BT is not None:
+            advantages_B1 = advantages_B1 + batch.token_advantages_BT
         unclipped_BT = -ratio_BT * advantages_B1
         clipped_BT = -ratio_BT.clamp(1 - self.clip_low, 1 + self.clip_high) * advantages_B1
         per_token_BT = torch.maximum(unclipped_BT, clipped_BT)
@@ -120,12 +137,19 @@ class PolicyLoss:
             kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator)
             per_token_BT = per_token_BT + self.kl_beta * kl_BT
             metrics["kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
+        if self.teacher_coef > 0:
+            kl_BT = kl_penalty(logprobs_BT, batch.teacher_logprobs_BT, self.kl_estimator)
+            kl_BT = kl_BT * batch.distilled_B[:, None]
+            per_token_BT = per_token_BT + self.teacher_coef * kl_BT
+            metrics["teacher_kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
         loss = aggregate(per_token_BT, mask_BT, scale, self.aggregation, self.max_tokens)
         return loss, metrics
 
 
-def build_loss(algorithm, max_tokens: int) -> PolicyLoss:
-    """The loss for the (validated) `algorithm` config section."""
+def build_loss(algorithm, max_tokens: int, distill=None) -> PolicyLoss:
+    """The loss for the (validated) `algorithm` config section, with the teacher's KL term
+    when the `distill` section's teacher is in mode loss."""
+    teaches = distill is not None and distill.enabled and distill.mode == "loss"
     return PolicyLoss(
         level="sequence" if algorithm.loss == "gspo" else "token",
         clip_low=algorithm.clip_eps_low,
@@ -136,6 +160,7 @@ def build_loss(algorithm, max_tokens: int) -> PolicyLoss:
         correction=build_correction(algorithm),
         kl_beta=0.0 if algorithm.kl_in_reward else algorithm.kl_beta,
         kl_estimator=algorithm.kl_estimator,
+        teacher_coef=distill.coef if teaches else 0.0,
     )
 
 

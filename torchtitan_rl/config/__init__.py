@@ -5,6 +5,7 @@ the config's names from here; each section lives in the module of its concern.
 """
 
 from torchtitan_rl.config.algorithm import GROUP_ADVANTAGES, LOSS_PRESETS, AlgorithmSection
+from torchtitan_rl.config.distill import DistillSection
 from torchtitan_rl.config.errors import ConfigError, read_json
 from torchtitan_rl.config.generator import (
     GeneratorParallelismSection,
@@ -29,6 +30,7 @@ __all__ = [
     "AlgorithmSection",
     "CheckpointSection",
     "ConfigError",
+    "DistillSection",
     "EvalSection",
     "GeneratorParallelismSection",
     "GeneratorSection",

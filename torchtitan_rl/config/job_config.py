@@ -10,11 +10,13 @@ derived defaults), then `validate()` checks values without changing any and rais
 `JobConfig`; each component receives its own section.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan_rl.config.algorithm import GROUP_ADVANTAGES, AlgorithmSection
-from torchtitan_rl.config.errors import ConfigError, first_change, require
+from torchtitan_rl.config.distill import DistillSection
+from torchtitan_rl.config.errors import ConfigError, first_change, read_json, require
 from torchtitan_rl.config.generator import GeneratorSection
 from torchtitan_rl.config.job import JobSection, ModelSection
 from torchtitan_rl.config.outputs import CheckpointSection, MetricsSection
@@ -50,6 +52,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     sft: SFTSection = field(default_factory=SFTSection)
     lora: LoRASection = field(default_factory=LoRASection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     def _validate_placement(self, world_size: int) -> int:
         """The number of generator-only ranks: 0 when colocated."""
@@ -175,6 +178,79 @@ class JobConfig:
             "in this mode",
         )
 
+    def _validate_distill(self) -> None:
+        """Every source's learn_from has what it needs; the teacher is a model.name flavor
+        with the student's vocabulary and tokenizer (cross-tokenizer distillation is out of
+        scope: docs/distillation.md)."""
+        for name, source in self.task.named_sources.items():
+            at = f"task.sources.{name}" if name else "task"
+            require(
+                self.distill.enabled or source.learn_from == "reward",
+                f"{at}.learn_from = {source.learn_from!r} needs a teacher: set "
+                "distill.teacher_checkpoint, or learn_from = 'reward'",
+            )
+        if not self.distill.enabled:
+            return
+        algorithm = self.algorithm
+        for name, source in self.task.named_sources.items():
+            require(
+                source.learn_from != "teacher"
+                or not (algorithm.dynamic_sampling or algorithm.filter_zero_variance_groups),
+                f"{f'task.sources.{name}' if name else 'task'}.learn_from = 'teacher' with "
+                "algorithm.dynamic_sampling or filter_zero_variance_groups: they drop groups "
+                "whose rewards are equal, which a source learning from the teacher alone still "
+                "learns from; set both to false (loss = 'dapo' turns dynamic sampling on), or "
+                "learn_from = 'both'",
+            )
+        from torchtitan_rl.models import flavors, model_spec
+        from torchtitan_rl.tasks.render import read_tokenizer_json
+
+        require(
+            any(s.learn_from != "reward" for s in self.task.named_sources.values()),
+            "distill.teacher_checkpoint is set but every source has learn_from = 'reward': "
+            "set learn_from = 'teacher' or 'both' where the teacher should teach, or remove "
+            "the [distill] section",
+        )
+        path, flavor = self.distill.teacher_checkpoint, self.distill.teacher_flavor
+        known = flavors(self.model.name)
+        require(
+            flavor is None or flavor in known,
+            f"distill.teacher_flavor = {flavor!r} is not a {self.model.name} flavor: use one "
+            f"of {', '.join(known)}",
+        )
+        flavor = flavor or self.model.flavor
+        student = model_spec(self.model.name, self.model.flavor).model.vocab_size
+        teacher = read_json(path, "config.json", "distill.teacher_checkpoint").get("vocab_size")
+        require(
+            teacher == student,
+            f"distill.teacher_checkpoint = {path!r} has a vocabulary of {teacher} tokens, the "
+            f"student ({self.model.name}/{self.model.flavor}) {student}: the teacher must "
+            "score the student's token ids, so it needs the same tokenizer and vocabulary "
+            "(cross-tokenizer distillation is not supported)",
+        )
+        teacher_flavor = model_spec(self.model.name, flavor).model.vocab_size
+        require(
+            teacher_flavor == teacher,
+            f"distill.teacher_flavor = {flavor!r} has a vocabulary of {teacher_flavor} tokens "
+            f"but distill.teacher_checkpoint = {path!r} has {teacher}: set "
+            "distill.teacher_flavor to the flavor the checkpoint was saved from",
+        )
+        require(
+            os.path.isfile(os.path.join(path, "tokenizer.json")),
+            f"distill.teacher_checkpoint = {path!r} has no tokenizer.json, so it cannot be "
+            "checked against the student's: copy in the tokenizer it was trained with",
+        )
+        same = read_tokenizer_json(path).get_vocab(True) == read_tokenizer_json(
+            self.model.tokenizer_dir
+        ).get_vocab(True)
+        require(
+            same,
+            f"distill.teacher_checkpoint = {path!r}: its tokenizer.json maps tokens to ids "
+            f"unlike the student's (model.tokenizer_dir = {self.model.tokenizer_dir!r}): the "
+            "teacher must share the student's tokenizer (cross-tokenizer distillation is not "
+            "supported)",
+        )
+
     @property
     def episode_tokens(self) -> int:
         """Most tokens one sample can sample: generator.sampling.max_tokens per turn, over
@@ -190,6 +266,9 @@ class JobConfig:
         [algorithm] and keeps it as it is. Idempotent; validate() expects it done."""
         if entry == "train":
             self.algorithm.resolve(self.episode_tokens)
+            for source in self.task.named_sources.values():
+                if source.learn_from is None:
+                    source.learn_from = "teacher" if self.distill.enabled else "reward"
 
     def validate(self, world_size: int = 1, entry: Literal["train", "sft"] = "train") -> None:
         """Check every section, then the rules that span sections, for `world_size` processes
@@ -203,6 +282,7 @@ class JobConfig:
         self.metrics.validate()
         self.sft.validate()
         self.lora.validate()
+        self.distill.validate()
         require(
             not self.lora.enable or self.model.hf_checkpoint is not None,
             "lora.enable = true trains adapters on frozen weights, but model.hf_checkpoint is "
@@ -230,6 +310,8 @@ class JobConfig:
             "task.name = 'dataset' and task.dataset_path",
         )
         _unused(self, "batch_invariant", "batch_invariant_on_mismatch", "generator", "algorithm")
+        _unused(self, "distill")
+        _unused(self, "task.learn_from", instead="SFT trains on demonstrations")
         _unused(self, "training.prompts_per_step", "training.mini_batches", "training.epochs")
         _unused(self, "training.micro_batches")
         _unused(self, "training.max_prompt_len", instead="sft.max_seq_len")
@@ -265,6 +347,7 @@ class JobConfig:
         )
         if self.batch_invariant:
             self._validate_batch_invariant()
+        self._validate_distill()
         require(
             self.eval.dataset_path is None or not self.task.sources,
             "eval.dataset_path is set beside task.sources: each source reads its held-out "

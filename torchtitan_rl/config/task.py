@@ -64,6 +64,11 @@ class SourceSection:
     max_turns: int | None = None
     """Most assistant turns of an episode (task.name = env; unset: 4); an episode still going
     after it ends as truncated."""
+    learn_from: Literal["reward", "teacher", "both"] | None = None
+    """What this source's samples learn from: the task's reward (advantages from it), the
+    [distill] teacher alone (its per-token signal; rewards are still logged), or both (the
+    teacher's per-token advantage added to the reward's). Unset: teacher when
+    distill.teacher_checkpoint is set, else reward."""
 
     @property
     def turns(self) -> int:

@@ -31,14 +31,18 @@ def build_spec(model: ModelSection) -> ModelSpec:
     return spec
 
 
-def read_hf_shapes(path: str) -> dict[str, tuple[int, ...]]:
+# The config fields an error about a checkpoint names: its folder and its flavor.
+STUDENT = ("model.hf_checkpoint", "model.flavor")
+
+
+def read_hf_shapes(path: str, field: str = STUDENT[0]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of every *.safetensors file in `path`, from headers only; a file
-    that is cut short or damaged is a ConfigError naming it (the trainer and the generator
-    both check the files here before loading them)."""
+    that is cut short or damaged is a ConfigError naming it and the config `field` that points
+    at `path` (the trainer and the generator both check the files here before loading them)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"model.hf_checkpoint = {path!r} has no *.safetensors files")
-    _check_shards(path, {file.name for file in files})
+        raise ConfigError(f"{field} = {path!r} has no *.safetensors files")
+    _check_shards(path, {file.name for file in files}, field)
     shapes = {}
     for file in files:
         try:
@@ -50,54 +54,58 @@ def read_hf_shapes(path: str) -> dict[str, tuple[int, ...]]:
             # file cut short (an interrupted download) fails here, before any tensor is read.
             reason = str(e).removeprefix("Error while deserializing header: ")
             raise ConfigError(
-                f"model.hf_checkpoint = {path!r}: {file.name} is damaged ({reason}; "
+                f"{field} = {path!r}: {file.name} is damaged ({reason}; "
                 f"{file.stat().st_size} bytes): download it again"
             ) from None
         except OSError as e:
             raise ConfigError(
-                f"model.hf_checkpoint = {path!r}: cannot read {file.name} ({e.strerror})"
+                f"{field} = {path!r}: cannot read {file.name} ({e.strerror})"
             ) from None
     return shapes
 
 
-def _check_shards(path: str, present: set[str]) -> None:
+def _check_shards(path: str, present: set[str], field: str) -> None:
     """A sharded checkpoint's index (what vLLM's loader follows) is whole and every shard it
     lists is there: a shard missing from a download is named, not a tensor it would hold."""
     index = "model.safetensors.index.json"
     if not (Path(path) / index).is_file():
         return
-    weight_map = read_json(path, index, "model.hf_checkpoint").get("weight_map")
+    weight_map = read_json(path, index, field).get("weight_map")
     if not isinstance(weight_map, dict):
-        raise ConfigError(
-            f"model.hf_checkpoint = {path!r}: {index} has no weight_map: download it again"
-        )
+        raise ConfigError(f"{field} = {path!r}: {index} has no weight_map: download it again")
     listed = set(weight_map.values())
     if missing := sorted(listed - present):
         raise ConfigError(
-            f"model.hf_checkpoint = {path!r} lacks {missing[0]}, one of the {len(listed)} "
+            f"{field} = {path!r} lacks {missing[0]}, one of the {len(listed)} "
             f"shards {index} lists ({len(missing)} missing): download them again"
         )
 
 
-def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor: str) -> None:
-    """Raise ConfigError naming the first tensor whose name or shape differs from `expected`."""
-    found = read_hf_shapes(path)
+def check_hf_checkpoint(
+    path: str,
+    expected: dict[str, tuple[int, ...]],
+    flavor: str,
+    fields: tuple[str, str] = STUDENT,
+) -> None:
+    """Raise ConfigError naming the first tensor whose name or shape differs from `expected`
+    (`fields`: the config fields of the folder and the flavor, for the message)."""
+    field, flavor_field = fields
+    found = read_hf_shapes(path, field)
     if quantized := sorted(key for key in found if key.endswith(("_blocks", "_scales"))):
         raise ConfigError(
-            f"model.hf_checkpoint = {path!r} is MXFP4-quantized ({quantized[0]!r}, as the "
+            f"{field} = {path!r} is MXFP4-quantized ({quantized[0]!r}, as the "
             f"released gpt-oss checkpoints): dequantize it to bf16 first (docs/moe.md, gpt-oss)"
         )
     fix = "pick the flavor the checkpoint was saved from"
     for key, shape in expected.items():
         if key not in found:
             raise ConfigError(
-                f"model.hf_checkpoint = {path!r} lacks {key!r} that model.flavor = "
-                f"{flavor!r} needs: {fix}"
+                f"{field} = {path!r} lacks {key!r} that {flavor_field} = {flavor!r} needs: {fix}"
             )
         if found[key] != shape:
             raise ConfigError(
-                f"model.hf_checkpoint = {path!r}: {key!r} has shape {found[key]} but "
-                f"model.flavor = {flavor!r} expects {shape}: {fix}"
+                f"{field} = {path!r}: {key!r} has shape {found[key]} but "
+                f"{flavor_field} = {flavor!r} expects {shape}: {fix}"
             )
     extra = [
         key
@@ -108,8 +116,7 @@ def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], flavor:
     ]
     if extra:
         raise ConfigError(
-            f"model.hf_checkpoint = {path!r} has {extra[0]!r}, unknown to model.flavor = "
-            f"{flavor!r}: {fix}"
+            f"{field} = {path!r} has {extra[0]!r}, unknown to {flavor_field} = {flavor!r}: {fix}"
         )
 
 
@@ -123,19 +130,22 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in hf_state.items()}
 
 
-def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) -> None:
+def load_hf_weights(
+    model: nn.Module, spec: ModelSpec, path: str, group=None, fields: tuple[str, str] = STUDENT
+) -> None:
     """Load the HF checkpoint at `path` into `model` (plain or DTensor parameters), sharded.
 
     The spec's adapter maps our state dict to HF names; DCP's HF reader then fills each rank's
     shards from the safetensors files, reading only what the rank holds. `group`: the ranks
-    that load together (default: the world).
+    that load together (default: the world). `fields`: the config fields of the folder and
+    the flavor, which an error names.
     """
     adapter = spec.state_dict_adapter(spec.model, None)
     # LoRA adapters are not in an HF checkpoint: they keep their initial values (B = 0); nor
     # is the routers' load-balancing bias (0, as HF's Qwen3-MoE routes).
     state = {k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
     hf_state = adapter.to_hf(state)
-    check_hf_checkpoint(path, hf_shapes(spec), spec.flavor)
+    check_hf_checkpoint(path, hf_shapes(spec), spec.flavor, fields)
     dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(path), process_group=group)
     loaded = set_model_state_dict(
         model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False)
@@ -143,6 +153,6 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, path: str, group=None) ->
     missing = [k for k in loaded.missing_keys if not is_lora_key(k) and not k.endswith(NOT_IN_HF)]
     if missing or loaded.unexpected_keys:
         raise ConfigError(
-            f"model.hf_checkpoint = {path!r} does not fill the model: missing "
+            f"{fields[0]} = {path!r} does not fill the model: missing "
             f"{missing[:3]}, unexpected {loaded.unexpected_keys[:3]}"
         )

@@ -39,7 +39,7 @@ from torchtitan_rl.models import moe, weights
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing, parallel
 from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
-from torchtitan_rl.trainer.model import build_spec, load_hf_weights
+from torchtitan_rl.trainer.model import STUDENT, build_spec, load_hf_weights
 from torchtitan_rl.types import LossScale, RolloutBatch
 
 
@@ -110,12 +110,15 @@ class PolicyTrainer:
         lora: LoRASection | None = None,
         micro_batch_tokens: int | None = None,
         router_replay: bool = False,
+        checkpoint_fields: tuple[str, str] = STUDENT,
     ):
         """`group`: the trainer's ranks, the first ones of the world (default: all of it).
         `lora` (when enabled): train LoRA adapters on a frozen model (trainer/lora.py).
         `micro_batch_tokens`: the packed micro-batches' token budget, 0 for padded ones
         (default: training.micro_batch_tokens). `router_replay`: MoE layers use the
-        generator's routing where a batch carries it (algorithm.router_replay)."""
+        generator's routing where a batch carries it (algorithm.router_replay).
+        `checkpoint_fields`: the config fields that name `model`'s checkpoint and flavor, for
+        errors (a distill teacher's differ)."""
         self.training = training
         self.micro_batch_tokens = (
             training.micro_batch_tokens if micro_batch_tokens is None else micro_batch_tokens
@@ -154,7 +157,7 @@ class PolicyTrainer:
         with torch.no_grad():
             module.init_weights(buffer_device=self.device)
         if model.hf_checkpoint is not None:
-            load_hf_weights(module, self.spec, model.hf_checkpoint, group)
+            load_hf_weights(module, self.spec, model.hf_checkpoint, group, checkpoint_fields)
         module.train()
         self.model: nn.Module = module
         # The sharded parameters the optimizer updates. FSDP swaps unsharded tensors into the
