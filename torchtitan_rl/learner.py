@@ -162,7 +162,8 @@ class Learner:
     ) -> dict[str, float]:
         """The teacher's signal on the sampled tokens of the sources that learn from it: in
         mode advantage each token's advantage gains -coef * (generator - teacher logprob), in
-        mode loss the batch carries the teacher's logprobs for the loss's KL term. The reward's
+        mode loss the loss's KL term takes the teacher's logprobs (the batch carries them in
+        both modes, for the rollout log). The reward's
         advantages of sources that learn from the teacher alone are zeroed in place. Returns
         the distill/ figures over every rank (per sampled token of the distilled sources)."""
         distill = self.config.distill
@@ -177,10 +178,9 @@ class Learner:
         teacher_BT = teacher_BT.cpu() * mask_BT
         check_finite(step, "teacher", teacher_BT, mask_BT.bool())
         reverse_kl_BT = (batch.generator_logprobs_BT - teacher_BT) * mask_BT
+        batch.teacher_logprobs_BT, batch.distilled_B = teacher_BT, distilled_B.float()
         if distill.mode == "advantage":
             batch.token_advantages_BT = -distill.coef * reverse_kl_BT
-        else:
-            batch.teacher_logprobs_BT, batch.distilled_B = teacher_BT, distilled_B.float()
         return self.distill_metrics(
             rollouts, batch, reverse_kl_BT, teacher_BT, mask_BT, advantages_PN
         )
@@ -359,6 +359,15 @@ class Learner:
             sampled = batch.loss_mask_BT[row].bool()
             diffs = trainer_logprobs_BT[row][sampled] - batch.generator_logprobs_BT[row][sampled]
             renderer = self.renderer_of(prompt)
+            teacher = {}
+            if batch.teacher_logprobs_BT is not None and batch.distilled_B[row]:
+                # The teacher's logprob of each token of the sample (0 where not sampled).
+                start = len(rollouts.completions.prompts[p])
+                teacher_T = batch.teacher_logprobs_BT[row, start : start + len(sample.token_ids)]
+                teacher = {
+                    "prompt_token_ids": rollouts.completions.prompts[p],
+                    "teacher_logprobs": teacher_T.tolist(),
+                }
             samples.append(
                 {
                     **({"source": prompt.source} if prompt.source else {}),
@@ -370,6 +379,7 @@ class Learner:
                     "sampled_mask": sample.sampled_mask,
                     "generator_logprobs": sample.logprobs,
                     "logprob_diff": diffs.tolist(),
+                    **teacher,
                 }
             )
         self.metrics.log_rollouts(step, samples)
