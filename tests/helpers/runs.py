@@ -42,13 +42,30 @@ MOE = (
     *("--checkpoint.export_hf_at_end", "true"),
 )
 
-# The echo demo with LoRA, batch-invariant, checkpoints at steps 3 and 6, merged export.
+# The echo demo with LoRA, batch-invariant, checkpoints at steps 3 and 6, merged export; a
+# distill teacher, the starting checkpoint itself, whose per-token signal adds to the reward's
+# (so the student starts equal to its teacher: reverse KL exactly 0 at step 1).
 LORA = (
     *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
     *("--lora.enable", "true", "--batch_invariant", "true"),
+    *("--distill.teacher_checkpoint", "assets/tiny_qwen3", "--task.learn_from", "both"),
     *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
     *("--checkpoint.export_hf_at_end", "true"),
 )
+
+
+def assert_distilled_from_an_equal_start(rows: list[dict]) -> None:
+    """LORA's teacher is the starting checkpoint: at step 1 the student (adapters at 0)
+    equals it bit for bit, so the reverse KL and the teacher's advantages are exactly 0 while
+    the reward's are not; the student then leaves it. The figures are those of the teacher's
+    own forward (sharded, batch-invariant), not the student's."""
+    first = rows[0]
+    assert first["distill/reverse_kl"] == 0.0 and first["distill/advantage_teacher"] == 0.0
+    assert first["distill/advantage_reward"] > 0
+    assert first["distill/teacher_logprob"] < 0
+    assert all(row["distill/reverse_kl"] != 0.0 for row in rows[1:])
+    assert all(row["distill/advantage_teacher"] > 0 for row in rows[1:])
+
 
 # SFT on the arithmetic demonstrations: 30 steps of 16 rows in micro-batches of 2 rows;
 # checkpoints and evaluations at 10, 20 and 30.

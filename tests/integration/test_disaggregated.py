@@ -121,6 +121,7 @@ def test_lora_sends_only_adapted_linears_exports_and_logs_the_colocated_names(lo
     assert {row["weight_sync/bytes"] for row in rows} == {float(adapted)}
     assert {row["weight_sync/verified"] for row in rows} == {1.0}
     assert {row["logprob_diff/max"] for row in rows} == {0.0}  # batch-invariant, k = 0
+    runs.assert_distilled_from_an_equal_start(rows)  # the teacher on the trainer rank
     colocated = set(metric_rows(lora_run)[0])  # verify_weight_sync off there
     only_here = set(PLACEMENT_METRICS["disaggregated"]) | {"weight_sync/verified"}
     assert set(rows[0]) == colocated | only_here

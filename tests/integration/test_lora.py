@@ -68,6 +68,7 @@ ADAPTED_HF = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def test_vllm_logprobs_equal_the_trainer_s_and_syncs_move_only_adapted_linears(lora_run):
     rows = {row["step"]: row for row in metric_rows(lora_run)}
     assert [row["logprob_diff/max"] for row in rows.values()] == [0.0] * 6
+    runs.assert_distilled_from_an_equal_start(list(rows.values()))
     exported = load_file(lora_run / "hf" / "model.safetensors")
     adapted = sum(t.numel() * 4 for n, t in exported.items() if n.split(".")[-2] in ADAPTED_HF)
     everything = sum(t.numel() * 4 for t in exported.values())

@@ -27,6 +27,7 @@ from torchtitan_rl.episodes import open_task
 # Random tiny weights (no SFT export needed), 4 steps of 8 prompts x 4 samples, evaluated
 # after steps 2 and 4; the minmax source scored by two functions of test_faults' kind.
 RAISES, BATCHED = "raises_on_odd", "async_batch_starts_with_answer"
+TINY_MOE = "assets/tiny_moe_qwen3"
 FLAGS = (
     *("--job.config_file", "run_configs/mixture_cpu.toml", "--model.hf_checkpoint", TINY),
     *("--training.steps", "4", "--training.prompts_per_step", "8"),
@@ -35,6 +36,10 @@ FLAGS = (
     *("--checkpoint.enable", "--checkpoint.interval", "2"),
     *("--task.sources.minmax.weight", "3", "--task.sources.minmax.rewards"),
     *(f"helpers.user_rewards:{RAISES}", "1", f"helpers.user_rewards:{BATCHED}", "1"),
+    # The tool episodes learn from a distill teacher alone, larger than the student (the
+    # mixture-of-experts tiny Qwen3, sharded over both ranks); minmax from its rewards alone.
+    *("--distill.teacher_checkpoint", TINY_MOE, "--distill.teacher_flavor", "tiny_moe"),
+    *("--task.sources.minmax.learn_from", "reward", "--task.sources.tools.learn_from", "teacher"),
 )
 
 
@@ -114,6 +119,8 @@ def test_a_mixture_run_logs_each_source_and_resumes_exactly(tmp_path, repo_cwd):
     # Each rank logs its shard's first rows: rank 0's are minmax rows, rank 1's tools rows.
     assert {s["source"] for group in samples for s in group} == {"minmax", "tools"}
 
+    assert_the_teacher_scored_the_tool_episodes_as_transformers_does(out, rows)
+
     # Preempted after step 3 (not a due checkpoint), relaunched: the same rows and weights.
     stopped = tmp_path / "stopped"
     resumed_from = preempt(FLAGS, stopped, 3, signal.SIGTERM, rank=None)
@@ -121,3 +128,38 @@ def test_a_mixture_run_logs_each_source_and_resumes_exactly(tmp_path, repo_cwd):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {stopped / 'checkpoints' / f'step-{resumed_from}'}" in result.stdout
     assert_resumed_as(out, stopped, resumed_from, exact=False)
+
+
+def assert_the_teacher_scored_the_tool_episodes_as_transformers_does(out, rows) -> None:
+    """Only the source that learns from the teacher has teacher figures; the logged teacher
+    logprobs of its episodes are HF transformers' Qwen3-MoE forward of the teacher checkpoint
+    on the same tokens, within 1e-5 (fp32), at the model's own tokens and 0 at any tool's (the
+    random tiny model seldom calls the tool: tests/integration/test_envs.py has episodes that
+    do, and the loss mask the teacher's scores follow)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    drew_tools = False
+    for row in rows:
+        assert "distill/reverse_kl/minmax" not in row
+        if "reward/mean/tools" in row:
+            drew_tools = True
+            assert row["distill/reverse_kl/tools"] == row["distill/reverse_kl"] != 0.0
+            assert row["distill/teacher_logprob"] < 0
+    assert drew_tools
+    teacher = AutoModelForCausalLM.from_pretrained(TINY_MOE, torch_dtype=torch.float32)
+    logged = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    samples = [s for entry in logged for s in entry["samples"]]
+    assert all("teacher_logprobs" not in s for s in samples if s["source"] == "minmax")
+    episodes = [s for s in samples if s["source"] == "tools"]
+    assert episodes
+    for sample in episodes:
+        prompt, tokens = sample["prompt_token_ids"], sample["token_ids"]
+        with torch.no_grad():
+            logits_TV = teacher(torch.tensor([prompt + tokens])).logits[0]
+        # Token t of the sample is predicted at position len(prompt) + t - 1.
+        predicted_TV = logits_TV[len(prompt) - 1 : -1].log_softmax(dim=-1)
+        expected_T = predicted_TV.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        mask_T = torch.tensor(sample["sampled_mask"], dtype=torch.float32)
+        logged_T = torch.tensor(sample["teacher_logprobs"])
+        torch.testing.assert_close(logged_T, expected_T * mask_T, atol=1e-5, rtol=0)
