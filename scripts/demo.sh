@@ -7,6 +7,7 @@
 #   TOOLS=1 ./scripts/demo.sh     # the calculator-tool demo: SFT on traces, then RL with the tool
 #   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 1:1 (task.sources), each with its figures
 #   MOE=1 ./scripts/demo.sh       # the arithmetic demo on a mixture-of-experts model, EP = 2
+#   DISTILL=1 ./scripts/demo.sh   # the arithmetic demo's RL export teaches the SFT export
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -26,6 +27,14 @@ fi
 if [[ -n "${MOE:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_moe_cpu.toml
     exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file run_configs/moe_cpu.toml "$@"
+fi
+if [[ -n "${DISTILL:-}" ]]; then
+    # The teacher: the arithmetic demo's RL export (SFT, then RL); then on-policy distillation
+    # from the SFT export.
+    "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_arith_cpu.toml
+    "${torchrun[@]}" -m torchtitan_rl.train --job.config_file run_configs/arith_rl_from_sft_cpu.toml
+    exec "${torchrun[@]}" -m torchtitan_rl.train \
+        --job.config_file run_configs/distill_cpu.toml "$@"
 fi
 if [[ -n "${TOOLS:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml

@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import batch_invariant, console, platform
-from torchtitan_rl.algorithms import build_advantage, build_loss
-from torchtitan_rl.algorithms.advantages import zero_variance_P
-from torchtitan_rl.algorithms.losses import kl_penalty
+from torchtitan_rl.algorithms.advantages import build_advantage, zero_variance_P
+from torchtitan_rl.algorithms.losses import build_loss, kl_penalty
 from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
 from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
 from torchtitan_rl.config import JobConfig

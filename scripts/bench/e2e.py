@@ -12,7 +12,10 @@ step's model FLOPs (2 N_params per prompt and generated token, 6 N_params per tr
 (scripts/bench/trl_peer.py, N threads in one process) and adds `trl_step_s`,
 `trl_ratio` = TRL step / our step, and TRL's completion lengths (mean over steps, and max)
 beside ours (`response_length_mean`, `response_length_max`). With `--batch_invariant true` it
-runs the same config with the mode off too and adds `cost_ratio`: step time on / off.
+runs the same config with the mode off too and adds `cost_ratio`: step time on / off. With a
+distill teacher (`--distill.teacher_checkpoint`) it runs the same config without the teacher
+and with the KL reference instead (`--algorithm.kl_beta 0.001`), and adds `teacher_cost_ratio`
+and `reference_cost_ratio`: step time with each / without either.
 """
 
 import json
@@ -176,8 +179,27 @@ def main() -> int:
         result["step_s_mode_off"] = off["step_s"]
         result["logprob_diff_max_mode_off"] = off["logprob_diff_max"]
         result["cost_ratio"] = round(result["step_s"] / off["step_s"], 3)
+    if config.distill.enabled:
+        plain = without_teacher(args)
+        alone, reference = run(nproc, plain), run(nproc, [*plain, "--algorithm.kl_beta", "0.001"])
+        result["step_s_no_teacher"] = alone["step_s"]
+        result["step_s_reference_instead"] = reference["step_s"]
+        result["teacher_cost_ratio"] = round(result["step_s"] / alone["step_s"], 3)
+        result["reference_cost_ratio"] = round(reference["step_s"] / alone["step_s"], 3)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def without_teacher(args: list[str]) -> list[str]:
+    """`args` less the flags of the distill teacher and of what each source learns from."""
+    kept, i = [], 0
+    while i < len(args):
+        if args[i].startswith("--distill.") or args[i].endswith(".learn_from"):
+            i += 2
+            continue
+        kept.append(args[i])
+        i += 1
+    return kept
 
 
 if __name__ == "__main__":

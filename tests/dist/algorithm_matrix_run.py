@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import platform
-from torchtitan_rl.algorithms import build_advantage, build_loss
+from torchtitan_rl.algorithms.advantages import build_advantage
+from torchtitan_rl.algorithms.losses import build_loss
 from torchtitan_rl.config import AlgorithmSection, parse_args
 from torchtitan_rl.rl_trainer import RLTrainer
 from torchtitan_rl.weight_sync.base import SyncStats

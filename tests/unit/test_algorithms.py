@@ -4,19 +4,21 @@
 """
 
 import math
+import typing
 
 import pytest
 import torch
 
-from torchtitan_rl.algorithms.advantages import (
-    DrGRPOAdvantage,
-    GRPOAdvantage,
-    RLOOAdvantage,
-    zero_variance_P,
-)
+from torchtitan_rl.algorithms import registry
+from torchtitan_rl.algorithms.advantages import build_advantage, zero_variance_P
+from torchtitan_rl.algorithms.advantages.dr_grpo import DrGRPOAdvantage
+from torchtitan_rl.algorithms.advantages.grpo import GRPOAdvantage
+from torchtitan_rl.algorithms.advantages.rloo import RLOOAdvantage
 from torchtitan_rl.algorithms.dynamic_sampling import fill_informative
-from torchtitan_rl.algorithms.losses import PolicyLoss, kl_penalty
+from torchtitan_rl.algorithms.losses import PolicyLoss, build_loss, kl_penalty
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
+from torchtitan_rl.config import AlgorithmSection
+from torchtitan_rl.config.algorithm import PRESET_FIELDS
 from torchtitan_rl.types import Completions, LossScale, Prompt, RolloutBatch, Rollouts
 
 REWARDS_PN = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
@@ -243,3 +245,24 @@ def test_overlong_modes_change_the_rewards_or_the_mask_as_specified():
     assert overlong_keep_PN(truncated_PN, "mask").tolist() == [[True, True, True, False]]
     for mode in ("keep", "zero_reward", "soft_penalty"):
         assert overlong_keep_PN(truncated_PN, mode).all()
+
+
+def test_the_config_s_choices_are_the_registered_modules_and_each_is_whole():
+    """Adding an estimator or a loss is one module (algorithms/registry.py): the config offers
+    exactly the modules there, and each has what the registry promises."""
+    fields = AlgorithmSection.__dataclass_fields__
+    assert typing.get_args(fields["advantage"].type) == registry.names("advantage")
+    assert typing.get_args(fields["loss"].type) == registry.names("loss")
+    assert {"grpo", "dr_grpo", "rloo"} <= set(registry.names("advantage"))
+    assert {"grpo", "dapo", "gspo"} <= set(registry.names("loss"))
+    for name in registry.names("advantage"):
+        module = registry.load("advantage", name)
+        assert isinstance(module.COMPARES_GROUP, bool), name
+        assert build_advantage(name)(REWARDS_PN).shape == REWARDS_PN.shape, name
+    for name in registry.names("loss"):
+        assert tuple(registry.load("loss", name).PRESET) == PRESET_FIELDS, name
+        algorithm = AlgorithmSection(loss=name)
+        algorithm.resolve()
+        loss = build_loss(algorithm, max_tokens=2)
+        value, metrics = loss(torch.full((2, 3), -1.0), batch(), SCALE)
+        assert value.dim() == 0 and set(metrics) <= set(loss.TOKEN_METRICS.values()), name

@@ -58,10 +58,12 @@ def test_every_named_run_config_exists_and_passes_the_dry_run_checks(tmp_path):
         # the SFT stage starts from.
         program = SFT if name.startswith("run_configs/sft_") else RL
         flags = ["--job.config_file", name]
-        if tomllib.loads((REPO / name).read_text())["model"]["hf_checkpoint"].startswith(
-            "outputs/"
-        ):
+        toml = tomllib.loads((REPO / name).read_text())
+        if toml["model"]["hf_checkpoint"].startswith("outputs/"):
             flags += ["--model.hf_checkpoint", TINY]
+        # So does a distill teacher that an earlier stage exports.
+        if toml.get("distill", {}).get("teacher_checkpoint", "").startswith("outputs/"):
+            flags += ["--distill.teacher_checkpoint", TINY]
         program.open(parse_args(flags, 2, entry=program.entry))
     # The GPU recipes point at a checkpoint and GSM8K files the user provides: stand them in.
     (tmp_path / "config.json").write_text("{}")

@@ -1,6 +1,2 @@
-"""RL algorithms: advantage estimators and policy losses, each a small class chosen by config."""
-
-from torchtitan_rl.algorithms.advantages import build_advantage
-from torchtitan_rl.algorithms.losses import build_loss
-
-__all__ = ["build_advantage", "build_loss"]
+"""RL algorithms: advantage estimators and policy losses, each one module found by its name
+(registry.py), plus the off-policy correction, dynamic sampling and overlong shaping."""

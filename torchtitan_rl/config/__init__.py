@@ -4,7 +4,7 @@ the config's names from here; each section lives in the module of its concern.
     .venv/bin/python -m pytest tests/unit/test_config.py
 """
 
-from torchtitan_rl.config.algorithm import GROUP_ADVANTAGES, LOSS_PRESETS, AlgorithmSection
+from torchtitan_rl.config.algorithm import AlgorithmSection, compares_group
 from torchtitan_rl.config.distill import DistillSection
 from torchtitan_rl.config.errors import ConfigError, read_json
 from torchtitan_rl.config.generator import (
@@ -25,8 +25,6 @@ from torchtitan_rl.config.training import (
 )
 
 __all__ = [
-    "GROUP_ADVANTAGES",
-    "LOSS_PRESETS",
     "AlgorithmSection",
     "CheckpointSection",
     "ConfigError",
@@ -44,6 +42,7 @@ __all__ = [
     "SamplingSection",
     "TaskSection",
     "TrainingSection",
+    "compares_group",
     "load_toml",
     "parse_args",
     "read_json",

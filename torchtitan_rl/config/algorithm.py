@@ -3,41 +3,23 @@ correction and overlong handling.
 
     .venv/bin/python -m pytest tests/unit/test_config.py tests/unit/test_algorithms.py
 
-`resolve()` fills the fields left unset (from `LOSS_PRESETS[algorithm.loss]` and the other
+`resolve()` fills the fields left unset (from algorithm.loss's module's PRESET and the other
 defaults their docstrings name); `validate()` then only checks.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
+from torchtitan_rl.algorithms import registry
 from torchtitan_rl.config.errors import require
 
-# Advantage estimators that compare samples within a prompt's group.
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+# The [algorithm] fields each loss's PRESET sets where they are left unset (algorithms/losses/).
+PRESET_FIELDS = ("clip_eps_low", "clip_eps_high", "aggregation", "dynamic_sampling")
 
 
-# What algorithm.loss = grpo, dapo or gspo sets where the field is left unset: the clip range
-# (low, high), the loss aggregation, and dynamic sampling; each as its paper and TRL use them.
-LOSS_PRESETS = {
-    "grpo": {
-        "clip_eps_low": 0.2,
-        "clip_eps_high": 0.2,
-        "aggregation": "seq_mean_token_mean",
-        "dynamic_sampling": False,
-    },
-    "dapo": {
-        "clip_eps_low": 0.2,
-        "clip_eps_high": 0.28,
-        "aggregation": "token_mean",
-        "dynamic_sampling": True,
-    },
-    "gspo": {
-        "clip_eps_low": 3e-4,
-        "clip_eps_high": 4e-4,
-        "aggregation": "seq_mean_token_mean",
-        "dynamic_sampling": False,
-    },
-}
+def compares_group(advantage: str) -> bool:
+    """Whether the estimator `advantage` compares the samples of a prompt's group."""
+    return registry.load("advantage", advantage).COMPARES_GROUP
 
 
 # What the off-policy correction uses where the field is left unset (tis or mis only).
@@ -50,10 +32,12 @@ _OFFPOLICY_BAND = {
 
 @dataclass(kw_only=True, slots=True)
 class AlgorithmSection:
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator: group mean/std (grpo), group mean only (dr_grpo), leave-one-out."""
-    loss: Literal["grpo", "dapo", "gspo"] = "grpo"
-    """Policy loss, and the defaults of the fields it leaves unset. grpo: PPO-clipped token
+    advantage: Literal[registry.names("advantage")] = "grpo"
+    """Advantage estimator (a module of algorithms/advantages/): group mean/std (grpo), group
+    mean only (dr_grpo), leave-one-out (rloo)."""
+    loss: Literal[registry.names("loss")] = "grpo"
+    """Policy loss (a module of algorithms/losses/), and the defaults of the fields it leaves
+    unset. grpo: PPO-clipped token
     ratio, clip 0.2/0.2, seq_mean_token_mean (DeepSeekMath). dapo: the same ratio with
     clip-higher 0.2/0.28, token_mean and dynamic sampling (DAPO). gspo: one ratio per sequence,
     clip 3e-4/4e-4, seq_mean_token_mean (GSPO)."""
@@ -127,7 +111,7 @@ class AlgorithmSection:
         buffer). Idempotent: a resolved section stays as it is."""
         if self.overlong == "soft_penalty" and self.overlong_buffer is None:
             self.overlong_buffer = max(1, max_tokens // 4)
-        for name, value in LOSS_PRESETS[self.loss].items():
+        for name, value in registry.load("loss", self.loss).PRESET.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.max_generation_rounds is None:
@@ -142,7 +126,7 @@ class AlgorithmSection:
     def validate(self, max_tokens: int = 16) -> None:
         """Check the values of a resolved section (`max_tokens`: as for resolve); changes
         nothing."""
-        filled = (*LOSS_PRESETS[self.loss], "max_generation_rounds")
+        filled = (*PRESET_FIELDS, "max_generation_rounds")
         if self.offpolicy_correction == "auto" or any(getattr(self, n) is None for n in filled):
             raise ValueError("AlgorithmSection.validate() needs resolve() first")
         require(

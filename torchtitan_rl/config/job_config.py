@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchtitan_rl.config.algorithm import GROUP_ADVANTAGES, AlgorithmSection
+from torchtitan_rl.config.algorithm import AlgorithmSection, compares_group
 from torchtitan_rl.config.distill import DistillSection
 from torchtitan_rl.config.errors import ConfigError, first_change, read_json, require
 from torchtitan_rl.config.generator import GeneratorSection
@@ -203,7 +203,6 @@ class JobConfig:
                 "learn_from = 'both'",
             )
         from torchtitan_rl.models import flavors, model_spec
-        from torchtitan_rl.tasks.render import read_tokenizer_json
 
         require(
             any(s.learn_from != "reward" for s in self.task.named_sources.values()),
@@ -240,9 +239,9 @@ class JobConfig:
             f"distill.teacher_checkpoint = {path!r} has no tokenizer.json, so it cannot be "
             "checked against the student's: copy in the tokenizer it was trained with",
         )
-        same = read_tokenizer_json(path).get_vocab(True) == read_tokenizer_json(
-            self.model.tokenizer_dir
-        ).get_vocab(True)
+        same = _vocabulary(path, "distill.teacher_checkpoint") == _vocabulary(
+            self.model.tokenizer_dir, "model.tokenizer_path"
+        )
         require(
             same,
             f"distill.teacher_checkpoint = {path!r}: its tokenizer.json maps tokens to ids "
@@ -341,7 +340,7 @@ class JobConfig:
         self.algorithm.validate(self.episode_tokens)
         n = self.generator.sampling.n
         require(
-            self.algorithm.advantage not in GROUP_ADVANTAGES or n >= 2,
+            not compares_group(self.algorithm.advantage) or n >= 2,
             f"generator.sampling.n = {n}: algorithm.advantage = {self.algorithm.advantage!r} "
             "compares samples within a group, so it needs n >= 2",
         )
@@ -397,6 +396,20 @@ class JobConfig:
             f"data-parallel trainer ranks trains on {rows} samples per step (prompts_per_step * "
             "generator.sampling.n / ranks): lower mini_batches or raise prompts_per_step",
         )
+
+
+def _vocabulary(folder: str, field: str) -> dict[str, int]:
+    """Token -> id of the tokenizer.json in `folder` (the config `field` names it), added
+    tokens included; a file `tokenizers` cannot read is a ConfigError naming the field."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).get_vocab(True)
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"{field} = {folder!r}: tokenizer.json is damaged ({reason}): download it again"
+        ) from None
 
 
 def _unused(config: JobConfig, *dotted_names: str, instead: str | None = None) -> None:

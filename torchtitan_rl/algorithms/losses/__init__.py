@@ -1,4 +1,5 @@
-"""Policy losses: one small class, called by PolicyTrainer.optimizer_step per micro-batch.
+"""Policy losses: one small class, called by PolicyTrainer.optimizer_step per micro-batch;
+each algorithm.loss is a module here (grpo, dapo, gspo: registry.py) that builds one.
 
     .venv/bin/python -m pytest tests/unit/test_algorithms.py tests/unit/test_trl_parity.py
 
@@ -18,6 +19,7 @@ gradient. Shapes: B sequences, T tokens.
 
 import torch
 
+from torchtitan_rl.algorithms import registry
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
 from torchtitan_rl.types import LossScale, RolloutBatch
 
@@ -146,12 +148,20 @@ class PolicyLoss:
         return loss, metrics
 
 
-def build_loss(algorithm, max_tokens: int, distill=None) -> PolicyLoss:
-    """The loss for the (validated) `algorithm` config section, with the teacher's KL term
-    when the `distill` section's teacher is in mode loss."""
+def build_loss(algorithm, max_tokens: int, distill=None):
+    """The loss of the (validated) `algorithm` config section: its algorithm.loss module's
+    (registry.py), with the teacher's KL term when the `distill` section's teacher is in mode
+    loss."""
     teaches = distill is not None and distill.enabled and distill.mode == "loss"
+    module = registry.load("loss", algorithm.loss)
+    return module.build(algorithm, max_tokens, teacher_coef=distill.coef if teaches else 0.0)
+
+
+def policy_loss(algorithm, max_tokens: int, level: str, teacher_coef: float) -> PolicyLoss:
+    """PPO's clipped surrogate with the ratio per `level` (token or sequence), clipped and
+    aggregated as the (resolved) `algorithm` section says."""
     return PolicyLoss(
-        level="sequence" if algorithm.loss == "gspo" else "token",
+        level=level,
         clip_low=algorithm.clip_eps_low,
         clip_high=algorithm.clip_eps_high,
         clip_ratio_c=algorithm.clip_ratio_c,
@@ -160,7 +170,7 @@ def build_loss(algorithm, max_tokens: int, distill=None) -> PolicyLoss:
         correction=build_correction(algorithm),
         kl_beta=0.0 if algorithm.kl_in_reward else algorithm.kl_beta,
         kl_estimator=algorithm.kl_estimator,
-        teacher_coef=distill.coef if teaches else 0.0,
+        teacher_coef=teacher_coef,
     )
 
 
