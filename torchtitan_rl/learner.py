@@ -17,10 +17,11 @@ from torchtitan_rl.algorithms.advantages import build_advantage, zero_variance_P
 from torchtitan_rl.algorithms.losses import build_loss, kl_penalty
 from torchtitan_rl.algorithms.offpolicy import behaviour_metrics
 from torchtitan_rl.algorithms.overlong import overlong_keep_PN, overlong_rewards
-from torchtitan_rl.config import JobConfig
+from torchtitan_rl.config import JobConfig, ModelSection
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.tasks.render import Renderer
+from torchtitan_rl.trainer.model import STUDENT
 from torchtitan_rl.trainer.policy_trainer import (
     PolicyTrainer,
     StepResult,
@@ -35,12 +36,18 @@ class InvarianceError(StopRun):
 
 
 def build_policy(
-    config: JobConfig, group: dist.ProcessGroup | None = None, trained: bool = True
+    config: JobConfig,
+    group: dist.ProcessGroup | None = None,
+    trained: bool = True,
+    model: ModelSection | None = None,
 ) -> PolicyTrainer:
-    """A policy sharded over `group` (default: the world), from the run's HF checkpoint;
-    with the run's LoRA adapters when it is `trained` (the KL reference has none)."""
+    """A policy sharded over `group` (default: the world), from the run's HF checkpoint (or
+    `model`'s: a distill teacher's); with the run's LoRA adapters and router replay when it is
+    `trained` (the KL reference and the teacher are frozen), scoring at the sampling
+    temperature."""
+    fields = STUDENT if model is None else ("distill.teacher_checkpoint", "distill.teacher_flavor")
     return PolicyTrainer(
-        model=config.model,
+        model=model or config.model,
         training=config.training,
         parallelism=config.parallelism,
         temperature=config.generator.sampling.temperature,
@@ -48,29 +55,20 @@ def build_policy(
         dump_folder=config.job.dump_folder,
         group=group,
         lora=config.lora if trained else None,
-        router_replay=config.algorithm.router_replay,
+        router_replay=trained and config.algorithm.router_replay,
+        checkpoint_fields=fields,
     )
 
 
 def build_teacher(config: JobConfig, group: dist.ProcessGroup | None = None) -> PolicyTrainer:
     """The [distill] teacher, frozen, sharded over `group` like the policy (so it may be larger
-    than one rank holds), scoring at the sampling temperature as the policy does."""
-    distill = config.distill
-    model = dataclasses.replace(
+    than one rank holds)."""
+    teacher = dataclasses.replace(
         config.model,
-        flavor=distill.teacher_flavor or config.model.flavor,
-        hf_checkpoint=distill.teacher_checkpoint,
+        flavor=config.distill.teacher_flavor or config.model.flavor,
+        hf_checkpoint=config.distill.teacher_checkpoint,
     )
-    return PolicyTrainer(
-        model=model,
-        training=config.training,
-        parallelism=config.parallelism,
-        temperature=config.generator.sampling.temperature,
-        seed=config.job.seed,
-        dump_folder=config.job.dump_folder,
-        group=group,
-        checkpoint_fields=("distill.teacher_checkpoint", "distill.teacher_flavor"),
-    )
+    return build_policy(config, group, trained=False, model=teacher)
 
 
 class Learner:
@@ -130,7 +128,10 @@ class Learner:
         check_finite(step, "generator", batch.generator_logprobs_BT, batch.loss_mask_BT.bool())
         metrics = {}
         if self.reference is not None:
-            batch.reference_logprobs_BT, _ = self.reference.logprobs(batch.tokens_BT)
+            # Only the sampled tokens' logprobs are read (packed, only those are computed).
+            batch.reference_logprobs_BT, _ = self.reference.logprobs(
+                batch.tokens_BT, batch.loss_mask_BT
+            )
             if algorithm.kl_in_reward:
                 penalty_B, metrics["kl"] = self.kl_in_reward(batch)
                 rewards_PN = rewards_PN - algorithm.kl_beta * penalty_B.view_as(rewards_PN)
