@@ -261,6 +261,7 @@ class Learner:
             batch.generator_logprobs_BT.to(reference_BT.device),
             reference_BT,
             self.config.algorithm.kl_estimator,
+            mask_BT,
         )
         per_sequence_B = (kl_BT * mask_BT).sum(dim=1)
         totals = torch.stack([per_sequence_B.sum(), mask_BT.sum()]).double().cpu()

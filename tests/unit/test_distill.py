@@ -236,3 +236,22 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_zero_advantages(one_ra
     )
     assert metrics["distill/reverse_kl"] == 0.0
     assert advantages_PN.abs().max() == 0 and batch.token_advantages_BT.abs().max() == 0
+
+
+@pytest.mark.parametrize("field", ["reference_logprobs_BT", "teacher_logprobs_BT"])
+def test_a_kl_term_scored_at_sampled_tokens_only_stays_finite_elsewhere(field):
+    """The reference and the teacher are scored only at sampled tokens (0 elsewhere): a prompt
+    token the policy finds very unlikely (logprob -200, exp(200) overflows) must not turn the
+    loss or its gradient into NaN (inf * a loss mask of 0)."""
+    scored_BT = torch.full((2, 3), -2.0) * MASK_BT
+    batch = two_rows(**{field: scored_BT}, distilled_B=torch.ones(2))
+    coefs = {"kl_beta": 0.1} if field == "reference_logprobs_BT" else {"teacher_coef": 0.1}
+    policy = PolicyLoss(
+        clip_low=0.2, clip_high=0.2, aggregation="token_mean", max_tokens=2, **coefs
+    )
+    logprobs_BT = torch.tensor([[-200.0, -1.0, -1.0], [-200.0, -1.0, -300.0]], requires_grad=True)
+    value, _ = policy(logprobs_BT, batch, LossScale(tokens=3, sequences=2))
+    value.backward()
+    kl = kl_penalty(torch.tensor(-1.0), torch.tensor(-2.0), "k3").item()
+    assert value.item() == pytest.approx((-1.0 * 2 + 0.1 * kl * 3) / 3)
+    assert torch.isfinite(logprobs_BT.grad).all() and logprobs_BT.grad[:, 0].eq(0).all()

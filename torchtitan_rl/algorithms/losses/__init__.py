@@ -55,10 +55,19 @@ def aggregate(
 
 
 def kl_penalty(
-    logprobs_BT: torch.Tensor, reference_BT: torch.Tensor, estimator: str
+    logprobs_BT: torch.Tensor,
+    reference_BT: torch.Tensor,
+    estimator: str,
+    mask_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens (Schulman's k1, k2,
-    k3, with r = reference - policy logprob): k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r."""
+    k3, with r = reference - policy logprob): k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r.
+
+    `mask_BT`: where the reference holds logprobs (it is scored only at sampled tokens); it is
+    0 elsewhere, where exp(r) of a very unlikely token would overflow to inf, and inf times the
+    loss mask's 0 is NaN, in the loss and its gradient. There r is 0 (as is the estimate)."""
+    if mask_BT is not None:
+        reference_BT = torch.where(mask_BT.bool(), reference_BT, logprobs_BT.detach())
     r_BT = reference_BT - logprobs_BT
     if estimator == "k1":
         return -r_BT
@@ -136,11 +145,11 @@ class PolicyLoss:
             per_token_BT = per_token_BT * self.correction.weights(ratios)
         per_token_BT = per_token_BT.expand_as(mask_BT)
         if self.kl_beta > 0:
-            kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator)
+            kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator, mask_BT)
             per_token_BT = per_token_BT + self.kl_beta * kl_BT
             metrics["kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
         if self.teacher_coef > 0:
-            kl_BT = kl_penalty(logprobs_BT, batch.teacher_logprobs_BT, self.kl_estimator)
+            kl_BT = kl_penalty(logprobs_BT, batch.teacher_logprobs_BT, self.kl_estimator, mask_BT)
             kl_BT = kl_BT * batch.distilled_B[:, None]
             per_token_BT = per_token_BT + self.teacher_coef * kl_BT
             metrics["teacher_kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
