@@ -163,9 +163,9 @@ class Learner:
         """The teacher's signal on the sampled tokens of the sources that learn from it: in
         mode advantage each token's advantage gains -coef * (generator - teacher logprob), in
         mode loss the loss's KL term takes the teacher's logprobs (the batch carries them in
-        both modes, for the rollout log). The reward's
-        advantages of sources that learn from the teacher alone are zeroed in place. Returns
-        the distill/ figures over every rank (per sampled token of the distilled sources)."""
+        both modes, for the rollout log). The reward's advantages of sources that learn from
+        the teacher alone are zeroed in place. Returns the distill/ figures over every rank
+        (per sampled token of the distilled sources)."""
         distill = self.config.distill
         sources = self.config.task.named_sources
         learn_from = [sources[p.source].learn_from for p in rollouts.prompts]
