@@ -19,11 +19,13 @@ import torch.distributed as dist
 from torchtitan_rl import platform
 from torchtitan_rl.algorithms.advantages import build_advantage
 from torchtitan_rl.algorithms.losses import build_loss
-from torchtitan_rl.config import AlgorithmSection, parse_args
+from torchtitan_rl.config import AlgorithmSection, DistillSection, parse_args
+from torchtitan_rl.learner import build_teacher
 from torchtitan_rl.rl_trainer import RLTrainer
 from torchtitan_rl.weight_sync.base import SyncStats
 
 REPO = Path(__file__).resolve().parents[2]
+TEACHER = str(REPO / "assets" / "tiny_qwen3")
 STEPS_EACH = 3
 
 
@@ -57,6 +59,8 @@ def combinations() -> list[dict]:
     rows.append({"mini_batches": 2, "epochs": 2, "clip_ratio_c": 3.0})
     # max_tokens = 2: a buffer of 1 takes 1 from every 2-token sample.
     rows += [{"overlong": "zero_reward"}, {"overlong": "soft_penalty", "overlong_buffer": 1}]
+    # A distill teacher (the starting checkpoint) beside the reward, in each mode (Distilling).
+    rows += [{"distill_mode": "advantage"}, {"distill_mode": "loss"}]
     return rows
 
 
@@ -76,6 +80,26 @@ class Lagging:
 
     def __exit__(self, *exc):
         self.rl.transport.send = self.real
+
+
+class Distilling:
+    """The run learns from both its reward and a teacher, the starting checkpoint (built once:
+    `teacher`), in `mode` (advantage or loss), for a combination's steps."""
+
+    def __init__(self, rl: RLTrainer, teacher, mode: str):
+        self.rl, self.teacher, self.mode = rl, teacher, mode
+
+    def __enter__(self):
+        config = self.rl.learner.config
+        config.distill = DistillSection(teacher_checkpoint=TEACHER, mode=self.mode)
+        config.task.learn_from = "both"
+        self.rl.learner.teacher = self.teacher
+        self.rl.learner.loss = build_loss(config.algorithm, 2, distill=config.distill)
+
+    def __exit__(self, *exc):
+        config = self.rl.learner.config
+        config.distill, config.task.learn_from = DistillSection(), "reward"
+        self.rl.learner.teacher = None
 
 
 def weights(rl: RLTrainer) -> torch.Tensor:
@@ -119,10 +143,14 @@ def main() -> None:
         world_size,
     )
     rl = RLTrainer(config, hooks=None)
+    config.distill.teacher_checkpoint = TEACHER
+    teacher = build_teacher(config)
+    config.distill = DistillSection()
     start = {n: p.detach().to_local().clone() for n, p in rl.learner.trainer.named_parameters().items()}
     results, step = [], 0
     for combination in combinations():
         training = {k: combination.pop(k) for k in ("mini_batches", "epochs") if k in combination}
+        distill_mode = combination.pop("distill_mode", None)
         config.training.mini_batches = training.get("mini_batches", 1)
         config.training.epochs = training.get("epochs", 1)
         algorithm = AlgorithmSection(**combination)
@@ -135,7 +163,12 @@ def main() -> None:
         before = weights(rl)
         clip_fractions, corrections = [], []
         lagging = "offpolicy_correction" in combination
-        with Lagging(rl) if lagging else contextlib.nullcontext():
+        context = contextlib.nullcontext()
+        if lagging:
+            context = Lagging(rl)
+        elif distill_mode:
+            context = Distilling(rl, teacher, distill_mode)
+        with context:
             for _ in range(STEPS_EACH):
                 step += 1
                 metrics = rl.train_step(step)
@@ -145,7 +178,9 @@ def main() -> None:
         dist.all_reduce(moved, op=dist.ReduceOp.MIN)
         results.append(
             {
-                "combination": combination | training,
+                "combination": combination
+                | training
+                | ({"distill_mode": distill_mode} if distill_mode else {}),
                 "metrics": metrics,
                 "clip_fractions": clip_fractions,
                 "offpolicy_steps": corrections,

@@ -19,7 +19,7 @@ def matrix(tmp_path_factory):
 
 
 def test_every_combination_trains_with_finite_metrics(matrix):
-    assert len(matrix) == 3 * 3 * 2 * 2 + 8
+    assert len(matrix) == 3 * 3 * 2 * 2 + 10
     for row in matrix:
         combination, metrics = row["combination"], row["metrics"]
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -90,3 +90,20 @@ def test_overlong_shaping_changes_the_rewards_the_advantages_see(matrix):
     fraction = penalized["response/truncated_fraction"]
     assert penalized["reward/shaped_mean"] <= penalized["reward/mean"] - fraction + 1e-6
     assert "reward/shaped_mean" not in shaped[None]
+
+
+def test_a_distill_teacher_in_either_mode_joins_the_reward(matrix):
+    """The teacher is the starting checkpoint; three steps at lr 5e-3 take the student away
+    from it. Mode advantage adds the per-token advantages (their size logged beside the
+    reward's); mode loss adds the KL term (`distill/kl`, declared by the loss)."""
+    rows = {row["combination"].get("distill_mode"): row for row in matrix}
+    for mode in ("advantage", "loss"):
+        metrics = rows[mode]["metrics"]
+        assert rows[mode]["moved"], mode
+        assert metrics["distill/reverse_kl"] != 0 and metrics["distill/teacher_logprob"] < 0
+        assert ("distill/kl" in metrics) == (mode == "loss")
+        assert ("distill/advantage_teacher" in metrics) == (mode == "advantage")
+    assert rows["loss"]["metrics"]["distill/kl"] > 0
+    advantage = rows["advantage"]["metrics"]
+    assert advantage["distill/advantage_teacher"] > 0 and advantage["distill/advantage_reward"] > 0
+    assert not any(k.startswith("distill/") for k in rows[None]["metrics"])
