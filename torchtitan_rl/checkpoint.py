@@ -111,6 +111,9 @@ class TrainState:
     reward_errors: int = 0
     with_rng: bool = True
     """False while loading a checkpoint saved by another world size: no rank owns its RNGs."""
+    cursors: dict | None = None
+    """Continuous placement: for each generator, the groups trained on (continuous.Cursor as
+    (below, above)); None in the other placements."""
 
     def state_dict(self) -> dict:
         state = {
@@ -118,6 +121,8 @@ class TrainState:
             "policy_version": self.policy_version,
             "reward_errors": self.reward_errors,
         }
+        if self.cursors is not None:  # the same on every trainer rank
+            state["cursors"] = dict(self.cursors)
         if self.with_rng:
             # Keys differ per rank, so DCP keeps every rank's generators, not only rank 0's.
             state[f"rng_rank{dist.get_rank()}"] = {
@@ -131,6 +136,8 @@ class TrainState:
         self.step = state["step"]
         self.policy_version = state["policy_version"]
         self.reward_errors = state["reward_errors"]
+        if self.cursors is not None:
+            self.cursors = dict(state["cursors"])
         rng = state.get(f"rng_rank{dist.get_rank()}")
         if rng is not None:
             torch.set_rng_state(rng["torch"])

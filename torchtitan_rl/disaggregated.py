@@ -35,6 +35,7 @@ import pickle
 import socket
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,18 @@ from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Rollout, Rollouts
 from torchtitan_rl.weight_sync import SyncStats, transport
 from torchtitan_rl.weight_sync.broadcast import BroadcastReceiver
+
+
+class ContinuousSide(Protocol):
+    """What the continuous placement adds to its trainer ranks (continuous.TrainerSide)."""
+
+    def announce(self, version: int) -> None:
+        """Trainer rank 0, before version `version`'s broadcast (or a stop)."""
+
+    def figures(
+        self, step: int, messages: list[Rollout], state: TrainState, group
+    ) -> dict[str, float]:
+        """The step's figures of the token versions; records its groups in `state`."""
 
 
 class StalenessError(NonFiniteError):
@@ -214,14 +227,20 @@ class GeneratorWorker:
                     work.wait()
         while self.generator.policy_version < steps:  # the trainer's last broadcasts
             self.take_weights()
-        if self.producer.evaluator is not None:  # the trainer waits for it: the last eval
+        self.send_last(trainer, pending)
+        self.generator.close()
+
+    def send_last(self, trainer: int, pending: list) -> None:
+        """After the last step: the evaluation of the last version, which the trainer waits
+        for; then wait until every message went out."""
+        if self.producer.evaluator is not None:
+            steps = self.config.training.steps
             errors = self.producer.counted_reward_errors
             last = Rollout(steps + 1, steps, None, None, errors, 0.0, self.evaluations)
             _send(last, trainer, pending)
         for *_, size_sent, data_sent in pending:
             size_sent.wait()
             data_sent.wait()
-        self.generator.close()
 
 
 class DisaggregatedTrainer:
@@ -233,9 +252,13 @@ class DisaggregatedTrainer:
         topology: Topology,
         hooks: Hooks | None = None,
         task: OpenTask | None = None,
+        continuous: "ContinuousSide | None" = None,
     ):
+        """`continuous`: the continuous placement's part of the trainer ranks
+        (continuous.TrainerSide): its weights announced, its groups recorded, its figures."""
         self.config, self.topology, self.hooks = config, topology, hooks or Hooks()
         self.rank, self.group = dist.get_rank(), topology.trainer_group
+        self.continuous = continuous
         if config.batch_invariant:
             batch_invariant.enable()
         torch.manual_seed(config.job.seed)
@@ -251,7 +274,8 @@ class DisaggregatedTrainer:
         # The generators evaluate and send the results; this side logs them.
         self.evaluates = build_evaluator(config, task) is not None
         self.learner = Learner(config, task.renderer_of, topology.trainer_group)
-        self.state = TrainState()
+        # Continuous: the groups trained on, by generator (continuous.Cursor), in checkpoints.
+        self.state = TrainState(cursors={} if continuous else None)
         self.checkpointer.attach(self.learner.trainer, self.state)
         self.start_step = self.checkpointer.load(resume_path) if resume_path else 0
         self.metrics = run_metrics(
@@ -263,6 +287,8 @@ class DisaggregatedTrainer:
         self.sent_digests: dict[int, str | None] = {}
 
     def send_weights(self, version: int) -> SyncStats:
+        if self.continuous and self.rank == self.topology.trainers[0]:
+            self.continuous.announce(version)  # the generators poll for it between steps
         stats = self.transport.send(version)
         self.sent_digests[version] = stats.digest
         return stats
@@ -272,6 +298,8 @@ class DisaggregatedTrainer:
 
     def begin(self) -> None:
         _start_step(self.topology, self.start_step)
+        if self.continuous:  # where each generator's groups start again
+            dist.broadcast_object_list([self.state.cursors], self.topology.trainers[0])
         watchdog.mark(self.start_step, "weight_sync")
         self.send_weights(self.start_step)
 
@@ -279,6 +307,8 @@ class DisaggregatedTrainer:
         self.state.step = self.state.policy_version = step
 
     def stop(self, step: int) -> None:
+        if self.continuous and self.rank == self.topology.trainers[0]:
+            self.continuous.announce(step + 1)  # a stop comes where those weights would
         self.transport.stop()  # the generators leave their loop
 
     def end(self) -> None:
@@ -343,6 +373,8 @@ class DisaggregatedTrainer:
             "rollout_version/min": float(min(m.version for m in messages)),
             "time/wait_rollout_s": received - start,
         }
+        if self.continuous:
+            placement.update(self.continuous.figures(step, messages, self.state, self.group))
         # The slowest generator's time, environments apart (colocated: this rank's).
         env_s = max(m.rollouts.env_s for m in messages)
         seconds = {

@@ -13,7 +13,9 @@ the generator never chose.
 
 The episodes of a step run together: one batched generate call per turn over the episodes
 still going, and their environments' steps concurrently (asyncio), each within
-task.env_timeout_s. A step that raises or times out scores like a failing reward function
+task.env_timeout_s. In continuous placement each group runs as coroutines on the engine's
+request stream instead (`run_group`): an episode's next turn goes in as soon as its
+environment answers. A step that raises or times out scores like a failing reward function
 (task.reward_on_error). An episode ends when its environment says done, or as truncated
 (finish_reason "length") when a turn hits max_tokens, task.max_turns runs out, or the next
 turn would not fit generator.max_model_len.
@@ -63,6 +65,8 @@ class Episode:
     """Every id after the first prompt: sampled turns and environment replies."""
     logprobs: list[float] = field(default_factory=list)
     sampled_mask: list[int] = field(default_factory=list)
+    versions: list[int] | None = None
+    """The policy version of each id (-1: the environment's), when a stream gave them."""
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -82,11 +86,21 @@ class Episode:
         routed[: len(known)][missing & known] = self.routed[: len(routed)][missing & known]
         self.routed = routed
 
-    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
-        """Append sampled ids (with their logprobs) or, without, the environment's."""
+    def add(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
+        """Append sampled ids (with their logprobs, and their policy versions when a stream
+        sampled them) or, without, the environment's."""
+        if versions is not None and self.versions is None:
+            self.versions = [-1] * len(self.token_ids)
         self.token_ids += ids
         self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
         self.sampled_mask += [int(logprobs is not None)] * len(ids)
+        if self.versions is not None:
+            self.versions += [-1] * len(ids) if versions is None else versions
 
     def sample(self, finish_reason: str, first_prompt_length: int) -> Sample:
         return Sample(
@@ -99,6 +113,7 @@ class Episode:
             tool_calls=self.tool_calls,
             tool_errors=self.tool_errors,
             routed_experts=self._routed_to(first_prompt_length + len(self.token_ids)),
+            versions=self.versions,
         )
 
     def _routed_to(self, length: int) -> torch.Tensor | None:
@@ -201,6 +216,56 @@ class Episodes:
         rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
         return Scored(Completions(first_ids, samples), rewards_PN, env_s, parts_PN)
 
+    async def run_group(
+        self,
+        stream,
+        prompt: Prompt,
+        *,
+        seed: int,
+        n: int,
+        max_tokens: int,
+        temperature: float | None = None,
+    ) -> Scored:
+        """The `n` episodes of `prompt` as coroutines on `stream` (generator.stream.AsyncStream,
+        continuous placement): each submits its next turn as soon as its environment answers,
+        with no barrier across episodes. Seeded as `run` seeds them, so that at one policy
+        version the samples are the ones `run` gives."""
+        env_s = 0.0
+        began = time.perf_counter()
+        group = [self._open(prompt) for _ in range(n)]
+        (first_ids,) = await self._reset([group])
+        env_s += time.perf_counter() - began
+
+        async def episode(j: int, episode: Episode) -> tuple[str, float]:
+            episode_seed, context, spent = seed + j, first_ids, 0.0
+            sample = await stream.sample(
+                first_ids, seed=episode_seed, max_tokens=max_tokens, temperature=temperature
+            )
+            while True:
+                began = time.perf_counter()
+                step = await self._step(episode, sample)
+                spent += time.perf_counter() - began
+                ended = self._end(episode, sample, step, len(first_ids))
+                if ended is not None:
+                    return ended, spent
+                context = first_ids + episode.token_ids
+                sample = await stream.sample(
+                    context,
+                    seed=(episode_seed * 1_000_003 + episode.turns) % 2**62,
+                    max_tokens=min(max_tokens, self.max_model_len - len(context)),
+                    temperature=temperature,
+                )
+
+        ended = await asyncio.gather(*(episode(j, e) for j, e in enumerate(group)))
+        began = time.perf_counter()
+        parts_PN = await self._score([group])
+        env_s += time.perf_counter() - began + max(spent for _, spent in ended)
+        samples = [
+            e.sample(finish, len(first_ids)) for e, (finish, _) in zip(group, ended, strict=True)
+        ]
+        rewards_PN = torch.tensor([[e.reward for e in group]])
+        return Scored(Completions([first_ids], [samples]), rewards_PN, env_s, parts_PN)
+
     def _open(self, prompt: Prompt) -> Episode:
         source = self.sources[prompt.source]
         return Episode(prompt, source, source.make_env())
@@ -278,7 +343,7 @@ class Episodes:
     async def _step(self, episode: Episode, sample: Sample) -> EnvStep | None:
         """Add the sampled turn to `episode` and give it to its environment; None when the
         environment failed (scored by task.reward_on_error)."""
-        episode.add(sample.token_ids, sample.logprobs)
+        episode.add(sample.token_ids, sample.logprobs, sample.versions)
         episode.turns += 1
         message = {"role": "assistant", "content": episode.source.renderer.decode(sample.token_ids)}
         try:

@@ -1,5 +1,6 @@
 """Entry point of an RL run: the launcher (torchtitan_rl/launch.py) with the task opened once
-and handed to the loop, colocated (rl_trainer.py) or disaggregated (disaggregated.py).
+and handed to the loop, colocated (rl_trainer.py), disaggregated (disaggregated.py) or
+continuous (continuous.py).
 
     torchrun --nproc_per_node 2 -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml
     python -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml --job.dry_run
@@ -19,6 +20,10 @@ def run(config: JobConfig, task: OpenTask) -> None:
         from torchtitan_rl import disaggregated
 
         disaggregated.run(config, load_hooks(config), task)
+    elif config.generator.placement == "continuous":
+        from torchtitan_rl import continuous
+
+        continuous.run(config, load_hooks(config), task)
     else:
         RLTrainer(config, load_hooks(config), task).train()
 

@@ -62,12 +62,28 @@ class Sample:
     """A mixture-of-experts generator's expert ids for every position of prompt + token_ids
     [T, M, K] (M: MoE layers, K: experts per token), int16, -1 where it ran none (the last
     token; KV served from the prefix cache); None for a dense model."""
+    versions: list[int] | None = None
+    """The policy version that sampled each token (-1 for an environment's); None where one
+    version sampled them all (only a continuous generator updates weights mid-sample)."""
 
     @property
     def sampled_tokens(self) -> int:
         if self.sampled_mask is None:
             return len(self.token_ids)
         return sum(self.sampled_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one engine step gave a streamed request (generator/stream.py)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    """The policy version that sampled these tokens."""
+    finish_reason: str | None
+    """None while the request goes on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +268,11 @@ class Rollout:
     stop_requested: str | None = None
     """The signal that asked this generator rank to stop (watchdog.py): the trainers stop
     after the step, and tell the generators so."""
+    groups: tuple[int, list[int]] | None = None
+    """Continuous placement: the generator's shard, and its numbers of the groups it sent
+    (their order of admission), which a checkpoint records."""
+    figures: dict[str, float] | None = None
+    """Continuous placement: the generator's own figures since its previous message."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,12 +84,23 @@ class SamplingSection:
 
 @dataclass(kw_only=True, slots=True)
 class GeneratorSection:
-    placement: Literal["colocated", "disaggregated"] = "colocated"
+    placement: Literal["colocated", "disaggregated", "continuous"] = "colocated"
     """colocated: every rank trains a shard and holds a generator. disaggregated: the last
     generator.num_ranks ranks of the torchrun world only generate, the others only train;
-    weights travel by broadcast in buckets after every optimizer step."""
+    weights travel by broadcast in buckets after every optimizer step. continuous: ranks split
+    as disaggregated, but each generator keeps its engine full, admitting groups as others
+    finish, and takes new weights between engine steps without draining (continuous.py)."""
     num_ranks: int = 1
-    """Generator ranks in disaggregated placement (a multiple of the trainer ranks)."""
+    """Generator ranks in disaggregated and continuous placement (a multiple of the trainer
+    ranks)."""
+    max_inflight_groups: int | None = None
+    """Continuous placement: the groups a generator rank holds at once, in flight or finished
+    and not yet sent (None: twice its share of training.prompts_per_step). More keeps the
+    engine fuller through long tails; each group costs its KV and its rollouts' memory."""
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
+    """Continuous placement, after a weight update: the KV of the requests in flight is
+    recomputed with the new weights (exact: each token's logprob is its version's over its
+    whole prefix), or kept (no recompute; tokens after the update see KV of older weights)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weight and activation dtype."""
     max_model_len: int = 512
@@ -142,6 +153,17 @@ class GeneratorSection:
         require(
             self.kv_cache_space_gib > 0,
             f"generator.kv_cache_space_gib = {self.kv_cache_space_gib}: must be > 0",
+        )
+        require(
+            self.max_inflight_groups is None or self.max_inflight_groups >= 1,
+            f"generator.max_inflight_groups = {self.max_inflight_groups}: must be >= 1, or unset",
+        )
+        continuous = self.placement == "continuous"
+        require(
+            continuous or (self.max_inflight_groups is None and self.inflight_kv == "recompute"),
+            "generator.max_inflight_groups and generator.inflight_kv act only in continuous "
+            "placement (elsewhere no request is in flight at a weight update): set "
+            "generator.placement = 'continuous', or leave them unset",
         )
         self.parallelism.validate(world_size)
         self.sampling.validate()

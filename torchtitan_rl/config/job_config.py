@@ -62,14 +62,15 @@ class JobConfig:
             require(
                 k == 0,
                 f"algorithm.max_offpolicy_steps = {k} needs generator.placement = "
-                "'disaggregated' (colocated ranks alternate generating and training)",
+                "'disaggregated' or 'continuous' (colocated ranks alternate generating and "
+                "training)",
             )
             return 0
         generators, trainers = self.generator.num_ranks, world_size - self.generator.num_ranks
         require(
             generators >= 1 and trainers >= 1,
-            f"generator.num_ranks = {generators} in a world of {world_size}: disaggregated "
-            "placement needs at least one trainer and one generator rank; launch more "
+            f"generator.num_ranks = {generators} in a world of {world_size}: "
+            f"{self.generator.placement} placement needs at least one trainer and one generator rank; launch more "
             "processes or lower generator.num_ranks",
         )
         require(
@@ -77,7 +78,35 @@ class JobConfig:
             f"generator.num_ranks = {generators} is not a multiple of the {trainers} trainer "
             "ranks: each trainer rank takes the rollouts of as many generators as the others",
         )
+        if self.generator.placement == "continuous":
+            self._validate_continuous(generators)
         return generators
+
+    def _validate_continuous(self, generators: int) -> None:
+        generator, algorithm = self.generator, self.algorithm
+        share = self.training.prompts_per_step // generators
+        require(
+            generator.max_inflight_groups is None or generator.max_inflight_groups >= share,
+            f"generator.max_inflight_groups = {generator.max_inflight_groups} is below a "
+            f"generator's share of a step ({share} groups): no batch could complete; raise it "
+            "or unset it",
+        )
+        refused = {
+            "algorithm.dynamic_sampling = true": algorithm.dynamic_sampling,
+            "algorithm.router_replay = true": algorithm.router_replay,
+            "generator.verify_weight_sync = true": generator.verify_weight_sync,
+            "generator.enable_sleep_mode = true": generator.enable_sleep_mode,
+            "generator.parallelism.tensor_parallel_degree > 1": (
+                generator.parallelism.tensor_parallel_degree > 1
+            ),
+        }
+        for what, set_ in refused.items():
+            require(
+                not set_,
+                f"{what} is not supported in generator.placement = 'continuous' yet (its "
+                "groups stream one by one, and weights change between engine steps): unset it, "
+                "or use placement 'disaggregated'",
+            )
 
     def _validate_experts(self) -> None:
         from torchtitan_rl.models import expert_counts

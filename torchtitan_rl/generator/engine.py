@@ -30,7 +30,7 @@ from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import checkpoint_stop_ids, model_spec, weights
 from torchtitan_rl.tasks.render import read_tokenizer_json
 from torchtitan_rl.trainer.model import read_hf_shapes
-from torchtitan_rl.types import Completions, Sample
+from torchtitan_rl.types import Completions, Delta, Sample
 
 # vLLM reads these at import: the engine must run inside this process, not a child, and its
 # per-step INFO lines (one per prefix-cache reset) would drown the run's own output.
@@ -248,6 +248,7 @@ class Generator:
             self.engine.collective_rpc(_bind_runner)
         self.stop_token_ids = checkpoint_stop_ids(model.hf_checkpoint)
         self._next_request = 0
+        self._stream_outputs: list[Delta] = []
         self.policy_version = 0
         """Version of the weights the engine samples with (bumped by weight sync)."""
 
@@ -267,20 +268,11 @@ class Generator:
         sequence gives request i its own first seed, `seed[i]`. `max_tokens` likewise: one
         limit for all, or one per request.
         """
-        from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         sampling = self.config.sampling
         for i, prompt in enumerate(prompt_token_ids):
-            if not prompt:
-                raise ValueError(f"prompt {i} has no tokens")
-            if len(prompt) >= self.config.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens, generator.max_model_len = "
-                    f"{self.config.max_model_len} leaves no room to generate: raise max_model_len "
-                    "or shorten the prompt"
-                )
+            self._check_prompt(prompt, f"prompt {i}")
         first = self._next_request
         self._next_request += len(prompt_token_ids)
         count = len(prompt_token_ids)
@@ -291,27 +283,19 @@ class Generator:
             seeds = [seed + i * (n or sampling.n) for i in range(count)]
         else:
             seeds = _each(seed, count)
-        requests = []
-        for i, prompt in enumerate(prompt_token_ids):
-            params = SamplingParams(
+        requests = [
+            self._request(
+                str(first + i),
+                prompt,
                 n=n or sampling.n,
-                temperature=sampling.temperature if temperature is None else temperature,
-                top_p=sampling.top_p,
+                temperature=temperature,
                 max_tokens=limits[i],
-                logprobs=0,  # the sampled token's logprob only
-                stop_token_ids=self.stop_token_ids,
-                stop=sampling.stop or None,
-                # Measured: vLLM's per-token Python work was a fifth of generation at 2 tokens
-                # per sample. Completions are decoded by the scorer, so vLLM decodes nothing
-                # (no text, no logprob token strings) unless stop strings need the text; logprobs
-                # come as flat lists.
-                detokenize=bool(sampling.stop),
-                flat_logprobs=True,
                 seed=seeds[i],
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            requests.append((str(first + i), tokens_input(list(prompt)), params))
+            for i, prompt in enumerate(prompt_token_ids)
+        ]
         if self.config.parallelism.tensor_parallel_degree > 1:
             _check_same_requests(requests)
         try:
@@ -324,16 +308,68 @@ class Generator:
             samples=[_samples(finished[i], routing) for i in range(len(prompt_token_ids))],
         )
 
+    def _check_prompt(self, prompt: Sequence[int], what: str) -> None:
+        if not prompt:
+            raise ValueError(f"{what} has no tokens")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(
+                f"{what} has {len(prompt)} tokens, generator.max_model_len = "
+                f"{self.config.max_model_len} leaves no room to generate: raise max_model_len "
+                "or shorten the prompt"
+            )
+
+    def _request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        *,
+        n,
+        temperature,
+        max_tokens,
+        seed,
+        output_kind,
+    ) -> tuple:
+        """vLLM's (id, prompt, params) of one request. The prompt carries the policy version as
+        its cache salt: the prefix cache serves it no KV that other weights computed, even
+        while requests of an older version are in flight (stream.py)."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        sampling = self.config.sampling
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature if temperature is None else temperature,
+            top_p=sampling.top_p,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=self.stop_token_ids,
+            stop=sampling.stop or None,
+            # Measured: vLLM's per-token Python work was a fifth of generation at 2 tokens
+            # per sample. Completions are decoded by the scorer, so vLLM decodes nothing
+            # (no text, no logprob token strings) unless stop strings need the text; logprobs
+            # come as flat lists.
+            detokenize=bool(sampling.stop),
+            flat_logprobs=True,
+            seed=seed,
+            output_kind=output_kind,
+        )
+        salt = f"policy-{self.policy_version}"
+        return request_id, tokens_input(list(prompt), cache_salt=salt), params
+
     def _run(self, requests: list, first: int, progress: bool) -> dict:
         """Add `requests` (id, prompt, params) and step the engine until all are finished;
-        their outputs by index (request id - `first`)."""
+        their outputs by index (request id - `first`). A stream's requests in flight go on
+        meanwhile; their outputs wait for its next `step_outputs`."""
         for request in requests:
             self.engine.add_request(*request)
         finished = {}
         bar = _progress_bar(len(requests)) if progress else None
-        while self.engine.has_unfinished_requests():
+        mine = {request_id for request_id, *_ in requests}
+        while len(finished) < len(requests):
             for output in self.engine.step():
-                if output.finished:
+                if output.request_id not in mine:  # a stream's: kept for its next step
+                    self._stream_outputs.append(_delta(output, self.policy_version))
+                elif output.finished:
                     finished[int(output.request_id) - first] = output
                     if bar is not None:
                         bar.update(1)
@@ -341,9 +377,56 @@ class Generator:
             bar.close()
         return finished
 
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        seed: int,
+        max_tokens: int,
+        temperature: float | None = None,
+    ) -> None:
+        """Add one sample's request, stepped by `step_outputs` (stream.RequestStream)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_prompt(prompt_token_ids, f"request {request_id}")
+        request = self._request(
+            request_id,
+            prompt_token_ids,
+            n=1,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=seed,
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens
+        )
+        try:
+            self.engine.add_request(*request)
+        except Exception as e:
+            raise EngineError(f"the generator's engine raised {e!r}") from e
+
+    def step_outputs(self) -> list[Delta]:
+        """One engine step (after what `generate` stepped for the stream meanwhile): each
+        request's new tokens, their logprobs and the version that sampled them."""
+        outputs, self._stream_outputs = self._stream_outputs, []
+        if not self.engine.has_unfinished_requests():
+            return outputs
+        try:
+            stepped = self.engine.step()
+        except Exception as e:
+            raise EngineError(f"the generator's engine raised {e!r}") from e
+        return outputs + [_delta(output, self.policy_version) for output in stepped]
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests in flight."""
+        self.engine.abort_request(request_ids)
+
     def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks; required after every weight update (stale KV otherwise)."""
-        self.engine.reset_prefix_cache()
+        """Drop cached KV blocks after a weight update. Requests in flight follow
+        generator.inflight_kv: "recompute" preempts them, and vLLM prefills their prompts and
+        tokens again with the new weights; "keep" leaves them their KV (their blocks then stay
+        cached, but under the older version's cache salt: `_request`)."""
+        recompute = self.config.inflight_kv == "recompute"
+        self.engine.reset_prefix_cache(reset_running_requests=recompute)
 
     def refresh_after_weight_update(self) -> None:
         """Refresh what derives from the weights: packed GEMM copies and cached KV blocks."""
@@ -438,6 +521,24 @@ def _each(value, count: int) -> list:
             raise ValueError(f"{len(value)} values for {count} requests")
         return list(value)
     return [value] * count
+
+
+def _delta(output, version: int) -> Delta:
+    """A DELTA output of a one-sample request, compact (a remote engine pickles it)."""
+    completion = output.outputs[0]
+    token_ids = list(completion.token_ids)
+    # FlatLogprobs with logprobs=0: one entry per position, the sampled token's.
+    flat = completion.logprobs
+    if [flat.token_ids[s] for s in flat.start_indices] != token_ids:
+        raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
+    finish = (completion.finish_reason or "length") if output.finished else None
+    return Delta(
+        output.request_id,
+        token_ids,
+        [flat.logprobs[s] for s in flat.start_indices],
+        version,
+        finish,
+    )
 
 
 def _samples(output, routing: RoutingLog | None) -> list[Sample]:

@@ -117,6 +117,14 @@ def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
         try:
             if command == "generate":
                 replies.put(("ok", engine.generate(*args[:1], **args[1])))
+            elif command == "step":  # a stream's (generator/stream.py)
+                replies.put(("ok", engine.step_outputs()))
+            elif command == "submit":  # no reply: a failure answers the next command
+                engine.submit(*args[:2], **args[2])
+            elif command == "abort":
+                engine.abort(args)
+            elif command == "version":
+                engine.policy_version = args
             elif command == "refresh":
                 engine.refresh_after_weight_update()
                 replies.put(("ok", None))
@@ -171,7 +179,18 @@ class RemoteGenerator:
         """The parameters' memory shared with the engine (this rank's shards of a tensor-
         parallel engine's), and for each sharded one its whole shape and where the shard sits
         in it."""
-        self.policy_version = 0
+        self._version = 0
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engine holds (its requests' cache salt, and the
+        version its streamed tokens carry)."""
+        return self._version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._version = version
+        self.requests.put(("version", version))
 
     def _reply(self):
         while True:
@@ -199,6 +218,17 @@ class RemoteGenerator:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
         self.requests.put(("generate", ([list(p) for p in prompt_token_ids], kwargs)))
         return self._reply()
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], **kwargs) -> None:
+        """`Generator.submit`, answered by no reply (a failure answers the next command)."""
+        self.requests.put(("submit", (request_id, list(prompt_token_ids), kwargs)))
+
+    def step_outputs(self) -> list:
+        self.requests.put(("step", ()))
+        return self._reply()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.requests.put(("abort", list(request_ids)))
 
     def refresh_after_weight_update(self) -> None:
         self.requests.put(("refresh", ()))

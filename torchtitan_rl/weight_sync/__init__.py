@@ -14,7 +14,11 @@ from torchtitan_rl.weight_sync.base import SyncStats, Transport, WeightSyncError
 from torchtitan_rl.weight_sync.broadcast import BroadcastSender
 from torchtitan_rl.weight_sync.local import LocalTransport, WeightSync
 
-TRANSPORTS = {"colocated": LocalTransport, "disaggregated": BroadcastSender}
+TRANSPORTS = {
+    "colocated": LocalTransport,
+    "disaggregated": BroadcastSender,
+    "continuous": BroadcastSender,
+}
 """The transport of each placement (generator.placement)."""
 
 

@@ -1,0 +1,318 @@
+"""Continuous placement: generator ranks keep their engines full and take new weights between
+engine steps, without draining; the trainer ranks train on complete groups as they finish.
+
+    torchrun --standalone --nproc_per_node 2 -m torchtitan_rl.train \
+        --job.config_file run_configs/debug_cpu.toml \
+        --generator.placement continuous --algorithm.max_offpolicy_steps 1
+
+Ranks split as in disaggregated placement (disaggregated.py: its Topology, its trainer ranks,
+its broadcast). A generator rank here runs every group of its prompts as coroutines on its
+engine's request stream (generator/stream.py, episodes.Episodes.run_group): it admits the next
+group whenever it holds fewer than generator.max_inflight_groups, steps the engine, and, between
+engine steps, takes the weights the trainers announce (a key in torchrun's store, then the
+broadcast). The requests in flight are not drained: their KV is recomputed with the new weights
+(generator.inflight_kv = "recompute") or kept ("keep"), and every token carries the version
+that sampled it (`Sample.versions`).
+
+Batches: the training batch of step s is the first `share` groups (training.prompts_per_step
+over the generator ranks) to finish, in completion order (groups finishing in one engine step in
+their admission order). Completion order depends on timing, so two runs need not sample the same
+batches: unlike the other placements, a run is not bitwise reproducible.
+
+Staleness: algorithm.max_offpolicy_steps = k bounds the age of every token: the batch of step s
+holds only tokens of versions >= s - 1 - k. A generator admits no group while its weights are
+too old for the next batch, and drops (and samples again, with other seeds) a group admitted
+before version s - 1 - k: the trainers refuse an older token (StalenessError) as they refuse an
+older rollout in disaggregated placement. Dropping favours short samples of a long-tailed
+prompt; its count is logged (continuous/dropped_groups) and is zero when k covers the tail.
+
+Resume: group g of a generator's prompts is prompt g % share of step g // share + 1, as the
+other placements number them. A checkpoint records which groups the trainers trained on; a
+resumed run samples every other group again (those in flight when it stopped were discarded), in
+order, each once.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import platform, watchdog
+from torchtitan_rl.checkpoint import TrainState
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.disaggregated import (
+    DisaggregatedTrainer,
+    GeneratorWorker,
+    Topology,
+    _send,
+    _start_step,
+)
+from torchtitan_rl.episodes import OpenTask
+from torchtitan_rl.generator.stream import AsyncStream, RequestStream
+from torchtitan_rl.producer import check_rewards, engine_failure_at
+from torchtitan_rl.rl_trainer import Hooks
+from torchtitan_rl.types import Rollout, Rollouts
+
+WEIGHTS_KEY = "torchtitan_rl/continuous/weights/"
+"""torchrun's store key that trainer rank 0 sets for each version before broadcasting it (and
+for the version after the last when the run stops): a generator polls it between engine steps."""
+
+
+def announce(version: int) -> None:
+    """Trainer rank 0: version `version`'s broadcast (or a stop) follows."""
+    dist.distributed_c10d._get_default_store().set(f"{WEIGHTS_KEY}{version}", "1")
+
+
+def announced(version: int) -> bool:
+    return dist.distributed_c10d._get_default_store().check([f"{WEIGHTS_KEY}{version}"])
+
+
+@dataclass
+class Cursor:
+    """Which of a generator's groups the trainers trained on: every group below `below`, and
+    those of `above` (sorted)."""
+
+    below: int = 0
+    above: list[int] = field(default_factory=list)
+
+    def add(self, groups: list[int]) -> None:
+        taken = sorted(set(self.above) | set(groups))
+        while taken and taken[0] == self.below:
+            taken.pop(0)
+            self.below += 1
+        self.above = taken
+
+    @classmethod
+    def of(cls, cursors: dict | None, shard: int) -> "Cursor":
+        """Generator `shard`'s cursor in a checkpoint's TrainState.cursors (new if none)."""
+        below, above = (cursors or {}).get(shard, (0, []))
+        return cls(below, list(above))
+
+    def untaken(self):
+        """The groups not trained on yet, in order, without end."""
+        group, above = self.below, set(self.above)
+        while True:
+            if group not in above:
+                yield group
+            group += 1
+
+
+@dataclass
+class Group:
+    """A group admitted to the engine."""
+
+    index: int
+    version: int
+    """The policy version when it was admitted: no token of it is older."""
+    attempt: int
+    task: asyncio.Task
+
+
+class ContinuousWorker:
+    """A generator-only rank of the continuous placement. Its engine, task side and weight
+    receiver are a GeneratorWorker's (`worker`); its loop is its own."""
+
+    def __init__(self, config: JobConfig, topology: Topology, task: OpenTask | None = None):
+        self.config, self.topology = config, topology
+        self.worker = GeneratorWorker(config, topology, task)
+        self.producer, self.generator = self.worker.producer, self.worker.generator
+        self.share = config.training.prompts_per_step // self.producer.shards
+        self.capacity = config.generator.max_inflight_groups or 2 * self.share
+        self.stream = AsyncStream(RequestStream(self.generator))
+        self.trainer = topology.trainer_of(dist.get_rank())
+        self.prompts: dict[int, list] = {}
+        self.busy_s = 0.0
+        self.straddled = self.dropped = 0
+
+    def prompt(self, index: int):
+        """Group `index`'s prompt and first seed."""
+        step, position = divmod(index, self.share)
+        if step + 1 not in self.prompts:
+            self.prompts = {step + 1: self.producer.prompts(step + 1)}
+        seed = self.producer.sampling_seed(step + 1) + position * self.config.generator.sampling.n
+        return self.prompts[step + 1][position], seed
+
+    async def sample_group(self, index: int, attempt: int) -> Rollouts:
+        prompt, seed = self.prompt(index)
+        sampling = self.config.generator.sampling
+        # A group sampled again after a drop takes other seeds, its own for each attempt.
+        seed = (seed + attempt * 2**50) % 2**62
+        scored = await self.producer.episodes.run_group(
+            self.stream, prompt, seed=seed, n=sampling.n, max_tokens=sampling.max_tokens
+        )
+        check_rewards(index // self.share + 1, scored.rewards_PN)
+        return Rollouts(
+            [prompt],
+            scored.completions,
+            scored.rewards_PN,
+            env_s=scored.env_s,
+            reward_parts_PN=scored.reward_parts_PN,
+        )
+
+    def take_weights(self) -> None:
+        self.straddled += self.stream.stream.straddling()
+        self.worker.take_weights()
+
+    def run(self) -> None:
+        start = _start_step(self.topology, 0)
+        cursors = [None]
+        dist.broadcast_object_list(cursors, self.topology.trainers[0])
+        cursor = Cursor.of(cursors[0], self.producer.shard)
+        self.worker.start, self.worker.evaluations = start, []
+        self.take_weights()  # the starting (or restored) weights
+        asyncio.run(self._run(start, cursor))
+        steps = self.config.training.steps
+        while self.generator.policy_version < steps:  # the trainers' last broadcasts
+            self.take_weights()
+        self.worker.send_last(self.trainer, self.pending)
+        self.generator.close()
+
+    async def _run(self, start: int, cursor: Cursor) -> None:
+        steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
+        untaken, again = cursor.untaken(), []
+        running: list[Group] = []
+        finished: list[tuple[Group, Rollouts]] = []
+        self.pending: list = []
+        step, last_sent = start + 1, time.perf_counter()
+        while step <= steps:
+            if announced(self.generator.policy_version + 1):
+                self.take_weights()
+            oldest = step - 1 - k  # the oldest version batch `step` may hold
+            # Groups admitted before it cannot join a batch any more: sampled again.
+            expired = [g for g in running if g.version < oldest]
+            expired += [g for g, _ in finished if g.version < oldest]
+            for group in expired:
+                group.task.cancel()
+                again.append((group.index, group.attempt + 1))
+            if expired:
+                running = [g for g in running if g.version >= oldest]
+                finished = [f for f in finished if f[0].version >= oldest]
+                again.sort()
+                self.dropped += len(expired)
+            if len(finished) >= self.share:
+                batch, finished = finished[: self.share], finished[self.share :]
+                self.send(step, batch, time.perf_counter() - last_sent)
+                step, last_sent = step + 1, time.perf_counter()
+                continue
+
+            # A group admitted now joins, if groups finish in their order, the batch after
+            # those held: admitted only when its version is recent enough for that batch.
+            def can_admit() -> bool:
+                held = len(running) + len(finished)
+                joins = step + held // self.share
+                version = self.generator.policy_version
+                return held < self.capacity and version >= joins - 1 - k
+
+            while can_admit():
+                index, attempt = again.pop(0) if again else (next(untaken), 0)
+                task = asyncio.ensure_future(self.sample_group(index, attempt))
+                running.append(Group(index, self.generator.policy_version, attempt, task))
+            await asyncio.sleep(0)  # the groups submit their requests, environments answer
+            if len(self.stream.stream):
+                began = time.perf_counter()
+                watchdog.mark(step, "generate")
+                with engine_failure_at(f"step {step}"):
+                    self.stream.step()
+                self.busy_s += time.perf_counter() - began
+            elif not any(not g.task.done() for g in running) and not can_admit():
+                self.take_weights()  # nothing runs until newer weights come
+            elif not any(g.task.done() for g in running):
+                await asyncio.sleep(0.001)  # environments are answering
+            done = [g for g in running if g.task.done()]
+            for group in done:  # in admission order within one engine step
+                running.remove(group)
+                finished.append((group, group.task.result()))
+        for group in running:
+            group.task.cancel()
+        await asyncio.gather(*(g.task for g in running), return_exceptions=True)
+
+    def send(self, step: int, batch: list, wall_s: float) -> None:
+        """Send the batch of `step` (its groups and the figures since the last) to the trainer."""
+        rollouts = Rollouts.cat([r for _, r in batch])
+        # Groups meet their environments concurrently, with each other and with the engine:
+        # the batch's environment time is its slowest group's.
+        rollouts.env_s = max(r.env_s for _, r in batch)
+        versions = [
+            v
+            for _, r in batch
+            for samples in r.completions.samples
+            for s in samples
+            for v in (s.versions or [])
+            if v >= 0
+        ]
+        rollout = Rollout(
+            step=step,
+            version=min(versions, default=self.generator.policy_version),
+            weights_sha256=None,
+            rollouts=rollouts,
+            reward_errors=self.producer.counted_reward_errors,
+            generate_s=self.busy_s + rollouts.env_s,  # the trainers subtract env_s
+            evaluations=self.worker.evaluations,
+            stop_requested=watchdog.stop_requested(),
+            groups=(self.producer.shard, [group.index for group, _ in batch]),
+            figures={
+                "continuous/generator_busy": self.busy_s / max(wall_s, 1e-9),
+                "continuous/straddled_updates": float(self.straddled),
+                "continuous/dropped_groups": float(self.dropped),
+            },
+        )
+        self.worker.evaluations, self.busy_s, self.straddled, self.dropped = [], 0.0, 0, 0
+        _send(rollout, self.trainer, self.pending)
+
+
+class TrainerSide:
+    """The continuous placement's part of the trainer ranks (disaggregated.ContinuousSide)."""
+
+    def announce(self, version: int) -> None:
+        announce(version)
+
+    def figures(
+        self, step: int, messages: list[Rollout], state: TrainState, group
+    ) -> dict[str, float]:
+        """The age of every sampled token (step - 1 - its version), the share of samples that
+        straddle a weight update, and the generators' own figures, over every trainer rank;
+        records the groups trained on in `state` (every trainer rank holds every cursor)."""
+        ages, straddling, samples = [], 0, 0
+        for message in messages:
+            for group_samples in message.rollouts.completions.samples:
+                for sample in group_samples:
+                    versions = [v for v in sample.versions or [] if v >= 0]
+                    ages += [step - 1 - v for v in versions]
+                    straddling += len(set(versions)) > 1
+                    samples += 1
+        names = sorted(messages[0].figures)
+        sums = torch.tensor(
+            [float(sum(ages)), float(len(ages)), float(straddling), float(samples), 1.0]
+            + [sum(m.figures[name] for m in messages) for name in names],
+            dtype=torch.float64,
+        )
+        sums[4] = len(messages)
+        platform.all_reduce_host(sums, group=group)
+        worst = torch.tensor([float(max(ages, default=0))])
+        platform.all_reduce_host(worst, op=dist.ReduceOp.MAX, group=group)
+        every = platform.all_gather_objects([m.groups for m in messages], group=group)
+        for shard, groups in (g for rank_groups in every for g in rank_groups):
+            cursor = Cursor.of(state.cursors, shard)
+            cursor.add(groups)
+            state.cursors[shard] = (cursor.below, cursor.above)
+        figures = {
+            "policy_age/token_mean": float(sums[0] / max(float(sums[1]), 1.0)),
+            "policy_age/token_max": float(worst[0]),
+            "continuous/straddling_share": float(sums[2] / max(float(sums[3]), 1.0)),
+        }
+        for name, total in zip(names, sums[5:].tolist(), strict=True):
+            # Busy fractions average over the generators; counts add up.
+            figures[name] = total / float(sums[4]) if name.endswith("_busy") else total
+        return figures
+
+
+def run(config: JobConfig, hooks: Hooks | None = None, task: OpenTask | None = None) -> None:
+    """Every rank of a continuous run: build the topology (disaggregated placement's), then
+    train or generate (with `task` opened, or opening it when None)."""
+    topology = Topology.build(config)
+    if dist.get_rank() in topology.generators:
+        ContinuousWorker(config, topology, task).run()
+    else:
+        DisaggregatedTrainer(config, topology, hooks, task, continuous=TrainerSide()).train()

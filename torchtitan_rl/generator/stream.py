@@ -1,0 +1,160 @@
+"""The engine as a request API: submit one sample's request, step the engine, take each sample as
+it finishes, each token tagged with the policy version that sampled it. New weights load
+between engine steps, without draining the requests in flight (continuous placement).
+
+    .venv/bin/python -m pytest tests/integration/test_continuous.py
+
+After a weight update, the KV of the requests in flight follows `generator.inflight_kv`:
+"recompute" preempts them (vLLM's `reset_prefix_cache(reset_running_requests=True)`): their
+prompt and the tokens sampled so far are prefilled again with the new weights, so a token
+sampled under version v has exactly the logprob version v gives it over its whole prefix.
+"keep" goes on with the KV computed by the older weights (no recompute; the tokens after the
+update are sampled from a mixture of the two versions). Either way the prefix cache serves no
+request KV that other weights computed: every request carries its policy version as vLLM's
+cache salt, which the cached blocks' hashes include.
+
+Engine steps are synchronous here; `AsyncStream` puts them on an event loop, so that episodes
+(tasks.episodes) await their turns as coroutines and an environment's reply never waits for
+another episode's.
+"""
+
+import asyncio
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torchtitan_rl.types import Delta, Sample
+
+
+@dataclass(slots=True)
+class Live:
+    """A request in flight: what it has sampled so far."""
+
+    key: Hashable
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each token."""
+
+
+class Engine(Protocol):
+    """What a stream needs of an engine: generator.engine.Generator, or a RemoteGenerator."""
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        seed: int,
+        max_tokens: int,
+        temperature: float | None = None,
+    ) -> None: ...
+
+    def step_outputs(self) -> list[Delta]: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+class RequestStream:
+    """Requests of one sample each (n = 1) on `engine`, stepped one engine step at a time."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.live: dict[str, Live] = {}
+        self._next = 0
+
+    def submit(
+        self,
+        key: Hashable,
+        prompt_token_ids: Sequence[int],
+        *,
+        seed: int,
+        max_tokens: int,
+        temperature: float | None = None,
+    ) -> None:
+        """Add a request for one sample of `prompt_token_ids`; `step` returns it under `key`."""
+        request_id = f"stream-{self._next}"
+        self._next += 1
+        self.engine.submit(
+            request_id, prompt_token_ids, seed=seed, max_tokens=max_tokens, temperature=temperature
+        )
+        self.live[request_id] = Live(key, len(prompt_token_ids))
+
+    def __len__(self) -> int:
+        """Requests in flight."""
+        return len(self.live)
+
+    def step(self) -> list[tuple[Hashable, Sample]]:
+        """One engine step: the tokens it sampled join their requests, each tagged with the
+        policy version that sampled it; the samples that finished, by key, in request order."""
+        finished = []
+        for delta in self.engine.step_outputs():
+            live = self.live.get(delta.request_id)
+            if live is None:  # aborted meanwhile
+                continue
+            live.token_ids += delta.token_ids
+            live.logprobs += delta.logprobs
+            live.versions += [delta.version] * len(delta.token_ids)
+            if delta.finish_reason is not None:
+                del self.live[delta.request_id]
+                sample = Sample(
+                    token_ids=live.token_ids,
+                    logprobs=live.logprobs,
+                    finish_reason=delta.finish_reason,
+                    versions=live.versions,
+                )
+                finished.append((int(delta.request_id.partition("-")[2]), live.key, sample))
+        return [(key, sample) for _, key, sample in sorted(finished, key=lambda f: f[0])]
+
+    def straddling(self) -> int:
+        """Requests in flight that sampled tokens already: an update now splits them."""
+        return sum(1 for live in self.live.values() if live.token_ids)
+
+    def abort(self, keys: set) -> None:
+        """Drop the requests in flight of `keys`."""
+        ids = [request_id for request_id, live in self.live.items() if live.key in keys]
+        self.engine.abort(ids)
+        for request_id in ids:
+            del self.live[request_id]
+
+
+class AsyncStream:
+    """A RequestStream on an event loop: `sample` is awaited by an episode; `pump` steps the
+    engine while any request is in flight, calling `between_steps` before each step (where new
+    weights load)."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.waiting: dict[Hashable, asyncio.Future] = {}
+        self._next = 0
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        seed: int,
+        max_tokens: int,
+        temperature: float | None = None,
+    ) -> Sample:
+        """One sample of `prompt_token_ids`, when it finishes."""
+        key = self._next
+        self._next += 1
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[key] = future
+        self.stream.submit(
+            key, prompt_token_ids, seed=seed, max_tokens=max_tokens, temperature=temperature
+        )
+        try:
+            return await future
+        except asyncio.CancelledError:  # its group was dropped (continuous.py): free the engine
+            self.waiting.pop(key, None)
+            self.stream.abort({key})
+            raise
+
+    def step(self) -> int:
+        """One engine step; resolves the finished samples' futures; returns how many."""
+        done = self.stream.step()
+        for key, sample in done:
+            self.waiting.pop(key).set_result(sample)
+        return len(done)
