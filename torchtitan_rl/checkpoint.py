@@ -121,8 +121,8 @@ class TrainState:
             "policy_version": self.policy_version,
             "reward_errors": self.reward_errors,
         }
-        if self.cursors is not None:  # the same on every trainer rank
-            state["cursors"] = dict(self.cursors)
+        if self.cursors is not None:  # the same on every trainer rank; one leaf, pickled
+            state["cursors"] = pickle.dumps(self.cursors)
         if self.with_rng:
             # Keys differ per rank, so DCP keeps every rank's generators, not only rank 0's.
             state[f"rng_rank{dist.get_rank()}"] = {
@@ -137,7 +137,7 @@ class TrainState:
         self.policy_version = state["policy_version"]
         self.reward_errors = state["reward_errors"]
         if self.cursors is not None:
-            self.cursors = dict(state["cursors"])
+            self.cursors = pickle.loads(state["cursors"])
         rng = state.get(f"rng_rank{dist.get_rank()}")
         if rng is not None:
             torch.set_rng_state(rng["torch"])

@@ -170,45 +170,26 @@ class ContinuousWorker:
         self.generator.close()
 
     async def _run(self, start: int, cursor: Cursor) -> None:
+        """Until the last step's batch is sent: take announced weights, send a batch when
+        enough groups finished, admit groups, step the engine."""
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
-        untaken, again = cursor.untaken(), []
-        running: list[Group] = []
-        finished: list[tuple[Group, Rollouts]] = []
+        self.untaken, self.again = cursor.untaken(), []
+        self.running: list[Group] = []
+        self.finished: list[tuple[Group, Rollouts]] = []
         self.pending: list = []
         step, last_sent = start + 1, time.perf_counter()
         while step <= steps:
             if announced(self.generator.policy_version + 1):
                 self.take_weights()
-            oldest = step - 1 - k  # the oldest version batch `step` may hold
-            # Groups admitted before it cannot join a batch any more: sampled again.
-            expired = [g for g in running if g.version < oldest]
-            expired += [g for g, _ in finished if g.version < oldest]
-            for group in expired:
-                group.task.cancel()
-                again.append((group.index, group.attempt + 1))
-            if expired:
-                running = [g for g in running if g.version >= oldest]
-                finished = [f for f in finished if f[0].version >= oldest]
-                again.sort()
-                self.dropped += len(expired)
-            if len(finished) >= self.share:
-                batch, finished = finished[: self.share], finished[self.share :]
+            self.collect()
+            self.expire(oldest=step - 1 - k)
+            if len(self.finished) >= self.share:
+                batch, self.finished = self.finished[: self.share], self.finished[self.share :]
                 self.send(step, batch, time.perf_counter() - last_sent)
                 step, last_sent = step + 1, time.perf_counter()
                 continue
-
-            # A group admitted now joins, if groups finish in their order, the batch after
-            # those held: admitted only when its version is recent enough for that batch.
-            def can_admit() -> bool:
-                held = len(running) + len(finished)
-                joins = step + held // self.share
-                version = self.generator.policy_version
-                return held < self.capacity and version >= joins - 1 - k
-
-            while can_admit():
-                index, attempt = again.pop(0) if again else (next(untaken), 0)
-                task = asyncio.ensure_future(self.sample_group(index, attempt))
-                running.append(Group(index, self.generator.policy_version, attempt, task))
+            while self.can_admit(step, k):
+                self.admit()
             await asyncio.sleep(0)  # the groups submit their requests, environments answer
             if len(self.stream.stream):
                 began = time.perf_counter()
@@ -216,17 +197,47 @@ class ContinuousWorker:
                 with engine_failure_at(f"step {step}"):
                     self.stream.step()
                 self.busy_s += time.perf_counter() - began
-            elif not any(not g.task.done() for g in running) and not can_admit():
-                self.take_weights()  # nothing runs until newer weights come
-            elif not any(g.task.done() for g in running):
+            elif not self.running and not self.can_admit(step, k):
+                self.take_weights()  # nothing can run until newer weights come
+            elif not any(g.task.done() for g in self.running):
                 await asyncio.sleep(0.001)  # environments are answering
-            done = [g for g in running if g.task.done()]
-            for group in done:  # in admission order within one engine step
-                running.remove(group)
-                finished.append((group, group.task.result()))
-        for group in running:
+        for group in self.running:
             group.task.cancel()
-        await asyncio.gather(*(g.task for g in running), return_exceptions=True)
+        await asyncio.gather(*(g.task for g in self.running), return_exceptions=True)
+
+    def collect(self) -> None:
+        """Move the groups that finished to `finished`, in admission order."""
+        done = [g for g in self.running if g.task.done()]
+        for group in done:
+            self.running.remove(group)
+            self.finished.append((group, group.task.result()))
+
+    def expire(self, oldest: int) -> None:
+        """Drop the groups admitted before version `oldest`, which no batch may take any
+        more, and queue them to be sampled again (first, in order)."""
+        expired = [g for g in self.running if g.version < oldest]
+        expired += [g for g, _ in self.finished if g.version < oldest]
+        if not expired:
+            return
+        for group in expired:
+            group.task.cancel()
+            self.again.append((group.index, group.attempt + 1))
+        self.running = [g for g in self.running if g.version >= oldest]
+        self.finished = [f for f in self.finished if f[0].version >= oldest]
+        self.again.sort()
+        self.dropped += len(expired)
+
+    def can_admit(self, step: int, k: int) -> bool:
+        """Whether a group admitted now may join a batch: it joins, if groups finish in their
+        order, the batch after those held, which takes versions >= that step - 1 - k."""
+        held = len(self.running) + len(self.finished)
+        joins = step + held // self.share
+        return held < self.capacity and self.generator.policy_version >= joins - 1 - k
+
+    def admit(self) -> None:
+        index, attempt = self.again.pop(0) if self.again else (next(self.untaken), 0)
+        task = asyncio.ensure_future(self.sample_group(index, attempt))
+        self.running.append(Group(index, self.generator.policy_version, attempt, task))
 
     def send(self, step: int, batch: list, wall_s: float) -> None:
         """Send the batch of `step` (its groups and the figures since the last) to the trainer."""
@@ -297,7 +308,9 @@ class TrainerSide:
             cursor = Cursor.of(state.cursors, shard)
             cursor.add(groups)
             state.cursors[shard] = (cursor.below, cursor.above)
+        trained = sum(below + len(above) for below, above in state.cursors.values())
         figures = {
+            "continuous/groups_trained": float(trained),
             "policy_age/token_mean": float(sums[0] / max(float(sums[1]), 1.0)),
             "policy_age/token_max": float(worst[0]),
             "continuous/straddling_share": float(sums[2] / max(float(sums[3]), 1.0)),

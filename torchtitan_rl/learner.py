@@ -299,8 +299,16 @@ class Learner:
         (or warns, `batch_invariant_on_mismatch`) naming the step and the first such token.
         """
         metrics, diff_BT = behaviour_metrics(batch, trainer_BT, self.loss.correction, self.group)
-        if batch_invariant.is_enabled() and metrics["logprob_diff/max"] != 0.0:
-            self.invariance_broken(step, batch, trainer_BT, diff_BT, metrics["logprob_diff/max"])
+        if batch.versions_BT is not None:
+            # Continuous placement: the promise holds for the tokens the trainer's weights
+            # before the update sampled (version step - 1); older ones differ by design.
+            diff_BT = diff_BT * (batch.versions_BT.to(diff_BT.device) == step - 1)
+            largest = diff_BT.amax().cpu().reshape(1) if diff_BT.numel() else torch.zeros(1)
+            platform.all_reduce_host(largest, op=dist.ReduceOp.MAX, group=self.group)
+            metrics["logprob_diff/on_policy_max"] = float(largest[0])
+        checked = metrics.get("logprob_diff/on_policy_max", metrics["logprob_diff/max"])
+        if batch_invariant.is_enabled() and checked != 0.0:
+            self.invariance_broken(step, batch, trainer_BT, diff_BT, checked)
         return metrics
 
     def routing_metrics(self) -> dict[str, float]:

@@ -69,7 +69,7 @@ def load_hooks(config: JobConfig) -> Hooks:
     return hooks
 
 
-# The metrics only one placement logs; both log every other name (a test compares the key sets
+# The metrics only some placements log; all log every other name (a test compares the key sets
 # of a colocated and a disaggregated run: tests/integration/test_disaggregated.py).
 PLACEMENT_METRICS = {
     "colocated": (),
@@ -78,6 +78,19 @@ PLACEMENT_METRICS = {
         "policy_age/max",
         "rollout_version/min",
         "time/wait_rollout_s",
+    ),
+    "continuous": (
+        "policy_age/mean",
+        "policy_age/max",
+        "rollout_version/min",
+        "time/wait_rollout_s",
+        "policy_age/token_mean",
+        "policy_age/token_max",
+        "continuous/straddling_share",
+        "continuous/groups_trained",
+        "continuous/generator_busy",
+        "continuous/straddled_updates",
+        "continuous/dropped_groups",
     ),
 }
 

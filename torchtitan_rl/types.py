@@ -315,6 +315,9 @@ class RolloutBatch:
     routed_experts_BTMK: torch.Tensor | None = None
     """A mixture-of-experts generator's expert ids of each token in each MoE layer [B, T, M,
     K], int16, -1 where it has none (`Sample.routed_experts`); None for a dense model."""
+    versions_BT: torch.Tensor | None = None
+    """The policy version that sampled each token, int64, -1 where none did (continuous
+    placement: `Sample.versions`); None where one version sampled the whole batch."""
 
     @property
     def batch_size(self) -> int:
@@ -401,7 +404,23 @@ def rollout_batch(
         advantages_B=torch.tensor(advantages),
         generator_logprobs_BT=torch.tensor([pad(lp, 0.0) for lp in logprobs]),
         routed_experts_BTMK=_routed(samples, width),
+        versions_BT=_versions(prompts, samples, width),
     )
+
+
+def _versions(
+    prompts: list[list[int]], samples: "list[list[Sample]]", width: int
+) -> torch.Tensor | None:
+    """The samples' token versions, prompt-major, -1 on prompts and padding (None: no sample
+    has them)."""
+    if all(s.versions is None for group in samples for s in group):
+        return None
+    rows = [
+        [-1] * len(prompt) + (s.versions or [-1] * len(s.token_ids))
+        for prompt, group in zip(prompts, samples, strict=True)
+        for s in group
+    ]
+    return torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.long)
 
 
 def _routed(samples: "list[list[Sample]]", width: int) -> torch.Tensor | None:

@@ -70,8 +70,8 @@ class JobConfig:
         require(
             generators >= 1 and trainers >= 1,
             f"generator.num_ranks = {generators} in a world of {world_size}: "
-            f"{self.generator.placement} placement needs at least one trainer and one generator rank; launch more "
-            "processes or lower generator.num_ranks",
+            f"{self.generator.placement} placement needs at least one trainer and one "
+            "generator rank; launch more processes or lower generator.num_ranks",
         )
         require(
             generators % trainers == 0,
