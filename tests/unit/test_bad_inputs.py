@@ -219,6 +219,25 @@ BAD_INPUTS = {
         [],
         ["generator.num_ranks = 1 in a world of 1", "at least one trainer and one generator"],
     ),
+    "continuous placement with dynamic sampling": (
+        '[generator]\nplacement = "continuous"\n[algorithm]\ndynamic_sampling = true\n',
+        ["--world_size_for_test", "2"],
+        [
+            "algorithm.dynamic_sampling = true is not supported in generator.placement = "
+            "'continuous'",
+            "use placement 'disaggregated'",
+        ],
+    ),
+    "continuous placement holding less than a step": (
+        '[generator]\nplacement = "continuous"\nmax_inflight_groups = 4\n',
+        ["--world_size_for_test", "2"],
+        ["generator.max_inflight_groups = 4 is below a generator's share of a step (16 groups)"],
+    ),
+    "in-flight knobs outside the continuous placement": (
+        '[generator]\ninflight_kv = "keep"\n',
+        [],
+        ["generator.max_inflight_groups and generator.inflight_kv act only in continuous"],
+    ),
     "off-policy steps while colocated": (
         "[algorithm]\nmax_offpolicy_steps = 2\n",
         [],
