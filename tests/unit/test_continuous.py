@@ -32,7 +32,9 @@ def test_a_cursor_resumes_every_group_not_trained_on_in_order_each_once(monkeypa
     assert Cursor.of(restored.cursors, 1) == Cursor(2, [5])
     assert Cursor.of(restored.cursors, 3) == Cursor(0, [])
     assert isinstance(state.state_dict()["cursors"], bytes)  # one DCP leaf
-    assert "cursors" not in TrainState(with_rng=False).state_dict()  # the other placements' is unchanged
+    assert (
+        "cursors" not in TrainState(with_rng=False).state_dict()
+    )  # the other placements' is unchanged
     assert pickle.loads(state.state_dict()["cursors"])[1] == (2, [5])
 
 

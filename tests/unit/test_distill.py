@@ -9,11 +9,13 @@ mixture, a LoRA student, resume): tests/integration/test_mixture.py, test_lora.p
 test_resume.py.
 """
 
+import json
 import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.launch import REPO
 
 from torchtitan_rl import learner as learner_module
 from torchtitan_rl.algorithms.losses import PolicyLoss, kl_penalty
@@ -62,7 +64,7 @@ def test_learn_from_defaults_to_the_teacher_when_there_is_one_and_is_set_per_sou
             "distill.teacher_flavor = 'huge' is not a qwen3 flavor",
         ),
         (
-            ("--distill.teacher_checkpoint", "assets/debug_qwen3"),
+            ("--distill.teacher_checkpoint", "{other_vocab}"),
             "has a vocabulary of 2048 tokens, the student (qwen3/tiny) 68",
         ),
         (
@@ -75,9 +77,14 @@ def test_learn_from_defaults_to_the_teacher_when_there_is_one_and_is_set_per_sou
         ),
     ],
 )
-def test_bad_distill_settings_are_refused_in_one_line(flags, message):
+def test_bad_distill_settings_are_refused_in_one_line(flags, message, tmp_path):
+    # A teacher of another vocabulary: the tiny checkpoint's folder, its config.json saying so.
+    other = tmp_path / "other_vocab"
+    shutil.copytree(REPO / "assets" / "tiny_qwen3", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 2048}))
     with pytest.raises(ConfigError) as error:
-        parse(*DEBUG, *flags)
+        parse(*DEBUG, *(f.format(other_vocab=other) for f in flags))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
