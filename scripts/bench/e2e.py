@@ -11,11 +11,14 @@ step's model FLOPs (2 N_params per prompt and generated token, 6 N_params per tr
 / step time / peak. With `--peer trl` it then runs TRL's GRPOTrainer on the same flags
 (scripts/bench/trl_peer.py, N threads in one process) and adds `trl_step_s`,
 `trl_ratio` = TRL step / our step, and TRL's completion lengths (mean over steps, and max)
-beside ours (`response_length_mean`, `response_length_max`). With `--batch_invariant true` it
-runs the same config with the mode off too and adds `cost_ratio`: step time on / off. With a
-distill teacher (`--distill.teacher_checkpoint`) it runs the same config without the teacher
-and with the KL reference instead (`--algorithm.kl_beta 0.001`), and adds `teacher_cost_ratio`
-and `reference_cost_ratio`: step time with each / without either.
+beside ours (`response_length_mean`, `response_length_max`). `trained_tokens_per_s`: completion
+tokens trained per second of wall time; `trainer_busy` and `generator_busy`: the median share
+of a step each side works (colocated: the share each phase takes of the ranks' step;
+continuous: the generator's engine-step time since its previous batch). With
+`--batch_invariant true` it runs the same config with the mode off too and adds `cost_ratio`:
+step time on / off. With a distill teacher (`--distill.teacher_checkpoint`) it runs the same
+config without the teacher and with the KL reference instead (`--algorithm.kl_beta 0.001`), and
+adds `teacher_cost_ratio` and `reference_cost_ratio`: step time with each / without either.
 """
 
 import json
@@ -43,10 +46,11 @@ def measure(flags: list[str]) -> int:
     """The child, one rank of the torchrun world: train, then report the figures (rank 0)."""
     config, rank, world = join_world(flags, prog="scripts/bench/e2e.py")
     collect = Collect()
-    if config.generator.placement == "disaggregated":
-        from torchtitan_rl import disaggregated
+    if config.generator.placement in ("disaggregated", "continuous"):
+        from torchtitan_rl import continuous, disaggregated
 
-        disaggregated.run(config, hooks=collect)  # rank 0 trains, and collects
+        placement = disaggregated if config.generator.placement == "disaggregated" else continuous
+        placement.run(config, hooks=collect)  # rank 0 trains, and collects
         flops = None
     else:
         trainer = RLTrainer(config, hooks=collect)
@@ -82,6 +86,18 @@ def measure(flags: list[str]) -> int:
                 "weight_sync_gb_per_s": median("weight_sync/gb_per_s")
                 if "weight_sync/gb_per_s" in timed[0]
                 else None,
+                # Completion tokens trained per second of wall time, over the timed steps.
+                "trained_tokens_per_s": round(
+                    sum(r["generated_tokens"] for r in timed)
+                    / sum(r["time/step_s"] for r in timed),
+                    2,
+                ),
+                "trainer_busy": busy(timed, ("time/train_s", "time/weight_sync_s")),
+                "generator_busy": round(
+                    statistics.median(r["continuous/generator_busy"] for r in timed), 3
+                )
+                if config.generator.placement == "continuous"
+                else busy(timed, ("time/generate_s", "time/env_s")),
                 "placement": config.generator.placement,
                 "max_offpolicy_steps": config.algorithm.max_offpolicy_steps,
                 "model_path": config.model.hf_checkpoint,
@@ -93,6 +109,14 @@ def measure(flags: list[str]) -> int:
             }
         )
     return 0
+
+
+def busy(rows: list[dict], parts: tuple[str, ...]) -> float:
+    """The median share of a step's wall time spent in `parts` (a side's busy fraction: the
+    trainer's, or where one step's generation is timed whole, the generator's)."""
+    return round(
+        statistics.median(sum(r.get(p, 0.0) for p in parts) / r["time/step_s"] for r in rows), 3
+    )
 
 
 def model_flops(trainer: RLTrainer, rows: list[dict]) -> float:
