@@ -36,13 +36,13 @@ def main(argv: list[str]) -> int:
     rank, world = platform.init_distributed()
     from torchtitan_rl import evaluation
     from torchtitan_rl.evaluation import build_evaluator
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
 
     evaluator = build_evaluator(config, opened)
     # Seeded like the run's generator on this rank (colocated: job.seed + its engine, one per
     # rank or per generator.parallelism.tensor_parallel_degree ranks), and sharded alike.
     engine, engine_rank, engines = config.generator.parallelism.engine_of(rank, world)
-    generator = Generator(
+    generator = LocalGenerator(
         generator=config.generator, model=config.model, seed=config.job.seed + engine
     )
     result = evaluator.run(generator, version=0, shard=engine, shards=engines)

@@ -196,7 +196,7 @@ def read_manifest(path: Path) -> dict:
 
 
 class Checkpointer:
-    """Saves and restores one RLTrainer's state under {dump_folder}/{checkpoint.folder}.
+    """Saves and restores one placement's trainer state under {dump_folder}/{checkpoint.folder}.
 
     `find()` runs first, before anything is built, so a wrong folder fails in a second;
     `attach()` then hands over the trainer and the train state that `load()`/`save()` use.

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from torchtitan_rl.config import ConfigError, JobConfig
+from torchtitan_rl.generator.base import Generator
+from torchtitan_rl.generator.stream import AsyncStream
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks import Task, build_task, dataset_keys
 from torchtitan_rl.tasks.dataset import read_rows
@@ -146,7 +148,7 @@ class Episodes:
 
     def run(
         self,
-        generator,
+        generator: Generator,
         prompts: list[Prompt],
         *,
         seed: int,
@@ -154,7 +156,7 @@ class Episodes:
         max_tokens: int,
         temperature: float | None = None,
     ) -> Scored:
-        """`n` episodes of each prompt on `generator` (a Generator or RemoteGenerator).
+        """`n` episodes of each prompt on `generator` (a LocalGenerator or RemoteGenerator).
         Sample j of prompt p: first turn as `generator.generate(seed=seed)` gives it, each
         later turn t seeded by (seed + p * n + j, t), so it depends on nothing else."""
         if self._loop is None:
@@ -163,7 +165,7 @@ class Episodes:
             self._loop = asyncio.Runner()
         return self._loop.run(self._run(generator, prompts, seed, n, temperature, max_tokens))
 
-    async def _run(self, generator, prompts, seed, n, temperature, max_tokens) -> Scored:
+    async def _run(self, generator: Generator, prompts, seed, n, temperature, max_tokens) -> Scored:
         env_s = 0.0
         began = time.perf_counter()
         groups = [[self._open(p) for _ in range(n)] for p in prompts]
@@ -218,7 +220,7 @@ class Episodes:
 
     async def run_group(
         self,
-        stream,
+        stream: AsyncStream,
         prompt: Prompt,
         *,
         seed: int,

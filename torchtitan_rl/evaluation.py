@@ -18,7 +18,7 @@ import torch
 from torchtitan_rl import platform
 from torchtitan_rl.config import EvalSection, JobConfig
 from torchtitan_rl.episodes import Episodes, OpenTask
-from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.generator.base import Generator
 from torchtitan_rl.tasks.render import Renderer
 from torchtitan_rl.types import EvalShard, Prompt
 

@@ -19,6 +19,7 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.evaluation import build_evaluator
+from torchtitan_rl.generator.base import Generator
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Prompt, Rollouts
 
@@ -65,20 +66,20 @@ class RolloutProducer:
 
     def sampling_seed(self, step: int, round: int = 0) -> int:
         # Per-request seeds: samples depend on (seed, step, shard, prompt), not on batching.
-        # Each (step, shard) owns 2**20 consecutive seeds, one per sample (Generator.generate);
+        # Each (step, shard) owns 2**20 consecutive seeds, one per sample (LocalGenerator.generate);
         # a dynamic-sampling round takes the ones after the previous round's.
         run = (self.config.job.seed * 1_000_003 + step) * 4_096 + self.shard
         per_round = self.config.training.prompts_per_step // self.shards
         return (run * 2**20 + round * per_round * self.config.generator.sampling.n) % 2**62
 
-    def rollouts(self, step: int, generator) -> Rollouts:
+    def rollouts(self, step: int, generator: Generator) -> Rollouts:
         """This rank's part of its engine's rollouts of the step (`Rollouts.part`)."""
         engine_rollouts = self.engine_rollouts(step, generator)
         if self.engine_ranks == 1:
             return engine_rollouts
         return engine_rollouts.part(self.engine_rank, self.engine_ranks)
 
-    def engine_rollouts(self, step: int, generator) -> Rollouts:
+    def engine_rollouts(self, step: int, generator: Generator) -> Rollouts:
         """This shard's prompts of the step, their episodes run on `generator` and scored
         (one turn each for a single-turn task)."""
         algorithm = self.config.algorithm
@@ -116,7 +117,7 @@ class RolloutProducer:
         steps = self.config.training.steps
         return self.evaluator is not None and self.evaluator.due(version, steps)
 
-    def evaluate(self, generator, version: int) -> EvalShard:
+    def evaluate(self, generator: Generator, version: int) -> EvalShard:
         """This shard's evaluation of `generator`'s policy (after step `version`), as this rank
         adds it up with the others': counted by its engine's first rank."""
         with engine_failure_at(f"evaluating the policy after step {version}"):

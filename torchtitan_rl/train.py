@@ -1,6 +1,5 @@
 """Entry point of an RL run: the launcher (torchtitan_rl/launch.py) with the task opened once
-and handed to the loop, colocated (rl_trainer.py), disaggregated (disaggregated.py) or
-continuous (continuous.py).
+and handed to the run's placement (placements/: colocated, disaggregated or continuous).
 
     torchrun --nproc_per_node 2 -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml
     python -m torchtitan_rl.train --job.config_file run_configs/debug_cpu.toml --job.dry_run
@@ -14,18 +13,10 @@ from torchtitan_rl.episodes import OpenTask, open_task
 def run(config: JobConfig, task: OpenTask) -> None:
     # Imported in the run: torch.distributed and vLLM chatter starts with them, after the
     # console is routed to run.log.
-    from torchtitan_rl.rl_trainer import RLTrainer, load_hooks
+    from torchtitan_rl import placements
+    from torchtitan_rl.loop import load_hooks
 
-    if config.generator.placement == "disaggregated":
-        from torchtitan_rl import disaggregated
-
-        disaggregated.run(config, load_hooks(config), task)
-    elif config.generator.placement == "continuous":
-        from torchtitan_rl import continuous
-
-        continuous.run(config, load_hooks(config), task)
-    else:
-        RLTrainer(config, load_hooks(config), task).train()
+    placements.run(config, load_hooks(config), task)
 
 
 RL = launch.Program(entry="train", open=open_task, run=run)

@@ -31,7 +31,8 @@ from children import REPO, join_world, report, run_child
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.rl_trainer import Hooks, RLTrainer
+from torchtitan_rl.loop import Hooks
+from torchtitan_rl.placements.colocated import RLTrainer
 
 
 class Collect(Hooks):
@@ -47,7 +48,7 @@ def measure(flags: list[str]) -> int:
     config, rank, world = join_world(flags, prog="scripts/bench/e2e.py")
     collect = Collect()
     if config.generator.placement in ("disaggregated", "continuous"):
-        from torchtitan_rl import continuous, disaggregated
+        from torchtitan_rl.placements import continuous, disaggregated
 
         placement = disaggregated if config.generator.placement == "disaggregated" else continuous
         placement.run(config, hooks=collect)  # rank 0 trains, and collects

@@ -26,10 +26,10 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
 
     recipe = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())
-    generator = Generator(
+    generator = LocalGenerator(
         generator=GeneratorSection(
             max_model_len=args.prompt_len + args.max_tokens + 8,
             sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens),

@@ -39,7 +39,7 @@ def measure(args) -> dict | None:
         ParallelismSection,
         TrainingSection,
     )
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
     from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
     from torchtitan_rl.weight_sync import LocalTransport
 
@@ -50,7 +50,7 @@ def measure(args) -> dict | None:
     parallelism = GeneratorParallelismSection(
         tensor_parallel_degree=args.tp, expert_parallel=args.tp > 1 and args.expert_parallel
     )
-    generator = Generator(
+    generator = LocalGenerator(
         generator=GeneratorSection(
             max_model_len=args.max_tokens + 64,
             num_kv_blocks=args.kv_blocks,

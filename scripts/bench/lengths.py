@@ -74,10 +74,10 @@ def hf_lengths(args, prompt_ids: list[list[int]], pad_id: int, stop_ids: list[in
 def our_lengths(args, prompt_ids: list[list[int]]) -> list[int]:
     """Lengths of `args.n` samples of each prompt from our generator (vLLM), seeded."""
     from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
 
     flavor = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())["flavor"]
-    generator = Generator(
+    generator = LocalGenerator(
         generator=GeneratorSection(
             max_model_len=max(len(p) for p in prompt_ids) + args.max_tokens + 8,
             sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens, temperature=1.0),

@@ -46,7 +46,8 @@ from children import (
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ConfigError, parse_args
-from torchtitan_rl.rl_trainer import Hooks, RLTrainer
+from torchtitan_rl.loop import Hooks
+from torchtitan_rl.placements.colocated import RLTrainer
 from torchtitan_rl.weight_sync import SyncStats
 
 NPROC = 2

@@ -47,7 +47,7 @@ def measure_ours(args) -> dict | None:
         ParallelismSection,
         TrainingSection,
     )
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
     from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
     from torchtitan_rl.weight_sync import LocalTransport
 
@@ -58,7 +58,7 @@ def measure_ours(args) -> dict | None:
     trainer = PolicyTrainer(
         model=model, training=TrainingSection(), parallelism=ParallelismSection()
     )
-    generator = Generator(
+    generator = LocalGenerator(
         generator=GeneratorSection(max_model_len=128, cpu_packed_gemm=not args.no_pack),
         model=model,
     )
@@ -105,9 +105,9 @@ def measure_native(args) -> dict:
     from safetensors.torch import load_file, save_file
 
     from torchtitan_rl.config import GeneratorSection, ModelSection
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
 
-    generator = Generator(
+    generator = LocalGenerator(
         generator=GeneratorSection(max_model_len=128),
         model=ModelSection(hf_checkpoint=args.checkpoint),
         native=True,

@@ -21,7 +21,7 @@ from torchtitan_rl.algorithms.advantages import build_advantage
 from torchtitan_rl.algorithms.losses import build_loss
 from torchtitan_rl.config import AlgorithmSection, DistillSection, parse_args
 from torchtitan_rl.learner import build_teacher
-from torchtitan_rl.rl_trainer import RLTrainer
+from torchtitan_rl.placements.colocated import RLTrainer
 from torchtitan_rl.weight_sync.base import SyncStats
 
 REPO = Path(__file__).resolve().parents[2]

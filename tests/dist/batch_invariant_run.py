@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torchtitan_rl import platform
 from torchtitan_rl.types import rollout_batch
 from torchtitan_rl.config import parse_args
-from torchtitan_rl.rl_trainer import Hooks, RLTrainer
+from torchtitan_rl.loop import Hooks
+from torchtitan_rl.placements.colocated import RLTrainer
 
 
 class StepDiffs(Hooks):

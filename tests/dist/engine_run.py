@@ -39,7 +39,7 @@ from torchtitan_rl.config import (
     ParallelismSection,
     TrainingSection,
 )
-from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.generator.engine import LocalGenerator
 from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
@@ -83,7 +83,7 @@ def trainer_logprobs(trainer: PolicyTrainer, prompt: list[int], tokens: list[int
     return logprobs_BT[0, len(prompt) :], argmax_T
 
 
-def sampling_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+def sampling_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
     """Sampled and greedy tokens against the trainer's recomputation; names and shapes."""
     trainer = PolicyTrainer(
         model=model,
@@ -122,7 +122,7 @@ def sampling_checks(model: ModelSection, generator: Generator, rank: int, world:
     }
 
 
-def generator_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+def generator_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
     """`sampling_checks`, then what does not depend on the engine's layout: bad prompts,
     seeds, stop ids and stop strings."""
     result = sampling_checks(model, generator, rank, world)
@@ -189,7 +189,7 @@ def step_on(trainer: PolicyTrainer, prompt: list[int], completions) -> None:
     trainer.optimizer_step(batch, pg_loss)
 
 
-def lora_sync_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+def lora_sync_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
     """A LoRA policy (FSDP) into the generator (TP: each rank writes its shard): every weight
     first, then after a step only the merged adapted linears, each copy verified against the
     merged whole tensor; then the generator's weights and samples are the merged policy's."""
@@ -231,7 +231,7 @@ def lora_sync_checks(model: ModelSection, generator: Generator, rank: int, world
     }
 
 
-def weight_sync_checks(model: ModelSection, generator: Generator, rank: int, world: int) -> dict:
+def weight_sync_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
     trainer = PolicyTrainer(
         model=model,
         training=TrainingSection(lr=2e-2, max_grad_norm=0.0),
@@ -312,7 +312,7 @@ def main() -> None:
         model = MODELS.get(family) or ModelSection(
             name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
         )
-        generator = Generator(
+        generator = LocalGenerator(
             generator=GeneratorSection(
                 max_model_len=256,
                 parallelism=GeneratorParallelismSection(

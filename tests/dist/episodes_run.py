@@ -21,7 +21,7 @@ from torchtitan_rl import platform
 from torchtitan_rl.types import rollout_batch
 from torchtitan_rl.config import GeneratorSection, ModelSection, TaskSection
 from torchtitan_rl.episodes import Episodes, Source
-from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.generator.engine import LocalGenerator
 from torchtitan_rl.types import Prompt
 from torchtitan_rl.tasks.render import build_renderer
 from torchtitan_rl.models import checkpoint_stop_ids
@@ -33,7 +33,7 @@ TINY = str(REPO / "assets" / "tiny_qwen3")
 class Recording:
     """The generator, with every call's prompts and samples kept."""
 
-    def __init__(self, generator: Generator):
+    def __init__(self, generator: LocalGenerator):
         self.generator, self.calls = generator, []
 
     def generate(self, prompts, **kwargs):
@@ -67,7 +67,7 @@ def main() -> None:
     platform.init_distributed()
     generator_section = GeneratorSection(max_model_len=128, kv_cache_space_gib=1)
     generator_section.sampling.stop = list("0123456789")
-    generator = Generator(
+    generator = LocalGenerator(
         generator=generator_section, model=ModelSection(hf_checkpoint=TINY), seed=0
     )
     task = TaskSection(name="env", env="user_envs:Chatter", dataset_path=str(REPO / "data"))

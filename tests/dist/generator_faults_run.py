@@ -18,7 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import parse_args
-from torchtitan_rl.rl_trainer import RLTrainer
+from torchtitan_rl.placements.colocated import RLTrainer
 
 preemptions = 0
 _preempt = Scheduler._preempt_request

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import platform, train
-from torchtitan_rl.rl_trainer import RLTrainer
+from torchtitan_rl.placements.colocated import RLTrainer
 from torchtitan_rl.types import rollout_batch
 
 

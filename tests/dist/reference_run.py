@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from torchtitan_rl import platform, train
-from torchtitan_rl.rl_trainer import RLTrainer
+from torchtitan_rl.placements.colocated import RLTrainer
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from helpers.launch import REPO
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import GeneratorSection, ModelSection, ParallelismSection
 from torchtitan_rl.config import TrainingSection
-from torchtitan_rl.generator.engine import Generator
+from torchtitan_rl.generator.engine import LocalGenerator
 from torchtitan_rl.generator.stream import RequestStream
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import RolloutBatch
@@ -93,7 +93,7 @@ def main() -> None:
     platform.init_distributed()
     batch_invariant.enable()
     start, policy = trainer(), trainer()
-    generator = Generator(generator=GeneratorSection(max_model_len=256), model=MODEL, seed=0)
+    generator = LocalGenerator(generator=GeneratorSection(max_model_len=256), model=MODEL, seed=0)
     sync = LocalTransport(policy, generator, bucket_mb=64, verify=True)
     sync.send(0)
     stream = RequestStream(generator)

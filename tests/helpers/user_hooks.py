@@ -4,7 +4,7 @@ injected on one rank at one point of the loop (tests/integration/test_long_runs.
 import os
 import time
 
-from torchtitan_rl.rl_trainer import Hooks
+from torchtitan_rl.loop import Hooks
 
 FAULT_STEP = 2
 

@@ -10,7 +10,7 @@ process, batch-invariant); the runs are real torchrun worlds of 2 ranks on the t
 import pytest
 from helpers.launch import HELPERS, metric_rows, run_dist, run_train
 
-from torchtitan_rl.rl_trainer import PLACEMENT_METRICS
+from torchtitan_rl.loop import PLACEMENT_METRICS
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from helpers import runs
 from helpers.launch import metric_rows, run_train
 from safetensors.torch import load_file
 
-from torchtitan_rl.rl_trainer import PLACEMENT_METRICS
+from torchtitan_rl.loop import PLACEMENT_METRICS
 
 DISAGGREGATED = (
     "--job.config_file",

@@ -35,7 +35,7 @@ from torchtitan_rl.config import (
     parse_args,
 )
 from torchtitan_rl.episodes import open_task
-from torchtitan_rl.generator.engine import Generator, check_tokenizer_fits
+from torchtitan_rl.generator.engine import LocalGenerator, check_tokenizer_fits
 from torchtitan_rl.launch import check_dump_folder
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
@@ -477,7 +477,7 @@ def test_cpu_sleep_mode_with_a_tensor_parallel_generator_is_refused_before_the_e
         parallelism=GeneratorParallelismSection(tensor_parallel_degree=2),
     )
     with pytest.raises(ConfigError, match="enable_sleep_mode = true frees the weight tensors"):
-        Generator(generator=generator, model=ModelSection(hf_checkpoint=TINY))
+        LocalGenerator(generator=generator, model=ModelSection(hf_checkpoint=TINY))
 
 
 # ---- Damaged input files, each opened by the function of the run that reads it ----
@@ -521,7 +521,7 @@ def render(tmp: Path) -> None:
 OPENERS = {
     "trainer": lambda tmp: read_hf_shapes(str(tmp / "ckpt")),
     # Checked before vLLM's own loader reads the weights.
-    "generator": lambda tmp: Generator(
+    "generator": lambda tmp: LocalGenerator(
         generator=GeneratorSection(), model=ModelSection(hf_checkpoint=str(tmp / "ckpt"))
     ),
     "tokenizer": lambda tmp: load_tokenizer(str(tmp / "ckpt")),

@@ -11,7 +11,7 @@ import pickle
 import torch
 
 from torchtitan_rl.checkpoint import TrainState
-from torchtitan_rl.continuous import Cursor
+from torchtitan_rl.placements.continuous import Cursor
 from torchtitan_rl.types import Sample, rollout_batch
 
 

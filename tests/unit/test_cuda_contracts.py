@@ -280,9 +280,9 @@ def test_generator_sleeps_and_wakes_the_engine_on_cuda(on_cuda):
     """With generator.enable_sleep_mode on CUDA: level-1 sleep while the trainer trains, wake
     before weight sync; the weights survive (offloaded), so weight sync may send only what
     changed (`weights_dropped` is False)."""
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
 
-    generator = object.__new__(Generator)
+    generator = object.__new__(LocalGenerator)
     generator.config = GeneratorSection(enable_sleep_mode=True)
     generator.engine = standins.SleepingEngine()
     assert not generator.weights_dropped
@@ -314,7 +314,7 @@ def test_engine_arguments_on_cuda_and_cpu(device, monkeypatch):
     monkeypatch.setattr(vllm.LLMEngine, "from_engine_args", staticmethod(capture))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     with pytest.raises(KeyboardInterrupt):
-        engine.Generator(
+        engine.LocalGenerator(
             generator=GeneratorSection(enable_sleep_mode=True),
             model=ModelSection(hf_checkpoint=TINY),
         )

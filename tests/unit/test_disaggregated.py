@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_rl import disaggregated
 from torchtitan_rl.config import parse_args
-from torchtitan_rl.disaggregated import DisaggregatedTrainer, StalenessError
+from torchtitan_rl.placements import disaggregated
+from torchtitan_rl.placements.disaggregated import DisaggregatedTrainer, StalenessError
 from torchtitan_rl.types import Completions, Rollout, Rollouts
 
 

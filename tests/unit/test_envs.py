@@ -13,7 +13,7 @@ from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.episodes import Episodes, Source, open_task
-from torchtitan_rl.rl_trainer import load_hooks
+from torchtitan_rl.loop import load_hooks
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
 from torchtitan_rl.types import Completions, Prompt, Sample

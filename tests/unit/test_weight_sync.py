@@ -25,7 +25,7 @@ def params(**shapes) -> dict[str, nn.Parameter]:
 
 
 class FakeGenerator:
-    """Stands in for Generator's weights and refresh hook in unit tests of the copy alone."""
+    """Stands in for LocalGenerator's weights and refresh hook in unit tests of the copy alone."""
 
     policy_version = 0
     refreshed = 0

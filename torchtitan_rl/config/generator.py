@@ -89,7 +89,8 @@ class GeneratorSection:
     generator.num_ranks ranks of the torchrun world only generate, the others only train;
     weights travel by broadcast in buckets after every optimizer step. continuous: ranks split
     as disaggregated, but each generator keeps its engine full, admitting groups as others
-    finish, and takes new weights between engine steps without draining (continuous.py)."""
+    finish, and takes new weights between engine steps without draining
+    (placements/continuous.py)."""
     num_ranks: int = 1
     """Generator ranks in disaggregated and continuous placement (a multiple of the trainer
     ranks)."""

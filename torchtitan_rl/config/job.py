@@ -30,7 +30,7 @@ class JobSection:
     """Show library output (vLLM, torch, warnings) on the console too; by default it goes only
     to {dump_folder}/run.log and the console shows this project's lines and errors."""
     hooks: str | None = None
-    """A class 'module:Class' of rl_trainer.Hooks (a scheduler, a logger), built with the
+    """A class 'module:Class' of loop.Hooks (a scheduler, a logger), built with the
     JobConfig and called before and after each step's stages; None: no hooks."""
     phase_timeout_s: float = 1800.0
     """The longest any phase of a step (generate, train, weight_sync, eval, checkpoint) may run

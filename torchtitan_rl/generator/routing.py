@@ -26,7 +26,7 @@ class RoutingLog:
         self.routers = routers
         self.runner = None
         """vLLM's model runner, whose `input_batch` lists the step's requests in row order
-        (bound by `Generator` once the engine exists)."""
+        (bound by `LocalGenerator` once the engine exists)."""
         self._step: list[torch.Tensor] = []
         self._requests: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for router in routers:

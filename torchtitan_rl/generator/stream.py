@@ -21,9 +21,9 @@ another episode's.
 import asyncio
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from torchtitan_rl.types import Delta, Sample
+from torchtitan_rl.generator.base import Generator
+from torchtitan_rl.types import Sample
 
 
 @dataclass(slots=True)
@@ -38,28 +38,10 @@ class Live:
     """The policy version that sampled each token."""
 
 
-class Engine(Protocol):
-    """What a stream needs of an engine: generator.engine.Generator, or a RemoteGenerator."""
-
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        *,
-        seed: int,
-        max_tokens: int,
-        temperature: float | None = None,
-    ) -> None: ...
-
-    def step_outputs(self) -> list[Delta]: ...
-
-    def abort(self, request_ids: list[str]) -> None: ...
-
-
 class RequestStream:
     """Requests of one sample each (n = 1) on `engine`, stepped one engine step at a time."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Generator):
         self.engine = engine
         self.live: dict[str, Live] = {}
         self._next = 0
@@ -147,7 +129,9 @@ class AsyncStream:
         )
         try:
             return await future
-        except asyncio.CancelledError:  # its group was dropped (continuous.py): free the engine
+        except (
+            asyncio.CancelledError
+        ):  # its group was dropped (placements/continuous.py): free the engine
             self.waiting.pop(key, None)
             self.stream.abort({key})
             raise

@@ -24,7 +24,7 @@ TRANSPORTS = {
 
 def transport(config, trainer, peer) -> Transport:
     """The run's transport from `trainer` (a PolicyTrainer), by its placement. `peer` is what
-    the transport reaches the generators through: the Generator of this process (colocated),
+    the transport reaches the generators through: the LocalGenerator of this process (colocated),
     or the run's Topology (disaggregated)."""
     return TRANSPORTS[config.generator.placement].build(config, trainer, peer)
 

@@ -233,7 +233,7 @@ class WeightSync:
 
 
 class LocalTransport:
-    """The colocated Transport (base.py): a WeightSync from a PolicyTrainer into the Generator
+    """The colocated Transport (base.py): a WeightSync from a PolicyTrainer into the LocalGenerator
     of the same process (their live parameters)."""
 
     def __init__(self, trainer, generator, *, bucket_mb: float, verify: bool):
@@ -248,7 +248,7 @@ class LocalTransport:
 
     @classmethod
     def build(cls, config, trainer, generator) -> "LocalTransport":
-        """The transport of a run (`weight_sync.transport`): to this process's Generator."""
+        """The transport of a run (`weight_sync.transport`): to this process's LocalGenerator."""
         return cls(
             trainer,
             generator,

@@ -42,17 +42,17 @@ import torch.distributed as dist
 from torchtitan_rl import platform, watchdog
 from torchtitan_rl.checkpoint import TrainState
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.disaggregated import (
+from torchtitan_rl.episodes import OpenTask
+from torchtitan_rl.generator.stream import AsyncStream, RequestStream
+from torchtitan_rl.loop import Hooks
+from torchtitan_rl.placements.disaggregated import (
     DisaggregatedTrainer,
     GeneratorWorker,
     Topology,
     _send,
     _start_step,
 )
-from torchtitan_rl.episodes import OpenTask
-from torchtitan_rl.generator.stream import AsyncStream, RequestStream
 from torchtitan_rl.producer import check_rewards, engine_failure_at
-from torchtitan_rl.rl_trainer import Hooks
 from torchtitan_rl.types import Rollout, Rollouts
 
 WEIGHTS_KEY = "torchtitan_rl/continuous/weights/"

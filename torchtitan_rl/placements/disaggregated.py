@@ -47,9 +47,9 @@ from torchtitan_rl.episodes import OpenTask, open_task
 from torchtitan_rl.evaluation import build_evaluator, log_eval
 from torchtitan_rl.generator.remote import EngineWorld, RemoteGenerator
 from torchtitan_rl.learner import Learner, rollout_metrics
+from torchtitan_rl.loop import Hooks, step_metrics, train
 from torchtitan_rl.metrics import run_metrics
 from torchtitan_rl.producer import RolloutProducer, engine_failure_at
-from torchtitan_rl.rl_trainer import Hooks, step_metrics, train
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError
 from torchtitan_rl.types import EvalShard, Rollout, Rollouts
 from torchtitan_rl.weight_sync import SyncStats, transport
