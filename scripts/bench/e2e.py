@@ -1,6 +1,6 @@
 """Benchmark whole RL steps: the train entry point's config and flags, one JSON line of figures.
 
-    .venv/bin/python scripts/bench/e2e.py --nproc 2 [--peer trl] \
+    .venv/bin/python scripts/bench/e2e.py --nproc 2 [--peer trl|trl-vllm] \
         --job.config_file run_configs/debug_cpu.toml --training.steps 20 [--batch_invariant true]
 
 Runs RLTrainer for `training.steps` steps under `torchrun --nproc_per_node N` and prints the
@@ -8,8 +8,10 @@ median over steps 2.. (step 1 warms up) of the step time and its generate / scor
 weight-sync / other split, the generated tokens per second, and the run's shape. Before the run
 it measures `peak_gflops`, the best fp32 GEMM rate of N threads here, and reports `mfu`: the
 step's model FLOPs (2 N_params per prompt and generated token, 6 N_params per trained token)
-/ step time / peak. With `--peer trl` it then runs TRL's GRPOTrainer on the same flags
-(scripts/bench/trl_peer.py, N threads in one process) and adds `trl_step_s`,
+/ step time / peak. With `--peer trl` (HF generate) or `--peer trl-vllm` (TRL's colocated
+vLLM, as its users run it; `--peer_micro_batches M`: its step's gradient accumulated over M
+micro-batches) it then runs TRL's GRPOTrainer on the same flags (scripts/bench/trl_peer.py, N
+threads in one process) and adds `trl_step_s`,
 `trl_ratio` = TRL step / our step, and TRL's completion lengths (mean over steps, and max)
 beside ours (`response_length_mean`, `response_length_max`). `trained_tokens_per_s`: completion
 tokens trained per second of wall time; `trainer_busy` and `generator_busy`: the median share
@@ -154,13 +156,13 @@ def run(nproc: int, flags: list[str]) -> dict:
     return run_child([*torchrun, "--nproc_per_node", str(nproc), script, "--child", *flags])
 
 
-def run_peer(threads: int, flags: list[str]) -> dict:
-    """TRL's GRPOTrainer on the same flags (scripts/bench/trl_peer.py); its JSON line."""
+def run_peer(threads: int, flags: list[str], peer_flags: tuple[str, ...] = ()) -> dict:
+    """TRL's GRPOTrainer on the same flags (scripts/bench/trl_peer.py, with `peer_flags`: its
+    own, `--vllm`, `--micro_batches M`); its JSON line."""
     script = str(REPO / "scripts" / "bench" / "trl_peer.py")
     began = time.perf_counter()
-    child = subprocess.run(
-        [sys.executable, script, "--threads", str(threads), *flags], capture_output=True, text=True
-    )
+    command = [sys.executable, script, "--threads", str(threads), *peer_flags, *flags]
+    child = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode != 0 or not lines:
         sys.exit(
@@ -173,15 +175,19 @@ def main() -> int:
     args = sys.argv[1:]
     if args[:1] == ["--child"]:
         return measure(args[1:])
-    nproc, peer = 1, None
-    while args[:1] in (["--nproc"], ["--peer"]):
+    nproc, peer, peer_micro_batches = 1, None, 1
+    while args[:1] in (["--nproc"], ["--peer"], ["--peer_micro_batches"]):
         if args[0] == "--nproc":
             nproc = int(args[1])
-        else:
+        elif args[0] == "--peer":
             peer = args[1]
+        else:
+            peer_micro_batches = int(args[1])
         args = args[2:]
-    if peer not in (None, "trl"):
-        print(f"error: --peer {peer}: the one peer is trl", file=sys.stderr)
+    if peer not in (None, "trl", "trl-vllm"):
+        print(
+            f"error: --peer {peer}: the peers are trl (HF generate) and trl-vllm", file=sys.stderr
+        )
         return 2
     try:
         config = parse_args(args, nproc, prog="scripts/bench/e2e.py")
@@ -192,8 +198,13 @@ def main() -> int:
     result = {"bench": "e2e", **run(nproc, args), "peak_gflops": round(peak, 1)}
     if result["model_tflop_per_step"]:
         result["mfu"] = round(result["model_tflop_per_step"] * 1e3 / result["step_s"] / peak, 3)
-    if peer == "trl":
-        trl = run_peer(nproc, args)
+    if peer is not None:
+        peer_flags = ("--micro_batches", str(peer_micro_batches))
+        if peer == "trl-vllm":
+            peer_flags = ("--vllm", *peer_flags)
+        trl = run_peer(nproc, args, peer_flags)
+        result["trl_peer"] = peer
+        result["trl_micro_batches"] = peer_micro_batches
         result["trl_step_s"] = trl["step_s"]
         result["trl_response_length"] = trl["response_length"]
         result["trl_response_length_max"] = trl["response_length_max"]
