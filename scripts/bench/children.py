@@ -65,6 +65,12 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def children_peak_rss_gib() -> float:
+    """The largest peak RSS of this process's children that ended, GiB (a generator rank's
+    engine process, once joined)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+
+
 def tree_rss_bytes(root: int) -> int:
     """Total RSS of every descendant of process `root` (shared pages counted in each)."""
     parents, rss = {}, {}

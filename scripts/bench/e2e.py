@@ -16,7 +16,8 @@ threads in one process) and adds `trl_step_s`,
 beside ours (`response_length_mean`, `response_length_max`). `trained_tokens_per_s`: completion
 tokens trained per second of wall time; `trainer_busy` and `generator_busy`: the median share
 of a step each side works (colocated: the share each phase takes of the ranks' step;
-continuous: the generator's engine-step time since its previous batch). With
+continuous: the generator's engine-step time since its previous batch); `peak_rss_gib_per_rank`
+and `peak_rss_gib_children_per_rank` (a generator rank's engine process). With
 `--batch_invariant true` it runs the same config with the mode off too and adds `cost_ratio`:
 step time on / off. With a distill teacher (`--distill.teacher_checkpoint`) it runs the same
 config without the teacher and with the KL reference instead (`--algorithm.kl_beta 0.001`), and
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from children import REPO, join_world, report, run_child
+from children import REPO, children_peak_rss_gib, join_world, peak_rss_gib, report, run_child
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ConfigError, parse_args
@@ -60,6 +61,8 @@ def measure(flags: list[str]) -> int:
         for step in range(1, config.training.steps + 1):
             trainer.train_step(step)
         flops = model_flops(trainer, collect.rows)
+    # Each rank's peak RSS, and its children's (a generator rank's engine process).
+    memory = platform.all_gather_objects((peak_rss_gib(), children_peak_rss_gib()))
     platform.shutdown_distributed()
     if rank == 0:
         timed = collect.rows[1:] or collect.rows
@@ -101,6 +104,8 @@ def measure(flags: list[str]) -> int:
                 )
                 if config.generator.placement == "continuous"
                 else busy(timed, ("time/generate_s", "time/env_s")),
+                "peak_rss_gib_per_rank": [round(own, 2) for own, _ in memory],
+                "peak_rss_gib_children_per_rank": [round(kids, 2) for _, kids in memory],
                 "placement": config.generator.placement,
                 "max_offpolicy_steps": config.algorithm.max_offpolicy_steps,
                 "model_path": config.model.hf_checkpoint,

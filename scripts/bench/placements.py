@@ -35,6 +35,8 @@ KEYS = (
     "generator_busy",
     "response_length_mean",
     "response_length_max",
+    "peak_rss_gib_per_rank",
+    "peak_rss_gib_children_per_rank",
 )
 SHAPE = ("model_path", "prompts_per_step", "group_size", "max_tokens", "steps")
 
