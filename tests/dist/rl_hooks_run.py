@@ -10,9 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from torchtitan_rl.placements import disaggregated, platform
+from torchtitan_rl import platform
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.loop import Hooks
+from torchtitan_rl.placements import disaggregated
 from torchtitan_rl.placements.colocated import RLTrainer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -236,7 +236,7 @@ BAD_INPUTS = {
     "in-flight knobs outside the continuous placement": (
         '[generator]\ninflight_kv = "keep"\n',
         [],
-        ["generator.max_inflight_groups and generator.inflight_kv act only in continuous"],
+        ["generator.max_inflight_groups, generator.inflight_kv and generator.batch_order act only"],
     ),
     "off-policy steps while colocated": (
         "[algorithm]\nmax_offpolicy_steps = 2\n",

@@ -98,6 +98,11 @@ class GeneratorSection:
     """Continuous placement: the groups a generator rank holds at once, in flight or finished
     and not yet sent (None: twice its share of training.prompts_per_step). More keeps the
     engine fuller through long tails; each group costs its KV and its rollouts' memory."""
+    batch_order: Literal["completion", "admission"] = "completion"
+    """Continuous placement: a training batch is the first groups to finish ("completion":
+    the engine never waits for a straggler, but batches depend on timing), or the next groups
+    in the order they were admitted, once all of them finished ("admission": the prompts and
+    seeds of the other placements' batches, at the price of waiting for their stragglers)."""
     inflight_kv: Literal["recompute", "keep"] = "recompute"
     """Continuous placement, after a weight update: the KV of the requests in flight is
     recomputed with the new weights (exact: each token's logprob is its version's over its
@@ -160,11 +165,12 @@ class GeneratorSection:
             f"generator.max_inflight_groups = {self.max_inflight_groups}: must be >= 1, or unset",
         )
         continuous = self.placement == "continuous"
+        in_flight = (self.max_inflight_groups, self.inflight_kv, self.batch_order)
         require(
-            continuous or (self.max_inflight_groups is None and self.inflight_kv == "recompute"),
-            "generator.max_inflight_groups and generator.inflight_kv act only in continuous "
-            "placement (elsewhere no request is in flight at a weight update): set "
-            "generator.placement = 'continuous', or leave them unset",
+            continuous or in_flight == (None, "recompute", "completion"),
+            "generator.max_inflight_groups, generator.inflight_kv and generator.batch_order act "
+            "only in continuous placement (elsewhere no request is in flight at a weight "
+            "update): set generator.placement = 'continuous', or leave them unset",
         )
         self.parallelism.validate(world_size)
         self.sampling.validate()

@@ -17,7 +17,10 @@ that sampled it (`Sample.versions`).
 Batches: the training batch of step s is the first `share` groups (training.prompts_per_step
 over the generator ranks) to finish, in completion order (groups finishing in one engine step in
 their admission order). Completion order depends on timing, so two runs need not sample the same
-batches: unlike the other placements, a run is not bitwise reproducible.
+batches: unlike the other placements, a run is not bitwise reproducible. With
+generator.batch_order = "admission" a batch is the next `share` groups in admission order, sent
+once all of them finished: the other placements' batches, at the price of waiting for their
+stragglers (later groups keep the engine busy meanwhile).
 
 Staleness: algorithm.max_offpolicy_steps = k bounds the age of every token: the batch of step s
 holds only tokens of versions >= s - 1 - k. A generator admits no group while its weights are
@@ -97,6 +100,19 @@ class Cursor:
             if group not in above:
                 yield group
             group += 1
+
+
+def next_batch(finished: list[int], running: list[int], share: int, order: str) -> list[int] | None:
+    """The positions in `finished` (group numbers, in completion order) of the next batch of
+    `share` groups, or None while it is not complete. "completion": the first to finish.
+    "admission": the `share` lowest numbers held (finished or `running`), once all finished."""
+    if order == "completion":
+        return list(range(share)) if len(finished) >= share else None
+    lowest = sorted(finished + running)[:share]
+    where = {index: position for position, index in enumerate(finished)}
+    if len(lowest) < share or any(index not in where for index in lowest):
+        return None
+    return [where[index] for index in lowest]
 
 
 @dataclass
@@ -183,8 +199,16 @@ class ContinuousWorker:
                 self.take_weights()
             self.collect()
             self.expire(oldest=step - 1 - k)
-            if len(self.finished) >= self.share:
-                batch, self.finished = self.finished[: self.share], self.finished[self.share :]
+            order = self.config.generator.batch_order
+            chosen = next_batch(
+                [g.index for g, _ in self.finished],
+                [g.index for g in self.running],
+                self.share,
+                order,
+            )
+            if chosen is not None:
+                batch = [self.finished[i] for i in chosen]
+                self.finished = [f for i, f in enumerate(self.finished) if i not in set(chosen)]
                 self.send(step, batch, time.perf_counter() - last_sent)
                 step, last_sent = step + 1, time.perf_counter()
                 continue
