@@ -239,7 +239,7 @@ class Episodes:
         env_s += time.perf_counter() - began
 
         async def episode(j: int, episode: Episode) -> tuple[str, float]:
-            episode_seed, context, spent = seed + j, first_ids, 0.0
+            episode_seed, spent = seed + j, 0.0
             sample = await stream.sample(
                 first_ids, seed=episode_seed, max_tokens=max_tokens, temperature=temperature
             )

@@ -523,19 +523,23 @@ def _each(value, count: int) -> list:
     return [value] * count
 
 
+def _sampled_logprobs(completion) -> list[float]:
+    """The logprob of each token of a completion (vLLM's FlatLogprobs with logprobs=0: one
+    entry per position, the sampled token's)."""
+    flat = completion.logprobs
+    if [flat.token_ids[s] for s in flat.start_indices] != list(completion.token_ids):
+        raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
+    return [flat.logprobs[s] for s in flat.start_indices]
+
+
 def _delta(output, version: int) -> Delta:
     """A DELTA output of a one-sample request, compact (a remote engine pickles it)."""
     completion = output.outputs[0]
-    token_ids = list(completion.token_ids)
-    # FlatLogprobs with logprobs=0: one entry per position, the sampled token's.
-    flat = completion.logprobs
-    if [flat.token_ids[s] for s in flat.start_indices] != token_ids:
-        raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
     finish = (completion.finish_reason or "length") if output.finished else None
     return Delta(
         output.request_id,
-        token_ids,
-        [flat.logprobs[s] for s in flat.start_indices],
+        list(completion.token_ids),
+        _sampled_logprobs(completion),
         version,
         finish,
     )
@@ -547,11 +551,7 @@ def _samples(output, routing: RoutingLog | None) -> list[Sample]:
     samples = []
     length = len(output.prompt_token_ids)
     for completion in output.outputs:
-        # FlatLogprobs with logprobs=0: one entry per position, the sampled token's.
-        flat = completion.logprobs
-        if [flat.token_ids[s] for s in flat.start_indices] != list(completion.token_ids):
-            raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
-        logprobs = [flat.logprobs[s] for s in flat.start_indices]
+        logprobs = _sampled_logprobs(completion)
         routed = None
         if routing is not None:
             child = output.request_id if len(output.outputs) == 1 else None

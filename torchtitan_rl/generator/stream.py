@@ -31,7 +31,6 @@ class Live:
     """A request in flight: what it has sampled so far."""
 
     key: Hashable
-    prompt_len: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -61,7 +60,7 @@ class RequestStream:
         self.engine.submit(
             request_id, prompt_token_ids, seed=seed, max_tokens=max_tokens, temperature=temperature
         )
-        self.live[request_id] = Live(key, len(prompt_token_ids))
+        self.live[request_id] = Live(key)
 
     def __len__(self) -> int:
         """Requests in flight."""
@@ -102,9 +101,9 @@ class RequestStream:
 
 
 class AsyncStream:
-    """A RequestStream on an event loop: `sample` is awaited by an episode; `pump` steps the
-    engine while any request is in flight, calling `between_steps` before each step (where new
-    weights load)."""
+    """A RequestStream on an event loop: `sample` is awaited by an episode; `step`, called by
+    the loop that owns the engine (placements/continuous.py, which takes new weights between
+    steps), resolves the samples that finished."""
 
     def __init__(self, stream: RequestStream):
         self.stream = stream
@@ -129,9 +128,8 @@ class AsyncStream:
         )
         try:
             return await future
-        except (
-            asyncio.CancelledError
-        ):  # its group was dropped (placements/continuous.py): free the engine
+        except asyncio.CancelledError:
+            # Its group was dropped (placements/continuous.py): free the engine.
             self.waiting.pop(key, None)
             self.stream.abort({key})
             raise

@@ -141,6 +141,8 @@ class ContinuousWorker:
         self.prompts: dict[int, list] = {}
         self.busy_s = 0.0
         self.straddled = self.dropped = 0
+        self.pending: list = []
+        """Messages sent, their sends not yet waited for (disaggregated._send)."""
 
     def prompt(self, index: int):
         """Group `index`'s prompt and first seed."""
@@ -192,14 +194,13 @@ class ContinuousWorker:
         self.untaken, self.again = cursor.untaken(), []
         self.running: list[Group] = []
         self.finished: list[tuple[Group, Rollouts]] = []
-        self.pending: list = []
+        order = self.config.generator.batch_order
         step, last_sent = start + 1, time.perf_counter()
         while step <= steps:
             if announced(self.generator.policy_version + 1):
                 self.take_weights()
             self.collect()
             self.expire(oldest=step - 1 - k)
-            order = self.config.generator.batch_order
             chosen = next_batch(
                 [g.index for g, _ in self.finished],
                 [g.index for g in self.running],
@@ -208,7 +209,8 @@ class ContinuousWorker:
             )
             if chosen is not None:
                 batch = [self.finished[i] for i in chosen]
-                self.finished = [f for i, f in enumerate(self.finished) if i not in set(chosen)]
+                taken = set(chosen)
+                self.finished = [f for i, f in enumerate(self.finished) if i not in taken]
                 self.send(step, batch, time.perf_counter() - last_sent)
                 step, last_sent = step + 1, time.perf_counter()
                 continue
@@ -319,11 +321,11 @@ class TrainerSide:
                     samples += 1
         names = sorted(messages[0].figures)
         sums = torch.tensor(
-            [float(sum(ages)), float(len(ages)), float(straddling), float(samples), 1.0]
+            [float(sum(ages)), float(len(ages)), float(straddling), float(samples)]
+            + [float(len(messages))]
             + [sum(m.figures[name] for m in messages) for name in names],
             dtype=torch.float64,
         )
-        sums[4] = len(messages)
         platform.all_reduce_host(sums, group=group)
         worst = torch.tensor([float(max(ages, default=0))])
         platform.all_reduce_host(worst, op=dist.ReduceOp.MAX, group=group)
