@@ -39,7 +39,7 @@ from torchtitan_rl.config import (
     ParallelismSection,
     TrainingSection,
 )
-from torchtitan_rl.generator.engine import LocalGenerator
+from torchtitan_rl.generator.engine import LocalGenerator, kv_block_bytes
 from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
@@ -291,6 +291,10 @@ def weight_sync_checks(model: ModelSection, generator: LocalGenerator, rank: int
     }
 
 
+def kv_cache_bytes(worker) -> int:
+    return sum(c.numel() * c.element_size() for c in worker.model_runner.kv_caches)
+
+
 def main() -> None:
     out, pairs = Path(sys.argv[1]), sys.argv[2:]
     platform.patch_torchtitan()
@@ -324,6 +328,9 @@ def main() -> None:
         )
         results = {c: run[c](model, generator, replica, world) for c in checks.split(",")}
         results["local_numel"] = sum(local(t).numel() for t in generator.weights().values())
+        # The KV cache vLLM allocated, and the block size the CPU cap reckons with.
+        (results["kv_cache_bytes"],) = generator.engine.collective_rpc(kv_cache_bytes)
+        results["kv_block_bytes"] = kv_block_bytes(model, generator.config)
         torch.save(results, out / f"{name}.rank{rank}.pt")
         del generator
         gc.collect()

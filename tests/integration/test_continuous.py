@@ -80,17 +80,23 @@ CONTINUOUS = (
 
 def test_multi_turn_run_exact_at_k0_then_resumed_in_flight_at_k1(tmp_path):
     """Steps 1-3 at k = 0 in admission order: the other placements' batches, every token of
-    step s sampled by version s - 1, logprob_diff 0.0 (batch-invariant). Resumed from step 3's
-    checkpoint at k = 1, in completion order, to step 6: the groups trained on before are not
+    step s sampled by version s - 1, logprob_diff 0.0 (batch-invariant): each version received
+    whole into the generator's second copy while it generated, then taken. Resumed from step
+    3's checkpoint at k = 1, in completion order, to step 6, receiving straight into the engine
+    between its steps (double_buffer_weights false): the groups trained on before are not
     sampled again, the others are, each once; tokens straddle updates and none is older than
-    k."""
+    k; on-policy tokens stay exact."""
     common = (*CONTINUOUS, "--job.dump_folder", str(tmp_path))
     env = {"PYTHONPATH": HELPERS}
     in_order = ("--generator.batch_order", "admission", "--metrics.rollout_log_interval", "1")
     first = run_train(*common, *in_order, "--training.steps", "3", nproc=2, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_train(
-        *common, "--training.steps", "6", "--algorithm.max_offpolicy_steps", "1", nproc=2, env=env
+        *common,
+        *("--training.steps", "6", "--algorithm.max_offpolicy_steps", "1"),
+        *("--generator.double_buffer_weights", "false"),
+        nproc=2,
+        env=env,
     )
     assert second.returncode == 0, second.stderr[-3000:]
     rows = metric_rows(tmp_path)

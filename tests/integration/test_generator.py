@@ -129,3 +129,16 @@ def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines
         assert rank["generator_params"] == rank["trainer_params"]  # whole shapes, same names
     local = [rank["local_numel"] for rank in engines_two_ranks["qwen3@tp2"]]
     assert local[0] == local[1] < 0.51 * tp1["local_numel"]  # norms are replicated
+
+
+def test_the_kv_cache_cap_reckons_blocks_as_vllm_allocates_them(engines_two_ranks, engines_plain):
+    # Unset num_kv_blocks: vLLM fills kv_cache_space_gib (1 GiB) with whole blocks, each the
+    # size generator.num_kv_blocks is capped by (engine.kv_block_bytes): dense, one tensor
+    # parallel rank's heads, sliding-window layers (gpt-oss).
+    worlds = {**engines_two_ranks, **engines_plain}
+    for name in ("qwen3", "qwen3@tp2", "llama3", "gpt_oss"):
+        for rank in worlds[name]:
+            block = rank["kv_block_bytes"]
+            assert rank["kv_cache_bytes"] == 2**30 // block * block, name
+    tp1, tp2 = engines_two_ranks["qwen3"][0], engines_two_ranks["qwen3@tp2"][0]
+    assert tp2["kv_block_bytes"] * 2 == tp1["kv_block_bytes"]

@@ -236,7 +236,12 @@ BAD_INPUTS = {
     "in-flight knobs outside the continuous placement": (
         '[generator]\ninflight_kv = "keep"\n',
         [],
-        ["generator.max_inflight_groups, generator.inflight_kv and generator.batch_order act only"],
+        ["generator.max_inflight_groups, generator.inflight_kv, generator.batch_order and "],
+    ),
+    "a single weight buffer outside the continuous placement": (
+        '[generator]\nplacement = "disaggregated"\ndouble_buffer_weights = false\n',
+        ["--world_size_for_test", "2"],
+        ["generator.double_buffer_weights act only in continuous placement"],
     ),
     "off-policy steps while colocated": (
         "[algorithm]\nmax_offpolicy_steps = 2\n",

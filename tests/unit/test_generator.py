@@ -76,3 +76,23 @@ def test_the_eager_rank_count_gives_vllms_integers_across_chunks():
     assert engine.count_greater_equal(x_NV[:0], values_N1[:0]).shape == (0,)
     engine._use_eager_logprob_ranks()
     assert sampler.batched_count_greater_than is engine.count_greater_equal
+
+
+def test_num_kv_blocks_is_capped_at_what_the_kv_space_holds(capsys):
+    """512 blocks of the debugmodel (8 layers x 8 KV heads x 128 dims x 2 x 128 tokens x 4 B =
+    8 MiB a block) would be 4 GiB: capped at the 1 GiB space's 128, and said; the tiny model's
+    512 (128 KiB each) fit, and unset stays vLLM's."""
+    from torchtitan_rl.config import GeneratorSection, ModelSection
+    from torchtitan_rl.generator.engine import kv_block_bytes, kv_blocks
+
+    debug, tiny = ModelSection(flavor="debugmodel"), ModelSection(flavor="tiny")
+    capped = GeneratorSection(num_kv_blocks=512, kv_cache_space_gib=1)
+    assert kv_block_bytes(debug, capped) == 8 * 2**20
+    assert kv_blocks(debug, capped) == 128
+    assert "num_kv_blocks = 512 blocks of 8 MiB would take 4 GiB" in capsys.readouterr().err
+    assert kv_blocks(ModelSection(flavor="debugmodel"), GeneratorSection(num_kv_blocks=100)) == 100
+    assert kv_blocks(debug, GeneratorSection(num_kv_blocks=512, kv_cache_space_gib=4)) == 512
+    assert kv_block_bytes(tiny, capped) == 128 * 2**10 and kv_blocks(tiny, capped) == 512
+    assert kv_blocks(tiny, GeneratorSection()) is None
+    bf16 = GeneratorSection(num_kv_blocks=512, dtype="bfloat16")
+    assert kv_block_bytes(debug, bf16) == 4 * 2**20 and kv_blocks(debug, bf16) == 256

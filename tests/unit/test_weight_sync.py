@@ -4,19 +4,16 @@ verification. With real trainers and engines: tests/integration/test_weight_sync
     .venv/bin/python -m pytest tests/unit/test_weight_sync.py
 """
 
+import queue
+import time
+
 import pytest
 import torch
 import torch.nn as nn
-from helpers.launch import run_dist
 
 import torchtitan_rl.weight_sync.local
 from torchtitan_rl.weight_sync import TRANSPORTS, LocalTransport, WeightSync, WeightSyncError
-
-
-def launch(tmp_path_factory, nproc: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"weight_sync_w{nproc}")
-    run_dist("weight_sync_run.py", str(out), nproc=nproc)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(nproc, 1))]
+from torchtitan_rl.weight_sync.broadcast import STOP, BroadcastReceiver, StagedReceiver
 
 
 def params(**shapes) -> dict[str, nn.Parameter]:
@@ -104,3 +101,69 @@ def test_every_placement_has_a_transport_with_the_interface():
     for cls in TRANSPORTS.values():
         for method in ("send", "stop", "build"):
             assert callable(getattr(cls, method)), (cls, method)
+
+
+class QueuedReceiver(BroadcastReceiver):
+    """A BroadcastReceiver whose broadcasts are a queue: `_buckets` and `_flat` block until the
+    test puts a header or a bucket (the real gloo broadcast under StagedReceiver:
+    tests/integration/test_continuous.py, exact at k = 0)."""
+
+    def __init__(self, generator):
+        super().__init__(generator, leader=0, group=None, bucket_mb=64)
+        self.queue: queue.Queue = queue.Queue()
+        self.flats_made = 0
+
+    def _buckets(self, params):
+        version = self.queue.get(timeout=30)
+        return None if version == STOP else (version, [sorted(params)])
+
+    def _flat(self, names, params, into=None):
+        value = self.queue.get(timeout=30)
+        flat = into.get(tuple(names)) if into is not None else None
+        if flat is None:
+            flat = torch.empty(sum(params[n].numel() for n in names))
+            self.flats_made += 1
+            if into is not None:
+                into[tuple(names)] = flat
+        flat.fill_(value)
+        return flat
+
+
+def test_staged_weights_arrive_while_the_engine_runs_and_land_only_when_taken():
+    weights = {"a": torch.zeros(3), "b": torch.zeros(2, 2)}
+    generator = FakeGenerator(weights)
+    receiver = QueuedReceiver(generator)
+    staged = StagedReceiver(receiver)
+
+    assert not staged.ready()  # the thread waits for the first header
+    receiver.queue.put(1)
+    receiver.queue.put(1.0)
+    assert staged.receive() is True
+    assert generator.policy_version == 1 and generator.refreshed == 1
+    assert all(bool((w == 1.0).all()) for w in weights.values())
+
+    # Version 2 arrives whole while "the engine generates": the weights it uses stay version
+    # 1's until it is taken between engine steps.
+    receiver.queue.put(2)
+    receiver.queue.put(2.0)
+    deadline = time.monotonic() + 30
+    while not staged.ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert generator.policy_version == 1 and all(bool((w == 1.0).all()) for w in weights.values())
+    assert staged.receive() is True
+    assert generator.policy_version == 2 and generator.refreshed == 2
+    assert all(bool((w == 2.0).all()) for w in weights.values())
+    assert receiver.flats_made == 1  # the second copy is one buffer, reused
+
+    receiver.queue.put(STOP)  # the trainers stop the run
+    assert staged.receive() is False and generator.policy_version == 2
+
+
+def test_a_failed_staged_receive_raises_on_the_generators_loop():
+    receiver = QueuedReceiver(FakeGenerator({"a": torch.zeros(1)}))
+    staged = StagedReceiver(receiver)
+    receiver.queue.put(1)
+    receiver.queue.put("not a number")  # fill_ raises in the thread
+    with pytest.raises(TypeError):
+        staged.receive()

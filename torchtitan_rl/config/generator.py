@@ -107,6 +107,11 @@ class GeneratorSection:
     """Continuous placement, after a weight update: the KV of the requests in flight is
     recomputed with the new weights (exact: each token's logprob is its version's over its
     whole prefix), or kept (no recompute; tokens after the update see KV of older weights)."""
+    double_buffer_weights: bool = True
+    """Continuous placement: a thread on each generator rank receives the next policy version
+    into a second copy of the weights while the engine generates, copied in between engine
+    steps (the trainers' broadcast waits for no engine step; one more copy of the weights in
+    memory). false: received between engine steps, straight into the engine's weights."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Generator weight and activation dtype."""
     max_model_len: int = 512
@@ -117,7 +122,8 @@ class GeneratorSection:
     """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     num_kv_blocks: int | None = None
     """Cap the KV cache at this many blocks (vLLM's num_gpu_blocks_override; a CPU block holds
-    128 tokens); None: as many as kv_cache_space_gib / gpu_memory_utilization allow. When the
+    128 tokens); None: as many as kv_cache_space_gib / gpu_memory_utilization allow. On CPU
+    the cap is itself capped at what kv_cache_space_gib holds (said once at start). When the
     running sequences outgrow it, vLLM preempts and recomputes some of them."""
     enforce_eager: bool = True
     """Run the engine eagerly (no CUDA graphs / torch.compile)."""
@@ -165,10 +171,16 @@ class GeneratorSection:
             f"generator.max_inflight_groups = {self.max_inflight_groups}: must be >= 1, or unset",
         )
         continuous = self.placement == "continuous"
-        in_flight = (self.max_inflight_groups, self.inflight_kv, self.batch_order)
+        in_flight = (
+            self.max_inflight_groups,
+            self.inflight_kv,
+            self.batch_order,
+            self.double_buffer_weights,
+        )
         require(
-            continuous or in_flight == (None, "recompute", "completion"),
-            "generator.max_inflight_groups, generator.inflight_kv and generator.batch_order act "
+            continuous or in_flight == (None, "recompute", "completion", True),
+            "generator.max_inflight_groups, generator.inflight_kv, generator.batch_order and "
+            "generator.double_buffer_weights act "
             "only in continuous placement (elsewhere no request is in flight at a weight "
             "update): set generator.placement = 'continuous', or leave them unset",
         )

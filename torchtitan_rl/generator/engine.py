@@ -153,6 +153,48 @@ def _kv_cache_error(generator: GeneratorSection, vllm_message: str) -> str:
     )
 
 
+CPU_KV_BLOCK_TOKENS = 128
+"""Tokens a KV-cache block holds in vLLM's CPU backend (its default block size there)."""
+
+
+def kv_block_bytes(model: ModelSection, generator: GeneratorSection) -> int:
+    """Bytes of one KV-cache block of this engine: K and V of `CPU_KV_BLOCK_TOKENS` tokens in
+    every attention layer, at the generator's dtype, for one tensor-parallel rank's heads."""
+    tp = generator.parallelism.tensor_parallel_degree
+    config = model_spec(model.name, model.flavor).model
+    per_token = 0
+    for layer in config.layers:
+        attention = layer.attention
+        head_dim = attention.head_dim or config.dim // attention.n_heads
+        per_token += 2 * (attention.n_kv_heads // tp) * head_dim
+    return per_token * CPU_KV_BLOCK_TOKENS * getattr(torch, generator.dtype).itemsize
+
+
+def kv_blocks(model: ModelSection, generator: GeneratorSection) -> int | None:
+    """The engine's KV-cache block count: generator.num_kv_blocks, capped on CPU at what
+    generator.kv_cache_space_gib holds (vLLM's override alone would allocate every block it
+    names, whatever the space: 512 blocks of the debugmodel are 4 GiB); None: vLLM's own."""
+    blocks = generator.num_kv_blocks
+    if blocks is None or platform.device_type() != "cpu":
+        return blocks
+    size = kv_block_bytes(model, generator)
+    room = generator.kv_cache_space_gib * 2**30 // size
+    if blocks > room:
+        _note_kv_capped(blocks, room, size, generator.kv_cache_space_gib)
+    return min(blocks, room)
+
+
+@functools.cache
+def _note_kv_capped(blocks: int, room: int, size: int, space: int) -> None:
+    from torchtitan_rl import console
+
+    console.warn(
+        f"note: generator.num_kv_blocks = {blocks} blocks of {size / 2**20:g} MiB would take "
+        f"{blocks * size / 2**30:g} GiB; generator.kv_cache_space_gib = {space} holds {room}: "
+        f"the KV cache has {room} blocks"
+    )
+
+
 class LocalGenerator:
     """vLLM engine running `TorchTitanForCausalLM` for `model`, configured by `generator`."""
 
@@ -220,7 +262,7 @@ class LocalGenerator:
             # token budget is then at least max_model_len, so every prompt fits in one step.
             enable_chunked_prefill=platform.device_type() != "cpu",
             enable_sleep_mode=generator.enable_sleep_mode and platform.vllm_can_sleep(),
-            num_gpu_blocks_override=generator.num_kv_blocks,
+            num_gpu_blocks_override=kv_blocks(model, generator),
         )
         # vLLM collects garbage five times while it builds (its loader twice, its heap freeze
         # three times), each a full pass over every object the imports made: 1.15 s of a

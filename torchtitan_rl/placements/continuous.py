@@ -9,8 +9,10 @@ Ranks split as in disaggregated placement (disaggregated.py: its Topology, its t
 its broadcast). A generator rank here runs every group of its prompts as coroutines on its
 engine's request stream (generator/stream.py, episodes.Episodes.run_group): it admits the next
 group whenever it holds fewer than generator.max_inflight_groups, steps the engine, and, between
-engine steps, takes the weights the trainers announce (a key in torchrun's store, then the
-broadcast). The requests in flight are not drained: their KV is recomputed with the new weights
+engine steps, takes the weights the trainers broadcast: a thread receives each version into a
+second copy while the engine generates, copied into the engine once whole
+(generator.double_buffer_weights; without it, the rank polls a key in torchrun's store that the
+trainers set before broadcasting, and receives between engine steps). The requests in flight are not drained: their KV is recomputed with the new weights
 (generator.inflight_kv = "recompute") or kept ("keep"), and every token carries the version
 that sampled it (`Sample.versions`).
 
@@ -57,6 +59,7 @@ from torchtitan_rl.placements.disaggregated import (
 )
 from torchtitan_rl.producer import check_rewards, engine_failure_at
 from torchtitan_rl.types import Rollout, Rollouts
+from torchtitan_rl.weight_sync.broadcast import StagedReceiver
 
 WEIGHTS_KEY = "torchtitan_rl/continuous/weights/"
 """torchrun's store key that trainer rank 0 sets for each version before broadcasting it (and
@@ -136,6 +139,8 @@ class ContinuousWorker:
         self.producer, self.generator = self.worker.producer, self.worker.generator
         self.share = config.training.prompts_per_step // self.producer.shards
         self.capacity = config.generator.max_inflight_groups or 2 * self.share
+        if config.generator.double_buffer_weights:
+            self.worker.receiver = StagedReceiver(self.worker.receiver)
         self.stream = AsyncStream(RequestStream(self.generator))
         self.trainer = topology.trainer_of(dist.get_rank())
         self.prompts: dict[int, list] = {}
@@ -169,6 +174,14 @@ class ContinuousWorker:
             reward_parts_PN=scored.reward_parts_PN,
         )
 
+    def weights_arrived(self) -> bool:
+        """Whether the next version can be taken without waiting: received whole into the
+        second copy, or (single buffer) announced, its broadcast following."""
+        receiver = self.worker.receiver
+        if isinstance(receiver, StagedReceiver):
+            return receiver.ready()
+        return announced(self.generator.policy_version + 1)
+
     def take_weights(self) -> None:
         self.straddled += self.stream.stream.straddling()
         self.worker.take_weights()
@@ -197,7 +210,7 @@ class ContinuousWorker:
         order = self.config.generator.batch_order
         step, last_sent = start + 1, time.perf_counter()
         while step <= steps:
-            if announced(self.generator.policy_version + 1):
+            if self.weights_arrived():
                 self.take_weights()
             self.collect()
             self.expire(oldest=step - 1 - k)

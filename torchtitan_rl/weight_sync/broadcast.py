@@ -13,6 +13,7 @@ trainer's of what it sent, the generator's of what it holds, compared when a rol
 """
 
 import math
+import threading
 import time
 
 import torch
@@ -133,11 +134,23 @@ class BroadcastReceiver:
         """One sync: written in place, the engine refreshed, the policy version taken; False
         when the trainers sent STOP instead (the run stops: `BroadcastSender.stop`)."""
         params = self.generator.weights()
+        buckets = self._buckets(params)
+        if buckets is None:
+            return False
+        version, names_of = buckets
+        for names in names_of:
+            self._write(names, self._flat(names, params), params)
+        self._taken(version)
+        return True
+
+    def _buckets(self, params: dict) -> tuple[int, list[list[str]]] | None:
+        """The next sync's header: its version and the names of each bucket that follows
+        (None: STOP)."""
         header = torch.zeros(2, dtype=torch.long)
         dist.broadcast(header, self.leader, self.group)
         version, everything = int(header[0]), bool(header[1])
         if version == STOP:
-            return False
+            return None
         if everything and self.plan is None:
             names = [None]
             dist.broadcast_object_list(names, self.leader, self.group)
@@ -145,25 +158,39 @@ class BroadcastReceiver:
             self.plan = Plan(nbytes, set(names[0]), self.bucket_mb)
         elif everything:
             dist.broadcast_object_list([None], self.leader, self.group)
-        buckets = self.plan.all if everything else self.plan.changed
-        for names in buckets:
-            targets = [params[n] for n in names]
-            sizes = [self._numel(n, t) for n, t in zip(names, targets, strict=True)]
-            flat = torch.empty(sum(sizes), dtype=targets[0].dtype, device=targets[0].device)
-            dist.broadcast(flat, self.leader, self.group)
-            for name, target, piece in zip(names, targets, flat.split(sizes), strict=True):
-                if name not in self.shards:
-                    target.copy_(piece.view_as(target))
-                    continue
-                shape, index = self.shards[name]
-                whole_tensor = piece.view(shape)
-                target.copy_(whole_tensor[index])
-                if self.verify:
-                    self.whole_digests[name] = digest(whole_tensor)
-                    verify(name, whole_tensor[index], target)
+        return version, self.plan.all if everything else self.plan.changed
+
+    def _flat(self, names: list[str], params: dict, into: dict | None = None) -> torch.Tensor:
+        """Receive one bucket, flat (into the buffer `into` keeps for its names, if any)."""
+        targets = [params[n] for n in names]
+        numel = sum(self._numel(n, t) for n, t in zip(names, targets, strict=True))
+        key = tuple(names)
+        flat = into.get(key) if into is not None else None
+        if flat is None:
+            flat = torch.empty(numel, dtype=targets[0].dtype, device=targets[0].device)
+            if into is not None:
+                into[key] = flat
+        dist.broadcast(flat, self.leader, self.group)
+        return flat
+
+    def _write(self, names: list[str], flat: torch.Tensor, params: dict) -> None:
+        """Copy a received bucket into the engine's parameters (a shard: its part)."""
+        targets = [params[n] for n in names]
+        sizes = [self._numel(n, t) for n, t in zip(names, targets, strict=True)]
+        for name, target, piece in zip(names, targets, flat.split(sizes), strict=True):
+            if name not in self.shards:
+                target.copy_(piece.view_as(target))
+                continue
+            shape, index = self.shards[name]
+            whole_tensor = piece.view(shape)
+            target.copy_(whole_tensor[index])
+            if self.verify:
+                self.whole_digests[name] = digest(whole_tensor)
+                verify(name, whole_tensor[index], target)
+
+    def _taken(self, version: int) -> None:
         self.generator.refresh_after_weight_update()
         self.generator.policy_version = version
-        return True
 
     def digest(self) -> str:
         """The digest of the weights this generator holds (`base.weights_digest`): of each
@@ -176,3 +203,64 @@ class BroadcastReceiver:
                 for name, p in params.items()
             }
         )
+
+
+class StagedReceiver:
+    """A BroadcastReceiver with a second copy of the weights (generator.double_buffer_weights,
+    continuous placement): a thread receives the next version into it while the engine
+    generates with the current one, and `receive` (between engine steps) copies it into the
+    engine's parameters. The trainers' broadcast no longer waits for the engine's step, nor the
+    engine for the broadcast; the price is one more copy of the weights on the generator rank."""
+
+    def __init__(self, receiver: BroadcastReceiver):
+        self.receiver = receiver
+        self.thread: threading.Thread | None = None
+        self.staged: tuple[int, list] | None = None
+        self.error: BaseException | None = None
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        """The second copy: a flat buffer per bucket, reused by every sync."""
+
+    def _stage(self) -> None:
+        """The thread: the next sync's buckets, flat, into `staged` (None: STOP)."""
+        try:
+            with torch.no_grad():
+                params = self.receiver.generator.weights()
+                buckets = self.receiver._buckets(params)
+                if buckets is not None:
+                    version, names_of = buckets
+                    flats = [(n, self.receiver._flat(n, params, self.buffers)) for n in names_of]
+                    self.staged = version, flats
+        except BaseException as e:  # re-raised by `receive`, on the generator's loop
+            self.error = e
+
+    def _start(self) -> None:
+        self.staged, self.error = None, None
+        self.thread = threading.Thread(target=self._stage, name="weights", daemon=True)
+        self.thread.start()
+
+    def ready(self) -> bool:
+        """Whether the next sync (or STOP) has arrived whole: `receive` will not wait."""
+        if self.thread is None:
+            self._start()
+        return not self.thread.is_alive()
+
+    @torch.no_grad()
+    def receive(self) -> bool:
+        """Wait for the staged sync, copy it into the engine, refresh it, take its version, and
+        start receiving the next; False on STOP."""
+        if self.thread is None:
+            self._start()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        if self.staged is None:
+            return False
+        (version, flats), params = self.staged, self.receiver.generator.weights()
+        for names, flat in flats:
+            self.receiver._write(names, flat, params)
+        self._start()  # the next version arrives while this one generates
+        self.receiver._taken(version)
+        return True
+
+    def digest(self) -> str:
+        return self.receiver.digest()
