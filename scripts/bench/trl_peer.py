@@ -50,7 +50,9 @@ def main(argv: list[str]) -> int:
     from torchtitan_rl.tasks import build_task
     from torchtitan_rl.types import Prompt
 
-    config = parse_args(argv, prog="scripts/bench/trl_peer.py")
+    # Validated as our run of as many ranks as TRL has threads (a continuous run's flags need
+    # a trainer and a generator rank); TRL ignores our placement.
+    config = parse_args(argv, threads, prog="scripts/bench/trl_peer.py")
     sampling, training = config.generator.sampling, config.training
     task = build_task(config.task, seed=config.job.seed)
     rows = [

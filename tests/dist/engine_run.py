@@ -231,7 +231,9 @@ def lora_sync_checks(model: ModelSection, generator: LocalGenerator, rank: int, 
     }
 
 
-def weight_sync_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
+def weight_sync_checks(
+    model: ModelSection, generator: LocalGenerator, rank: int, world: int
+) -> dict:
     trainer = PolicyTrainer(
         model=model,
         training=TrainingSection(lr=2e-2, max_grad_norm=0.0),
@@ -292,7 +294,12 @@ def weight_sync_checks(model: ModelSection, generator: LocalGenerator, rank: int
 
 
 def kv_cache_bytes(worker) -> int:
-    return sum(c.numel() * c.element_size() for c in worker.model_runner.kv_caches)
+    """The KV cache's memory: layers of different KV-cache groups share tensors (gpt-oss)."""
+    storages = {
+        c.untyped_storage().data_ptr(): c.untyped_storage().nbytes()
+        for c in worker.model_runner.kv_caches
+    }
+    return sum(storages.values())
 
 
 def main() -> None:

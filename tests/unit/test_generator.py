@@ -94,5 +94,8 @@ def test_num_kv_blocks_is_capped_at_what_the_kv_space_holds(capsys):
     assert kv_blocks(debug, GeneratorSection(num_kv_blocks=512, kv_cache_space_gib=4)) == 512
     assert kv_block_bytes(tiny, capped) == 128 * 2**10 and kv_blocks(tiny, capped) == 512
     assert kv_blocks(tiny, GeneratorSection()) is None
+    # gpt-oss's sliding-window and full layers form two KV-cache groups that share each block's
+    # memory: a block holds one layer's K and V, half of what its two layers would take.
+    assert kv_block_bytes(ModelSection(name="gpt_oss", flavor="tiny"), capped) == 64 * 2**10
     bf16 = GeneratorSection(num_kv_blocks=512, dtype="bfloat16")
     assert kv_block_bytes(debug, bf16) == 4 * 2**20 and kv_blocks(debug, bf16) == 256

@@ -113,11 +113,11 @@ class QueuedReceiver(BroadcastReceiver):
         self.queue: queue.Queue = queue.Queue()
         self.flats_made = 0
 
-    def _buckets(self, params):
+    def next_sync(self, params):
         version = self.queue.get(timeout=30)
         return None if version == STOP else (version, [sorted(params)])
 
-    def _flat(self, names, params, into=None):
+    def receive_bucket(self, names, params, into=None):
         value = self.queue.get(timeout=30)
         flat = into.get(tuple(names)) if into is not None else None
         if flat is None:

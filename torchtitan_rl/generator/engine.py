@@ -11,6 +11,7 @@ This module is the one adapter for vLLM's internals (engine core, executor, work
 runner): everything else goes through `LocalGenerator`.
 """
 
+import collections
 import functools
 import gc
 import hashlib
@@ -158,16 +159,25 @@ CPU_KV_BLOCK_TOKENS = 128
 
 
 def kv_block_bytes(model: ModelSection, generator: GeneratorSection) -> int:
-    """Bytes of one KV-cache block of this engine: K and V of `CPU_KV_BLOCK_TOKENS` tokens in
-    every attention layer, at the generator's dtype, for one tensor-parallel rank's heads."""
+    """Bytes of one KV-cache block of this engine: K and V of `CPU_KV_BLOCK_TOKENS` tokens, at
+    the generator's dtype, for one tensor-parallel rank's heads, in each layer of one of vLLM's
+    KV-cache groups. Layers of one attention kind (full, or a sliding window) form one group;
+    mixed kinds (gpt-oss) are split into groups of equal size, which share the blocks' memory
+    (vLLM's `_get_kv_cache_groups_uniform_page_size`: the smallest kind's count, or the largest
+    one's when it is under 1.5x that)."""
     tp = generator.parallelism.tensor_parallel_degree
     config = model_spec(model.name, model.flavor).model
-    per_token = 0
+    pages, kinds = set(), collections.Counter()
     for layer in config.layers:
         attention = layer.attention
         head_dim = attention.head_dim or config.dim // attention.n_heads
-        per_token += 2 * (attention.n_kv_heads // tp) * head_dim
-    return per_token * CPU_KV_BLOCK_TOKENS * getattr(torch, generator.dtype).itemsize
+        pages.add(2 * (attention.n_kv_heads // tp) * head_dim)
+        kinds[getattr(attention, "sliding_window_size", None)] += 1
+    (per_token,) = pages  # one page size for every layer, as vLLM's grouping assumes
+    group = min(kinds.values())
+    if max(kinds.values()) < 1.5 * group:
+        group = max(kinds.values())
+    return per_token * group * CPU_KV_BLOCK_TOKENS * getattr(torch, generator.dtype).itemsize
 
 
 def kv_blocks(model: ModelSection, generator: GeneratorSection) -> int | None:

@@ -11,10 +11,11 @@ engine's request stream (generator/stream.py, episodes.Episodes.run_group): it a
 group whenever it holds fewer than generator.max_inflight_groups, steps the engine, and, between
 engine steps, takes the weights the trainers broadcast: a thread receives each version into a
 second copy while the engine generates, copied into the engine once whole
-(generator.double_buffer_weights; without it, the rank polls a key in torchrun's store that the
-trainers set before broadcasting, and receives between engine steps). The requests in flight are not drained: their KV is recomputed with the new weights
-(generator.inflight_kv = "recompute") or kept ("keep"), and every token carries the version
-that sampled it (`Sample.versions`).
+(generator.double_buffer_weights; without it, the rank polls a key in torchrun's store that
+the trainers set before broadcasting, and receives between engine steps). The requests in
+flight are not drained: their KV is recomputed with the new weights (generator.inflight_kv =
+"recompute") or kept ("keep"), and every token carries the version that sampled it
+(`Sample.versions`).
 
 Batches: the training batch of step s is the first `share` groups (training.prompts_per_step
 over the generator ranks) to finish, in completion order (groups finishing in one engine step in
@@ -315,8 +316,13 @@ class ContinuousWorker:
 class TrainerSide:
     """The continuous placement's part of the trainer ranks (disaggregated.ContinuousSide)."""
 
+    def __init__(self, polled: bool = False):
+        """`polled`: the generators poll for each broadcast (no second weight buffer)."""
+        self.polled = polled
+
     def announce(self, version: int) -> None:
-        announce(version)
+        if self.polled:
+            announce(version)
 
     def figures(
         self, step: int, messages: list[Rollout], state: TrainState, group
@@ -367,4 +373,5 @@ def run(config: JobConfig, hooks: Hooks | None = None, task: OpenTask | None = N
     if dist.get_rank() in topology.generators:
         ContinuousWorker(config, topology, task).run()
     else:
-        DisaggregatedTrainer(config, topology, hooks, task, continuous=TrainerSide()).train()
+        side = TrainerSide(polled=not config.generator.double_buffer_weights)
+        DisaggregatedTrainer(config, topology, hooks, task, continuous=side).train()

@@ -12,6 +12,7 @@ With verification, each side keeps one digest of the weights (`base.weights_dige
 trainer's of what it sent, the generator's of what it holds, compared when a rollout arrives.
 """
 
+import functools
 import math
 import threading
 import time
@@ -134,16 +135,16 @@ class BroadcastReceiver:
         """One sync: written in place, the engine refreshed, the policy version taken; False
         when the trainers sent STOP instead (the run stops: `BroadcastSender.stop`)."""
         params = self.generator.weights()
-        buckets = self._buckets(params)
+        buckets = self.next_sync(params)
         if buckets is None:
             return False
         version, names_of = buckets
         for names in names_of:
-            self._write(names, self._flat(names, params), params)
-        self._taken(version)
+            self.write(names, self.receive_bucket(names, params), params)
+        self.take_version(version)
         return True
 
-    def _buckets(self, params: dict) -> tuple[int, list[list[str]]] | None:
+    def next_sync(self, params: dict) -> tuple[int, list[list[str]]] | None:
         """The next sync's header: its version and the names of each bucket that follows
         (None: STOP)."""
         header = torch.zeros(2, dtype=torch.long)
@@ -160,7 +161,7 @@ class BroadcastReceiver:
             dist.broadcast_object_list([None], self.leader, self.group)
         return version, self.plan.all if everything else self.plan.changed
 
-    def _flat(self, names: list[str], params: dict, into: dict | None = None) -> torch.Tensor:
+    def receive_bucket(self, names: list[str], params: dict, into: dict | None = None):
         """Receive one bucket, flat (into the buffer `into` keeps for its names, if any)."""
         targets = [params[n] for n in names]
         numel = sum(self._numel(n, t) for n, t in zip(names, targets, strict=True))
@@ -173,7 +174,7 @@ class BroadcastReceiver:
         dist.broadcast(flat, self.leader, self.group)
         return flat
 
-    def _write(self, names: list[str], flat: torch.Tensor, params: dict) -> None:
+    def write(self, names: list[str], flat: torch.Tensor, params: dict) -> None:
         """Copy a received bucket into the engine's parameters (a shard: its part)."""
         targets = [params[n] for n in names]
         sizes = [self._numel(n, t) for n, t in zip(names, targets, strict=True)]
@@ -188,7 +189,7 @@ class BroadcastReceiver:
                 self.whole_digests[name] = digest(whole_tensor)
                 verify(name, whole_tensor[index], target)
 
-    def _taken(self, version: int) -> None:
+    def take_version(self, version: int) -> None:
         self.generator.refresh_after_weight_update()
         self.generator.policy_version = version
 
@@ -225,10 +226,11 @@ class StagedReceiver:
         try:
             with torch.no_grad():
                 params = self.receiver.generator.weights()
-                buckets = self.receiver._buckets(params)
+                buckets = self.receiver.next_sync(params)
                 if buckets is not None:
                     version, names_of = buckets
-                    flats = [(n, self.receiver._flat(n, params, self.buffers)) for n in names_of]
+                    bucket = functools.partial(self.receiver.receive_bucket, into=self.buffers)
+                    flats = [(names, bucket(names, params)) for names in names_of]
                     self.staged = version, flats
         except BaseException as e:  # re-raised by `receive`, on the generator's loop
             self.error = e
@@ -257,9 +259,9 @@ class StagedReceiver:
             return False
         (version, flats), params = self.staged, self.receiver.generator.weights()
         for names, flat in flats:
-            self.receiver._write(names, flat, params)
+            self.receiver.write(names, flat, params)
         self._start()  # the next version arrives while this one generates
-        self.receiver._taken(version)
+        self.receiver.take_version(version)
         return True
 
     def digest(self) -> str:
