@@ -19,7 +19,7 @@ before each phase, the peak (VmHWM) each phase reaches. Per rank ("ranks": one d
   activations, which later steps reuse;
 - `generate_peak`, `train_peak`, `sync_peak`: the most each phase of the last step held above
   the RSS it started from (activations and transient buffers); `step_peak`: the rank's peak
-  over its last step; `rss_after_steps`; `peak`: the rank's peak over the run (ru_maxrss);
+  over its last step; `rss_after_steps`; `peak`: the rank's peak over the run;
 - `kv_cache`: an in-process engine's KV cache as allocated (blocks x block bytes).
 """
 
@@ -57,9 +57,14 @@ class Peak:
         return max(self.since, rss_gib("VmHWM"))
 
 
+RUN_PEAK = [0.0]
+"""The most VmHWM reached before any reset: resetting it resets ru_maxrss too."""
+
+
 def reset_peak() -> None:
+    RUN_PEAK[0] = max(RUN_PEAK[0], rss_gib("VmHWM"))
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+        f.write("5")  # VmHWM := VmRSS (and ru_maxrss with it)
 
 
 def measure(flags: list[str]) -> None:
@@ -119,7 +124,7 @@ def measure(flags: list[str]) -> None:
                 figures["after_first_step"] = rss_gib() - self.rss
 
     placements.run(config, Steps())
-    figures["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    figures["peak"] = max(RUN_PEAK[0], rss_gib("VmHWM"))
     figures["children_peak"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     if "engine" in held:
         figures["kv_cache"] = kv_cache_gib(held["engine"])

