@@ -39,32 +39,28 @@ def rss_gib(field: str = "VmRSS") -> float:
 
 
 class Peak:
-    """This process's peak RSS since `start`, across the resets of VmHWM that time phases."""
+    """This process's peak RSS over the run and since its step began, across the resets of
+    VmHWM that time each phase (a reset resets ru_maxrss too, so the run's is kept here)."""
 
     def __init__(self):
-        self.since = 0.0
-
-    def start(self) -> None:
-        reset_peak()
-        self.since = 0.0
+        self.run = self.step = 0.0
 
     def reset(self) -> None:
         """Reset VmHWM for a phase, keeping what it had reached."""
-        self.since = max(self.since, rss_gib("VmHWM"))
-        reset_peak()
+        reached = rss_gib("VmHWM")
+        self.run, self.step = max(self.run, reached), max(self.step, reached)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
 
-    def value(self) -> float:
-        return max(self.since, rss_gib("VmHWM"))
+    def start_step(self) -> None:
+        self.reset()
+        self.step = 0.0
 
+    def of_step(self) -> float:
+        return max(self.step, rss_gib("VmHWM"))
 
-RUN_PEAK = [0.0]
-"""The most VmHWM reached before any reset: resetting it resets ru_maxrss too."""
-
-
-def reset_peak() -> None:
-    RUN_PEAK[0] = max(RUN_PEAK[0], rss_gib("VmHWM"))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS (and ru_maxrss with it)
+    def of_run(self) -> float:
+        return max(self.run, rss_gib("VmHWM"))
 
 
 def measure(flags: list[str]) -> None:
@@ -78,7 +74,7 @@ def measure(flags: list[str]) -> None:
 
     figures: dict = {"base": rss_gib()}
     held: dict = {}
-    step_peak = Peak()
+    peak = Peak()
 
     def built(cls, name: str) -> None:
         init = cls.__init__
@@ -98,7 +94,7 @@ def measure(flags: list[str]) -> None:
         @functools.wraps(call)
         def wrapped(*args, **kwargs):
             before = rss_gib()
-            step_peak.reset()
+            peak.reset()
             out = call(*args, **kwargs)
             figures[f"{name}_peak"] = rss_gib("VmHWM") - before
             return out
@@ -115,19 +111,19 @@ def measure(flags: list[str]) -> None:
     class Steps(Hooks):
         def before_step(self, step: int) -> None:
             self.rss = rss_gib()
-            step_peak.start()
+            peak.start_step()
 
         def after_step(self, step: int, metrics: dict[str, float]) -> None:
-            figures["step_peak"] = step_peak.value()
+            figures["step_peak"] = peak.of_step()
             figures.setdefault("rss_after_steps", []).append(round(rss_gib(), 3))
             if step == 1:
                 figures["after_first_step"] = rss_gib() - self.rss
 
     placements.run(config, Steps())
-    figures["peak"] = max(RUN_PEAK[0], rss_gib("VmHWM"))
+    figures["peak"] = peak.of_run()
     figures["children_peak"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     if "engine" in held:
-        figures["kv_cache"] = kv_cache_gib(held["engine"])
+        figures["kv_cache"] = held["engine"].kv_cache_bytes() / 2**30
     if "trainer" in held:
         figures["adamw_state"] = adamw_state_gib(held["trainer"].trainer)
     rounded = {k: v if isinstance(v, list) else round(v, 3) for k, v in figures.items()}
@@ -148,20 +144,6 @@ def adamw_state_gib(policy) -> float:
 
     states = [s for o in policy.optimizers.optimizers for s in o.state.values()]
     return sum(nbytes(t) for s in states for t in s.values() if torch.is_tensor(t)) / 2**30
-
-
-def kv_cache_gib(generator) -> float:
-    """The engine's KV cache as allocated: blocks x block bytes, summed over its layers."""
-    (total,) = generator.engine.collective_rpc(_kv_cache_bytes)
-    return total / 2**30
-
-
-def _kv_cache_bytes(worker) -> int:
-    """Layers of different KV-cache groups share tensors (gpt-oss): each storage once."""
-    caches = worker.model_runner.kv_caches
-    return sum(
-        {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in caches}.values()
-    )
 
 
 def main() -> None:

@@ -293,15 +293,6 @@ def weight_sync_checks(
     }
 
 
-def kv_cache_bytes(worker) -> int:
-    """The KV cache's memory: layers of different KV-cache groups share tensors (gpt-oss)."""
-    storages = {
-        c.untyped_storage().data_ptr(): c.untyped_storage().nbytes()
-        for c in worker.model_runner.kv_caches
-    }
-    return sum(storages.values())
-
-
 def main() -> None:
     out, pairs = Path(sys.argv[1]), sys.argv[2:]
     platform.patch_torchtitan()
@@ -336,7 +327,7 @@ def main() -> None:
         results = {c: run[c](model, generator, replica, world) for c in checks.split(",")}
         results["local_numel"] = sum(local(t).numel() for t in generator.weights().values())
         # The KV cache vLLM allocated, and the block size the CPU cap reckons with.
-        (results["kv_cache_bytes"],) = generator.engine.collective_rpc(kv_cache_bytes)
+        results["kv_cache_bytes"] = generator.kv_cache_bytes()
         results["kv_block_bytes"] = kv_block_bytes(model, generator.config)
         torch.save(results, out / f"{name}.rank{rank}.pt")
         del generator

@@ -472,6 +472,11 @@ class LocalGenerator:
         """Drop requests in flight."""
         self.engine.abort_request(request_ids)
 
+    def kv_cache_bytes(self) -> int:
+        """The memory of this engine's KV cache as allocated (this rank's, tensor parallel)."""
+        (total,) = self.engine.collective_rpc(_kv_cache_bytes)
+        return total
+
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks after a weight update. Requests in flight follow
         generator.inflight_kv: "recompute" preempts them, and vLLM prefills their prompts and
@@ -557,6 +562,14 @@ def _check_same_requests(requests: list) -> None:
             f"{differ[0]} of its group differs from rank 0): its prompts, seeds and environment "
             "replies must not depend on the rank or on timing"
         )
+
+
+def _kv_cache_bytes(worker) -> int:
+    """Each KV-cache storage once: layers of different KV-cache groups share one (gpt-oss)."""
+    caches = worker.model_runner.kv_caches
+    return sum(
+        {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in caches}.values()
+    )
 
 
 def _bind_runner(worker) -> None:

@@ -12,7 +12,6 @@ With verification, each side keeps one digest of the weights (`base.weights_dige
 trainer's of what it sent, the generator's of what it holds, compared when a rollout arrives.
 """
 
-import functools
 import math
 import threading
 import time
@@ -162,17 +161,16 @@ class BroadcastReceiver:
         return version, self.plan.all if everything else self.plan.changed
 
     def receive_bucket(self, names: list[str], params: dict, into: dict | None = None):
-        """Receive one bucket, flat (into the buffer `into` keeps for its names, if any)."""
-        targets = [params[n] for n in names]
-        numel = sum(self._numel(n, t) for n, t in zip(names, targets, strict=True))
+        """Receive one bucket, flat: into the buffer `into` keeps for its names (made on first
+        use), or a new one."""
+        into = {} if into is None else into
         key = tuple(names)
-        flat = into.get(key) if into is not None else None
-        if flat is None:
-            flat = torch.empty(numel, dtype=targets[0].dtype, device=targets[0].device)
-            if into is not None:
-                into[key] = flat
-        dist.broadcast(flat, self.leader, self.group)
-        return flat
+        if key not in into:
+            targets = [params[n] for n in names]
+            numel = sum(self._numel(n, t) for n, t in zip(names, targets, strict=True))
+            into[key] = torch.empty(numel, dtype=targets[0].dtype, device=targets[0].device)
+        dist.broadcast(into[key], self.leader, self.group)
+        return into[key]
 
     def write(self, names: list[str], flat: torch.Tensor, params: dict) -> None:
         """Copy a received bucket into the engine's parameters (a shard: its part)."""
@@ -229,8 +227,8 @@ class StagedReceiver:
                 buckets = self.receiver.next_sync(params)
                 if buckets is not None:
                     version, names_of = buckets
-                    bucket = functools.partial(self.receiver.receive_bucket, into=self.buffers)
-                    flats = [(names, bucket(names, params)) for names in names_of]
+                    receive = self.receiver.receive_bucket
+                    flats = [(names, receive(names, params, self.buffers)) for names in names_of]
                     self.staged = version, flats
         except BaseException as e:  # re-raised by `receive`, on the generator's loop
             self.error = e
