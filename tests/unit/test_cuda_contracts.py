@@ -385,7 +385,7 @@ def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatc
     copies are a CPU kernel."""
     from vllm.platforms import current_platform
 
-    from torchtitan_rl.generator.vllm_model import _onednn_available
+    from torchtitan_rl.generator.packed import onednn_available as _onednn_available
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert platform.device_type() == "cuda" and platform.vllm_can_sleep()

@@ -25,7 +25,7 @@ def test_packed_experts_compute_the_trainers_moe_layer_and_follow_weight_updates
     `repack` brings it back."""
     import torch
 
-    from torchtitan_rl.generator.vllm_model import PackedExperts
+    from torchtitan_rl.generator.packed import PackedExperts
     from torchtitan_rl.models import model_spec
 
     torch.manual_seed(0)

@@ -85,12 +85,14 @@ def test_replayed_routing_is_used_and_the_gate_still_learns():
     scores_own, ids_own, _ = router(x_BLD)
     expected = (ids_own + 1) % 8  # other experts for every token...
     expected[1, 3] = -1  # ...but one, which the generator did not route
-    seen = []
-    router.record = seen.append
+    router.capture_TK = torch.full((16, router.top_k), -1, dtype=torch.int32)
     moe.expect([router], expected[..., None, :], replay=True)
     with moe.counting([router]):
         scores, ids, _ = router(x_BLD)
-    assert torch.equal(ids[1, 3], ids_own[1, 3]) and torch.equal(seen[0], ids)
+    assert torch.equal(ids[1, 3], ids_own[1, 3])
+    # The capture holds the ids used, one row per token, written in place; rows past them untouched.
+    assert torch.equal(router.capture_TK[:10], ids.reshape(10, -1).int())
+    assert (router.capture_TK[10:] == -1).all()
     replayed = ids.clone()
     replayed[1, 3] = expected[1, 3]
     assert torch.equal(replayed, expected)

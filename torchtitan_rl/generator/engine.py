@@ -257,7 +257,12 @@ class LocalGenerator:
             dtype=generator.dtype,
             seed=seed,
             max_model_len=generator.max_model_len,
-            enforce_eager=generator.enforce_eager,
+            enforce_eager=not generator.compiled,
+            compilation_config=platform.generator_compilation(
+                compiled=generator.compiled,
+                own_invariant_kernels=batch_invariant.uses_own_kernels() and not native,
+                captures_routing=not native and _is_moe(model),
+            ),
             gpu_memory_utilization=generator.gpu_memory_utilization,
             tensor_parallel_size=generator.parallelism.tensor_parallel_degree,
             # Under torchrun every rank (TP group) is its own replica in the torchrun world.
@@ -570,6 +575,11 @@ def _kv_cache_bytes(worker) -> int:
     return sum(
         {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in caches}.values()
     )
+
+
+def _is_moe(model: ModelSection) -> bool:
+    """Whether the model has MoE layers (whose routing the wrapper captures)."""
+    return any(getattr(layer, "moe", None) for layer in model_spec(model.name, model.flavor).model.layers)
 
 
 def _bind_runner(worker) -> None:

@@ -4,13 +4,17 @@ own routing with (`moe/routing_mismatch`) and replays (`algorithm.router_replay`
     .venv/bin/python -m pytest tests/integration/test_moe.py
 
 vLLM 0.32 returns routed experts (`enable_return_routed_experts`) only from its GPU model
-runner; its CPU runner has no capture. So the wrapper captures them itself: each router of the
-torchtitan model hands its top-k ids to `RoutingLog.record`; after each engine step's forward,
-`commit` files the step's rows under their requests, using the step's attention metadata
-(where each request's rows start) and the model runner's batch (which request each is). A
-request's routing is then one [T, M, K] tensor (M: the MoE layers), -1 at the positions this
-engine did not run: the last token (sampled, never fed back) and prompt blocks served from the
-prefix cache.
+runner; its CPU runner has no capture. So the wrapper captures them itself, the way vLLM's own
+capturer does: each router of the torchtitan model writes its top-k ids into a buffer
+preallocated at build (`Router.capture_TK`, one row per token of the largest batch), in place,
+inside the (compiled) forward; after the forward, on the host, `commit` files the step's rows
+under their requests, using the step's attention metadata (where each request's rows start)
+and the model runner's batch (which request each is). A request's routing is then one
+[T, M, K] tensor (M: the MoE layers), -1 at the positions this engine did not run: the last
+token (sampled, never fed back) and prompt blocks served from the prefix cache.
+
+The runner's batch is the V1 model runner's `input_batch`; platform.py pins that runner on
+CUDA, where vLLM would otherwise pick its V2 runner, which has none.
 """
 
 import re
@@ -22,26 +26,34 @@ from torch.distributed.tensor import DTensor
 class RoutingLog:
     """Per request id, the expert ids of the positions the engine ran."""
 
-    def __init__(self, routers: list):
+    def __init__(self, routers: list, rows: int):
+        """`rows`: the most tokens one forward runs (vLLM's max_num_batched_tokens, and a
+        tensor-parallel generator's padding)."""
         self.routers = routers
         self.runner = None
         """vLLM's model runner, whose `input_batch` lists the step's requests in row order
         (bound by `LocalGenerator` once the engine exists)."""
-        self._step: list[torch.Tensor] = []
         self._requests: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for router in routers:
-            router.record = self._step.append
+            weight = router.gate.weight
+            device = weight.to_local().device if isinstance(weight, DTensor) else weight.device
+            router.capture_TK = torch.full((rows, router.top_k), -1, dtype=torch.int32, device=device)
 
-    def commit(self, positions_T: torch.Tensor, query_start_loc: torch.Tensor | None) -> None:
-        """File this forward's recorded ids under the requests its rows belong to (a dummy
-        forward, without metadata or runner, files nothing)."""
-        step, self._step[:] = list(self._step), []
-        if query_start_loc is None or self.runner is None or not step:
+    def commit(self, positions_T: torch.Tensor, tokens: int) -> None:
+        """File the ids this forward's routers wrote for its `tokens` rows under the requests
+        they belong to (a dummy forward, without metadata or runner, files nothing)."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        from torchtitan_rl.generator.attention import metadata_of
+
+        if self.runner is None or not is_forward_context_available():
             return
-        # Under generator TP a router's ids are a DTensor (every rank routes every token).
-        whole = [ids.full_tensor() if isinstance(ids, DTensor) else ids for ids in step]
-        ids_TMK = torch.stack([ids_1TK[0] for ids_1TK in whole], dim=1).to(torch.int16).cpu()
-        starts = query_start_loc.tolist()
+        metadata = metadata_of(get_forward_context().attn_metadata, None)
+        if metadata is None:
+            return
+        ids_TMK = torch.stack([r.capture_TK[:tokens] for r in self.routers], dim=1)
+        ids_TMK = ids_TMK.to("cpu", torch.int16)
+        starts = metadata.query_start_loc.tolist()
         request_ids = self.runner.input_batch.req_ids
         positions = positions_T.to("cpu", copy=True)  # vLLM reuses its buffer every step
         for i in range(len(starts) - 1):

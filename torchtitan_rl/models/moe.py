@@ -15,8 +15,8 @@ on, and with a seam for recording and replaying the experts each token went to.
   interleaved gate/up rows), likewise: its own dtype, or looped under batch-invariant mode.
 - `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
   `torch.autocast(float32)` is a no-op on CPU, which has no fp32 autocast, and warns each
-  call), through `ops.linear` under batch-invariant mode. `Router.record` reads routing out
-  (the generator's capture); `expect` gives the trainer's routers the generator's, to count
+  call), through `ops.linear` under batch-invariant mode. `Router.capture_TK` writes routing out
+  in place (the generator's capture); `expect` gives the trainer's routers the generator's, to count
   mismatches (`moe/routing_mismatch`) and to replay it (`algorithm.router_replay`).
 
 Shapes: T tokens, D model dim, F expert hidden dim, E experts, K experts per token, R routed
@@ -136,8 +136,8 @@ class Router(TokenChoiceTopKRouter):
     """Token-choice top-k routing (torchtitan's), gate in fp32, with seams for the generator's
     routing (docs/moe.md):
 
-    - `record`: a callable given each forward's expert ids [B, L, K] (the generator wrapper's
-      capture); None by default.
+    - `capture_TK`: a buffer [rows, K] each forward writes its expert ids into, in place, one
+      row per token (the generator's capture; generator/routing.py); None by default.
     - `expected`: the generator's expert ids [B, L, K] for this forward's tokens (-1 where it
       has none), or None. With `replay`, those tokens use them instead of this forward's top-k
       (router replay); the gate weights are still this forward's scores, so gradients reach
@@ -154,7 +154,8 @@ class Router(TokenChoiceTopKRouter):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.record = None
+        # The generator's capture buffer [rows, K] (generator/routing.py), None elsewhere.
+        self.register_buffer("capture_TK", None, persistent=False)
         self.expected: torch.Tensor | None = None
         self.replay = False
         self.counting = False
@@ -177,8 +178,12 @@ class Router(TokenChoiceTopKRouter):
         expert_ids_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=True)[1]
         if self.expected is not None:
             expert_ids_BLK = self._against_expected(expert_ids_BLK)
-        if self.record is not None:
-            self.record(expert_ids_BLK)
+        if self.capture_TK is not None:  # in place: the forward may be a compiled graph
+            ids_BLK = expert_ids_BLK
+            if isinstance(ids_BLK, DTensor):  # a TP generator's: every rank routes every token
+                ids_BLK = ids_BLK.full_tensor()
+            ids_TK = ids_BLK.reshape(-1, self.top_k)
+            self.capture_TK[: ids_TK.shape[0]].copy_(ids_TK)
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(-1, keepdim=True) + 1e-20)

@@ -1,0 +1,183 @@
+"""The torchtitan model's inner attention inside vLLM: its paged `Attention`, or in
+batch-invariant mode the trainer's routine over the paged cache, as one opaque op.
+
+    .venv/bin/python -m pytest tests/integration/test_generator.py -k compiled
+
+vLLM compiles the decoder's forward (vllm_model.Decoder) once, at warm-up, with its guards
+dropped: anything on the host inside forward (a `.tolist()`, a loop over sequences, a branch
+on "is there metadata") would be traced once and frozen. vLLM's own attention is a registered
+op that reads its metadata from the forward context when it runs; `paged_attend` is the same
+for batch-invariant mode: a `torch.library` custom op with a fake implementation, so the
+compiler sees one node of known shape, and everything host-side happens inside it, eagerly,
+at every call. Shapes: L tokens of the flat batch, N query heads, K kv heads, H head dim.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from vllm.model_executor.layers.attention import Attention
+
+from torchtitan_rl.batch_invariant import ops
+
+
+@torch.library.custom_op("torchtitan_rl::paged_attend", mutates_args=())
+def paged_attend(
+    q_LNH: torch.Tensor,
+    k_LKH: torch.Tensor,
+    v_LKH: torch.Tensor,
+    layer_name: str,
+    scale: float,
+    window: int | None,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-invariant attention of vLLM's flat batch over the layer's paged KV cache:
+    (out [L, N, H], logsumexp [L, N] fp32, empty without `with_lse`).
+
+    This step's keys/values are written to the cache first (samples of one prompt share its
+    prefill blocks within the same step), then each sequence's keys/values are read back in
+    position order and its queries attend over them with `batch_invariant.ops.attention`, the
+    trainer's routine. Writes the cache, which the op's schema does not name (as vLLM's own
+    attention op): the cache is reached through the forward context, not an argument.
+    """
+    L, N, H = q_LNH.shape
+    out_LNH = torch.zeros_like(q_LNH)
+    lse_LN = q_LNH.new_zeros((L, N) if with_lse else (0,), dtype=torch.float32)
+    metadata, layer = _layer_context(layer_name)
+    if metadata is None:  # a dummy run: nothing to attend to
+        return out_LNH, lse_LN
+    blocks, kv_heads, block_size, _ = layer.kv_cache.shape
+    rows = layer.kv_cache.view(-1, H)  # this mode's layout in a block: (K head, k|v, slot)
+    heads = torch.arange(kv_heads, device=q_LNH.device)
+
+    # 1. Write: row of (slot s, head h, k|v) = ((block * K + h) * 2 + k|v) * bs + offset.
+    slots = metadata.slot_mapping[:L]
+    valid = slots >= 0
+    block, offset = slots[valid] // block_size, slots[valid] % block_size
+    key_rows = ((block[:, None] * kv_heads + heads) * 2) * block_size + offset[:, None]
+    for rows_of, x_LKH in ((key_rows, k_LKH), (key_rows + block_size, v_LKH)):
+        rows.index_copy_(0, rows_of.reshape(-1), x_LKH[valid].to(rows.dtype).reshape(-1, H))
+
+    # 2. Read each sequence's keys/values back in position order, attend.
+    starts = metadata.query_start_loc.tolist()
+    lengths = metadata.seq_lens.tolist()
+    cache = layer.kv_cache.view(blocks, kv_heads, 2, block_size, H)
+    for i, length in enumerate(lengths):
+        first, last = starts[i], starts[i + 1]
+        if last <= first:
+            continue
+        used = metadata.block_table[i, : -(-length // block_size)].long()
+        kv_2SKH = cache[used].permute(2, 0, 3, 1, 4).reshape(2, -1, kv_heads, H)[:, :length]
+        first_position = length - (last - first)
+        if window is not None:
+            # vLLM frees the blocks that fell out of every query's window: their slots may
+            # hold other data now. The trainer masks these keys; zero them so they add
+            # exact zeros here as there.
+            kv_2SKH[:, : max(0, first_position - window + 1)] = 0
+        positions_1L = torch.arange(first_position, length, device=q_LNH.device)[None]
+        args = (q_LNH[None, first:last], kv_2SKH[0][None], kv_2SKH[1][None], positions_1L)
+        if with_lse:
+            out, lse = ops.attention(*args, scale, window, with_lse=True)
+            lse_LN[first:last] = lse[0]
+        else:
+            out = ops.attention(*args, scale, window)
+        out_LNH[first:last] = out[0]
+    return out_LNH, lse_LN
+
+
+@paged_attend.register_fake
+def _(q_LNH, k_LKH, v_LKH, layer_name, scale, window, with_lse):
+    L, N, _ = q_LNH.shape
+    return torch.empty_like(q_LNH), q_LNH.new_empty((L, N) if with_lse else (0,), dtype=torch.float32)
+
+
+def _layer_context(layer_name: str):
+    """(this forward's attention metadata for the layer or None in a dummy run, vLLM's
+    `Attention` layer named `layer_name`)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None, None
+    context = get_forward_context()
+    return metadata_of(context.attn_metadata, layer_name), context.no_compile_layers[layer_name]
+
+
+def metadata_of(metadata, layer_name: str | None):
+    """`layer_name`'s metadata of a forward context's, or any layer's (None: none)."""
+    if isinstance(metadata, list):
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        if layer_name is None:
+            return next(iter(metadata.values()), None)
+        return metadata.get(layer_name)
+    return metadata
+
+
+class PagedAttention(nn.Module):
+    """torchtitan inner attention backed by vLLM's paged `Attention` (causal, varlen), with
+    gpt-oss's per-layer sliding `window` and attention `sinks` (the torchtitan layer's own
+    parameter, so weight sync reaches it) passed to vLLM's kernel, which applies both.
+
+    With `batch_invariant`, vLLM's Attention keeps the paged KV cache (its allocation, block
+    tables, prefix caching) but the attention itself is `paged_attend`, the trainer's routine,
+    and torchtitan's `out_transform` (gpt-oss's sink rescale) applies to its output here.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        prefix: str,
+        cache_config,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        batch_invariant: bool = False,
+    ):
+        super().__init__()
+        self.batch_invariant = batch_invariant
+        self.window = window
+        self.tokens: int | None = None
+        """Under TP (eager), the real rows of this forward's batch (set by the wrapper, which
+        pads it)."""
+        extra = {} if sinks is None else {"sinks": sinks}
+        self.attn = Attention(
+            n_heads,
+            head_dim,
+            scale,
+            num_kv_heads=n_kv_heads,
+            cache_config=cache_config,
+            per_layer_sliding_window=window,
+            prefix=prefix,  # vLLM binds each layer's KV cache by this unique name
+            **extra,
+        )
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, out_transform=None, **_) -> torch.Tensor:
+        """`out_transform`: torchtitan's sink rescale, applied here in batch-invariant mode
+        only (vLLM's kernel applies the sinks itself)."""
+        if isinstance(q_BLNH, DTensor):  # TP: this rank's heads, which vLLM's attention holds
+            # Only the batch's real rows (the wrapper pads it): vLLM writes each row's key and
+            # value to the cache slot its slot mapping gives, and a padding row has none
+            # (measured: written anyway, it corrupted a cached block; logprobs off by 6e-3).
+            q, k, v = (x.to_local()[:, : self.tokens] for x in (q_BLNH, k_BLNH, v_BLNH))
+            out_BLNH = self.forward(q, k, v, out_transform=out_transform)
+            pad = q_BLNH.shape[1] - out_BLNH.shape[1]
+            out_BLNH = nn.functional.pad(out_BLNH, (0, 0, 0, 0, 0, pad))
+            return DTensor.from_local(out_BLNH, q_BLNH.device_mesh, q_BLNH.placements)
+        B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
+        if self.batch_invariant:
+            out_LNH, lse_LN = paged_attend(
+                q_BLNH[0],
+                k_BLNH[0],
+                v_BLNH[0],
+                self.attn.layer_name,
+                self.attn.impl.scale,
+                self.window,
+                out_transform is not None,
+            )
+            if out_transform is not None:
+                out_LNH = out_transform(out_LNH[None], lse_LN[None])[0]
+            return out_LNH[None]
+        out_LD = self.attn(q_BLNH.reshape(L, N * H), k_BLNH.reshape(L, -1), v_BLNH.reshape(L, -1))
+        return out_LD.view(B, L, N, H)
