@@ -10,6 +10,8 @@ Generator: each rank samples its own prompts (one short, one longer than a 128-t
 block), then a trainer recomputes the logprobs of every sampled token; a greedy pass is
 replayed through the trainer's argmax (these alone: "sampling"); stop ids, stop strings,
 seeds, bad prompts. "qwen3@tp2": one engine over each 2 ranks (generator tensor parallel).
+Compiled ("compiled"): the run's engines compile their decoder (the default); an eager engine
+of the same model samples the same batches, which must give the same tokens.
 
 Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
 reset (to show the stale KV a 150-token prompt keeps), then synced properly. LoRA sync
@@ -153,6 +155,54 @@ def generator_checks(model: ModelSection, generator: LocalGenerator, rank: int, 
         "five_id": generator.engine.get_tokenizer().convert_tokens_to_ids("5"),
         "stopped_at_five": [(s.token_ids, s.finish_reason) for g in five.samples for s in g],
         "torch_distributed_usable": dist.is_initialized() and dist.get_world_size() == world,
+    }
+
+
+def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
+    """The compiled engine (this run's: vLLM compiles the decoder unless enforce_eager) against
+    an eager engine of the same model, on batches that mix prefills, decodes and prefix-cache
+    hits (a 150-token prompt, then one sharing its first 128-token block, while samples
+    decode): sampled tokens for the same seeds, greedy tokens, their logprobs, and an MoE's
+    captured routing. And how many graphs Dynamo made for the decoder (vLLM compiles with
+    fullgraph=True: a graph break or a host sync in forward fails the engine's start). Last of
+    a model's checks: the eager engine's teardown ends a plain process's default group. The
+    eager engine is given the compiled one's weights (which weight sync's checks may have
+    updated in place), copied in place as a weight sync does."""
+    from torch._dynamo.utils import counters
+
+    prompts = prompts_for(rank)
+    prompts.append(prompts[1][:128] + prompts[0])  # the long prompt's first block, cached
+
+    def run(engine: LocalGenerator) -> dict:
+        engine.reset_prefix_cache()
+        sampled = engine.generate(prompts, n=3, temperature=TEMPERATURE, max_tokens=12, seed=7)
+        greedy = engine.generate(prompts, n=1, temperature=0.0, max_tokens=12)
+        samples = [s for c in (sampled, greedy) for group in c.samples for s in group]
+        return {
+            "tokens": [s.token_ids for s in samples],
+            "logprobs": [s.logprobs for s in samples],
+            "routing": [s.routed_experts for s in samples],
+        }
+
+    compiled = run(generator)
+    graphs = dict(counters["stats"])
+    eager = LocalGenerator(
+        generator=GeneratorSection(max_model_len=256, enforce_eager=True), model=model, seed=rank
+    )
+    with torch.no_grad():
+        theirs = eager.weights()
+        for name, tensor in generator.weights().items():
+            theirs[name].copy_(tensor)
+    eager.refresh_after_weight_update()
+    reference = run(eager)
+    del eager
+    gc.collect()
+    return {
+        "compiled": compiled,
+        "eager": reference,
+        "decoder_compiled": generator.config.compiled,
+        "dynamo_graphs": graphs.get("unique_graphs", 0),
+        "graph_breaks": dict(counters["graph_break"]),
     }
 
 
@@ -302,6 +352,7 @@ def main() -> None:
         "sampling": sampling_checks,
         "weight_sync": weight_sync_checks,
         "lora_sync": lora_sync_checks,
+        "compiled": compiled_checks,
     }
     # One engine at a time: each model's checks, then its engine is freed before the next.
     for name, checks in zip(pairs[::2], pairs[1::2], strict=True):

@@ -41,7 +41,7 @@ def test_precedence_defaults_toml_cli(tmp_path):
     [
         (["--generator.enforce_eager", "false"], (False, False)),
         (["--generator.enforce_eager", "FALSE", "--job.dry_run", "true"], (False, True)),
-        (["--job.dry_run"], (True, True)),
+        (["--job.dry_run"], (None, True)),  # enforce_eager unset: resolved by the engine
         (["--job.dry_run", "--generator.enforce_eager=True"], (True, True)),
         (["--generator.enforce_eager", "--job.dry_run", "false"], (True, False)),
     ],
