@@ -4,9 +4,11 @@
 
 One run measures both sides, each in fresh processes (one engine per process, the sides
 alternating over --trials): the same prompts, sampling parameters and per-request seeds; one
-untimed warm-up round per engine, then the median of all timed rounds of a side. Prints one
-JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and `ratio` = ours / native (target
->= 0.95). `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
+untimed warm-up round per engine, then the median of all timed rounds of a side. Both sides
+compiled, as vLLM runs its own models (generator.enforce_eager unset), and, beside them, both
+eager. Prints one JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and `ratio` = ours /
+native, compiled (target >= 0.95); `eager_ratio` and the eager rates; `start_s`, each side's
+median engine start (compilation included: inductor's cache warm after the first trial). `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
 on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3's
 debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel).
 """
@@ -20,6 +22,8 @@ from pathlib import Path
 
 from children import REPO, ensure_checkpoint, report, run_child
 
+SIDES = ["ours", "native", "ours_eager", "native_eager"]
+
 
 def measure(args: argparse.Namespace) -> dict:
     """Run one side in this process; returns tokens/s of each timed round."""
@@ -29,16 +33,19 @@ def measure(args: argparse.Namespace) -> dict:
     from torchtitan_rl.generator.engine import LocalGenerator
 
     recipe = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())
+    start = time.perf_counter()
     generator = LocalGenerator(
         generator=GeneratorSection(
             max_model_len=args.prompt_len + args.max_tokens + 8,
             sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens),
+            enforce_eager=True if args.side.endswith("eager") else None,
         ),
         model=ModelSection(
             name=recipe["name"], flavor=recipe["flavor"], hf_checkpoint=args.checkpoint
         ),
-        native=args.side == "native",
+        native=args.side.startswith("native"),
     )
+    start_s = time.perf_counter() - start
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 60, (args.prompts, args.prompt_len), generator=g).tolist()
     rates = []
@@ -48,7 +55,7 @@ def measure(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - start
         if round_ > 0:  # round 0 warms up
             rates.append(completions.num_tokens / seconds)
-    return {"rates": rates}
+    return {"rates": rates, "start_s": [start_s]}
 
 
 def main() -> None:
@@ -60,7 +67,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per engine")
     parser.add_argument("--trials", type=int, default=3, help="engines started per side")
-    parser.add_argument("--side", choices=["ours", "native"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.side:  # a child process measuring one side
@@ -71,11 +78,14 @@ def main() -> None:
 
     ensure_checkpoint(args.checkpoint)
     # The sides alternate over trials so that slow phases of a shared machine hit both.
-    rates = {"ours": [], "native": []}
+    rates = {side: [] for side in SIDES}
+    starts = {side: [] for side in SIDES}
     for _ in range(args.trials):
-        for side in rates:
+        for side in SIDES:
             command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
-            rates[side] += run_child(command)["rates"]
+            child = run_child(command)
+            rates[side] += child["rates"]
+            starts[side] += child["start_s"]
     medians = {side: statistics.median(values) for side, values in rates.items()}
     print(
         json.dumps(
@@ -89,6 +99,10 @@ def main() -> None:
                 "ours_tokens_per_s": round(medians["ours"], 1),
                 "native_tokens_per_s": round(medians["native"], 1),
                 "ratio": round(medians["ours"] / medians["native"], 3),
+                "ours_eager_tokens_per_s": round(medians["ours_eager"], 1),
+                "native_eager_tokens_per_s": round(medians["native_eager"], 1),
+                "eager_ratio": round(medians["ours_eager"] / medians["native_eager"], 3),
+                "start_s": {side: round(statistics.median(v), 1) for side, v in starts.items()},
             }
         )
     )

