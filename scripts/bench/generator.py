@@ -8,7 +8,8 @@ untimed warm-up round per engine, then the median of all timed rounds of a side.
 compiled, as vLLM runs its own models (generator.enforce_eager unset), and, beside them, both
 eager. Prints one JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and `ratio` = ours /
 native, compiled (target >= 0.95); `eager_ratio` and the eager rates; `start_s`, each side's
-median engine start (compilation included: inductor's cache warm after the first trial). `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
+median engine start (compilation included: inductor's cache warm after the first trial).
+`--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
 on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3's
 debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel).
 """

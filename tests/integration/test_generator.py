@@ -150,7 +150,8 @@ def test_the_compiled_engine_gives_the_eager_engines_tokens(engines_plain):
     one graph, fullgraph) and it samples what the eager engine samples, dense, Llama3, gpt-oss
     (sinks, a sliding window) and MoE, over batches mixing prefill, decode and a prefix-cache
     hit: the same sampled and greedy tokens, logprobs within 2e-6 (fp32; gpt-oss 1e-5), and MoE
-    routing (Qwen3-MoE's, gpt-oss's), written in place inside the graph, the same token for token."""
+    routing (Qwen3-MoE's, gpt-oss's), written in place inside the graph, the same token for
+    token."""
     for engines, name in enumerate(("qwen3", "llama3", "gpt_oss", "moe"), start=1):
         run = engines_plain[name][0]["compiled"]
         compiled, eager = run["compiled"], run["eager"]

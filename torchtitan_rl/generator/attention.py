@@ -87,7 +87,9 @@ def paged_attend(
 @paged_attend.register_fake
 def _(q_LNH, k_LKH, v_LKH, layer_name, scale, window, with_lse):
     L, N, _ = q_LNH.shape
-    return torch.empty_like(q_LNH), q_LNH.new_empty((L, N) if with_lse else (0,), dtype=torch.float32)
+    return torch.empty_like(q_LNH), q_LNH.new_empty(
+        (L, N) if with_lse else (0,), dtype=torch.float32
+    )
 
 
 def _layer_context(layer_name: str):

@@ -579,7 +579,9 @@ def _kv_cache_bytes(worker) -> int:
 
 def _is_moe(model: ModelSection) -> bool:
     """Whether the model has MoE layers (whose routing the wrapper captures)."""
-    return any(getattr(layer, "moe", None) for layer in model_spec(model.name, model.flavor).model.layers)
+    return any(
+        getattr(layer, "moe", None) for layer in model_spec(model.name, model.flavor).model.layers
+    )
 
 
 def _bind_runner(worker) -> None:

@@ -37,7 +37,9 @@ class RoutingLog:
         for router in routers:
             weight = router.gate.weight
             device = weight.to_local().device if isinstance(weight, DTensor) else weight.device
-            router.capture_TK = torch.full((rows, router.top_k), -1, dtype=torch.int32, device=device)
+            router.capture_TK = torch.full(
+                (rows, router.top_k), -1, dtype=torch.int32, device=device
+            )
 
     def commit(self, positions_T: torch.Tensor, tokens: int) -> None:
         """File the ids this forward's routers wrote for its `tokens` rows under the requests

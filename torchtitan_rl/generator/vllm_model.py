@@ -36,7 +36,6 @@ from torchtitan_rl.models import model_spec
 from torchtitan_rl.models.moe import routers
 from torchtitan_rl.trainer.model import hf_shapes
 
-
 TP_BATCH_MULTIPLE = 64
 """A tensor-parallel generator pads each forward's tokens to a multiple of this (see forward)."""
 
