@@ -229,3 +229,21 @@ def test_mixture_of_experts_flavors_are_accepted():
     )
     assert config.model.name == "gpt_oss" and is_mixture_of_experts("gpt_oss", "tiny")
     assert hf_architecture("gpt_oss", "20b") == "GptOssForCausalLM"
+
+
+def test_enforce_eager_unset_compiles_one_rank_engines_and_refuses_a_compiled_tp_engine():
+    """generator.enforce_eager unset: compiled where the generator compiles (one rank per
+    engine), eager under generator TP; false under TP is refused in one line naming the fix."""
+    from torchtitan_rl.config import ConfigError
+
+    def parse(*flags):
+        return parse_args(["--job.config_file", DEBUG_TOML, *flags], world_size=2).generator
+
+    tp2 = ["--generator.parallelism.tensor_parallel_degree", "2"]
+    assert parse().compiled and not parse(*tp2).compiled
+    assert not parse("--generator.enforce_eager", "true").compiled
+    with pytest.raises(ConfigError) as error:
+        parse(*tp2, "--generator.enforce_eager", "false")
+    message = str(error.value)
+    assert "\n" not in message and "generator.enforce_eager = false" in message
+    assert "unset enforce_eager or set it to true" in message
