@@ -1,13 +1,16 @@
 """A torchtitan Qwen3-MoE decoder layer under CUDA graphs, as the generator runs it; one JSON line.
 
+    scripts/gpu_wheels.sh     (here: the wheels into .whl/, which the GPU machine is given)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-        PYTHONPATH=/tmp/site:. python3 scripts/gpu_graph_check.py       (the GPU machine)
+        PYTHONPATH=$PWD/scripts/gpu_shim:/tmp/site:$PWD python3 scripts/gpu_graph_check.py
     .venv/bin/python scripts/gpu_graph_check.py --small      (CPU: debugmodel_moe, no graphs)
 
 For a GPU machine with torch and no network, no vLLM and no torchtitan: `.whl/` (ignored by
 git) holds torchtitan 0.3.0's wheel and those of its dependencies that importing
-`torchtitan.models.qwen3` and this project's model code needs (tyro, docstring-parser,
-typeguard, spmd_types, tomli-w). Nothing here imports vLLM. Two checks, each its own JSON key,
+`torchtitan.models.qwen3` and this project's model and trainer code need (scripts/gpu_wheels.sh).
+torchtitan 0.3.0 does not import on torch 2.11 (measured on a lent H100: no
+`torch.distributed.fsdp.DataParallelMeshDims`); scripts/gpu_shim/sitecustomize.py gives it a
+stand-in of that dataclass's fields. Nothing here imports vLLM. Two checks, each its own JSON key,
 each catching its own error so that one failure does not hide the other:
 
 - "torchtitan": torchtitan imports on this torch (`torchtitan.models.qwen3`, then
@@ -25,7 +28,8 @@ each catching its own error so that one failure does not hide the other:
   causal SDPA; grouped-GEMM experts) and then "batch_invariant" (this project's torch-only
   kernels: `use_invariant_attention`, `make_linears_invariant`). "host_sync" names the first
   host synchronisation in an eager forward (CUDA's sync debug mode), which a graph cannot
-  hold; a mode stops at its first failed capture.
+  hold; a mode stops at its first failed capture. Expected there: batch-invariant experts
+  (models/moe.py `_looped`) read each expert's token count on the host (`.tolist()`).
 
 The inner attention is the trainer's stand-in for the generator's: in the engine the layer's
 inner attention is vLLM's paged `Attention`, or in batch-invariant mode
@@ -38,6 +42,7 @@ standing in for the replay, and the output says so.
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -171,12 +176,12 @@ def inputs(T: int, dim: int, dtype, device, generator) -> tuple[torch.Tensor, to
     return h_1TD, positions_1T
 
 
-def graph_vs_eager(layer, router, dim, dtype, device, T: int, rounds: int, n_time: int) -> dict:
-    """One graph at T tokens (CUDA; on CPU a second eager run), replayed on `rounds` fresh
-    inputs, against the eager forward on each."""
+def graph_vs_eager(layer, router, dim, dtype, device, T: int, args, figures: dict) -> None:
+    """One graph at T tokens (CUDA; on CPU a second eager run), replayed on `args.rounds` fresh
+    inputs, against the eager forward on each; fills `figures` as it goes (a failed capture
+    keeps what came before it)."""
     generator = torch.Generator(device=device).manual_seed(T)
     static_h, static_pos = inputs(T, dim, dtype, device, generator)
-    figures: dict = {}
     if device.type == "cuda":
         figures["host_sync"] = host_sync(layer, static_h, static_pos)
         graph, static_out = capture(layer, static_h, static_pos)
@@ -190,7 +195,7 @@ def graph_vs_eager(layer, router, dim, dtype, device, T: int, rounds: int, n_tim
             return layer(static_h, None, static_pos)
 
     output_equal, routing_equal, max_diff = True, True, 0.0
-    for _ in range(rounds):
+    for _ in range(args.rounds):
         h_1TD, positions_1T = inputs(T, dim, dtype, device, generator)
         router.capture_TK.fill_(-1)
         eager_1TD = layer(h_1TD, None, positions_1T).clone()
@@ -205,12 +210,12 @@ def graph_vs_eager(layer, router, dim, dtype, device, T: int, rounds: int, n_tim
             (eager_ids_TK >= 0).all()
         )
         max_diff = max(max_diff, (eager_1TD.float() - replayed_1TD.float()).abs().max().item())
-    figures.update(output_equal=output_equal, routing_equal=routing_equal, rounds=rounds)
+    figures.update(output_equal=output_equal, routing_equal=routing_equal, rounds=args.rounds)
     if not output_equal:
         figures["max_abs_diff"] = max_diff
-    figures["eager_ms"] = timed_ms(lambda: layer(static_h, None, static_pos), device, n_time)
-    figures["replay_ms"] = timed_ms(replay, device, n_time)
-    return figures
+    eager = functools.partial(layer, static_h, None, static_pos)
+    figures["eager_ms"] = timed_ms(eager, device, args.timing_calls)
+    figures["replay_ms"] = timed_ms(replay, device, args.timing_calls)
 
 
 def check_mode(invariant: bool, args, device: torch.device) -> dict:
@@ -221,13 +226,12 @@ def check_mode(invariant: bool, args, device: torch.device) -> dict:
     figures: dict = {}
     with torch.inference_mode():
         for T in args.tokens:
+            figures[f"T={T}"] = figure = {}
             try:
-                figures[f"T={T}"] = graph_vs_eager(
-                    layer, router, dim, dtype, device, T, args.rounds, args.timing_calls
-                )
+                graph_vs_eager(layer, router, dim, dtype, device, T, args, figure)
             except Exception as e:  # noqa: BLE001  (this T's failure is its figure)
                 traceback.print_exc(file=sys.stderr)
-                figures[f"T={T}"] = {**error(e), "at": where(e)}
+                figure.update(error(e), at=where(e))
                 break
     del layer, router
     if device.type == "cuda":

@@ -69,7 +69,8 @@ def pg_loss(logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
 
 
 def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float) -> None:
-    positions_BT = torch.arange(tokens_BT.shape[1]).expand_as(tokens_BT)
+    tokens_BT = tokens_BT.to(platform.device())  # (the trainer's own step moves its batch)
+    positions_BT = torch.arange(tokens_BT.shape[1], device=tokens_BT.device).expand_as(tokens_BT)
     logits_BTV = trainer.model(tokens_BT, positions_BT, None)
     loss = cross_entropy_loss(logits_BTV[:, :-1], tokens_BT[:, 1:]) / tokens_BT[:, 1:].numel()
     loss.backward()
@@ -123,6 +124,8 @@ def uniform(args) -> None:
                 trainer.optimizer_step(batch, pg_loss)
             else:
                 plain_step(trainer, tokens_BT, 1.0)
+            if torch.cuda.is_available():  # the step's kernels done, not only queued
+                torch.cuda.synchronize()
             dist.barrier()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - start)

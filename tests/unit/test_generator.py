@@ -5,6 +5,8 @@ engine itself: tests/integration/test_generator.py.
 """
 
 import pytest
+import torch
+import torch.nn as nn
 
 
 def test_plugin_entry_point_registers_the_architecture():
@@ -99,3 +101,29 @@ def test_num_kv_blocks_is_capped_at_what_the_kv_space_holds(capsys):
     assert kv_block_bytes(ModelSection(name="gpt_oss", flavor="tiny"), capped) == 64 * 2**10
     bf16 = GeneratorSection(num_kv_blocks=512, dtype="bfloat16")
     assert kv_block_bytes(debug, bf16) == 4 * 2**20 and kv_blocks(debug, bf16) == 256
+
+
+def test_routing_log_files_each_position_once_the_last_run_winning():
+    """`RoutingLog.take`: a request's routed experts [T, M, K] from the steps that ran it,
+    -1 where none did, past `length` dropped, and a position run twice (preempted, then
+    recomputed) with its last run's ids. The capture buffers are preallocated per router."""
+    from types import SimpleNamespace
+
+    from torchtitan_rl.generator.routing import RoutingLog
+
+    routers = [SimpleNamespace(gate=nn.Linear(4, 3), top_k=2) for _ in range(2)]
+    log = RoutingLog(routers, rows=16)
+    assert [r.capture_TK.shape for r in routers] == [(16, 2)] * 2
+    assert all((r.capture_TK == -1).all() and r.capture_TK.dtype == torch.int32 for r in routers)
+    ids = torch.arange(6 * 2 * 2, dtype=torch.int16).view(6, 2, 2)
+    log._requests["a"] = [
+        (torch.tensor([0, 1, 2]), ids[:3]),  # the prompt's prefill
+        (torch.tensor([3]), ids[3:4]),  # a decode step
+        (torch.tensor([2, 3]), ids[4:6]),  # recomputed after a preemption: these win
+    ]
+    out = log.take("a", length=5)
+    assert out.shape == (5, 2, 2) and out.dtype == torch.int16
+    assert torch.equal(out[:2], ids[:2]) and torch.equal(out[2:4], ids[4:6])
+    assert (out[4] == -1).all() and "a" not in log._requests
+    assert (log.take("unknown", 3) == -1).all()
+    assert torch.equal(log.take("a", 2), torch.full((2, 2, 2), -1, dtype=torch.int16))
