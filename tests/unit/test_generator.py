@@ -116,11 +116,10 @@ def test_routing_log_files_each_position_once_the_last_run_winning():
     assert [r.capture_TK.shape for r in routers] == [(16, 2)] * 2
     assert all((r.capture_TK == -1).all() and r.capture_TK.dtype == torch.int32 for r in routers)
     ids = torch.arange(6 * 2 * 2, dtype=torch.int16).view(6, 2, 2)
-    log._requests["a"] = [
-        (torch.tensor([0, 1, 2]), ids[:3]),  # the prompt's prefill
-        (torch.tensor([3]), ids[3:4]),  # a decode step
-        (torch.tensor([2, 3]), ids[4:6]),  # recomputed after a preemption: these win
-    ]
+    prefill = (torch.tensor([7, 0, 1, 2]), torch.cat([ids[:1], ids[:3]]))  # another's row first
+    decode = (torch.tensor([3, 9]), torch.cat([ids[3:4], ids[:1]]))
+    recomputed = (torch.tensor([2, 3]), ids[4:6])  # after a preemption: these win
+    log._requests["a"] = [(prefill, 1, 4), (decode, 0, 1), (recomputed, 0, 2)]
     out = log.take("a", length=5)
     assert out.shape == (5, 2, 2) and out.dtype == torch.int16
     assert torch.equal(out[:2], ids[:2]) and torch.equal(out[2:4], ids[4:6])

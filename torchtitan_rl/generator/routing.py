@@ -17,6 +17,7 @@ The runner's batch is the V1 model runner's `input_batch`; platform.py pins that
 CUDA, where vLLM would otherwise pick its V2 runner, which has none.
 """
 
+import functools
 import re
 
 import torch
@@ -33,7 +34,8 @@ class RoutingLog:
         self.runner = None
         """vLLM's model runner, whose `input_batch` lists the step's requests in row order
         (bound by `LocalGenerator` once the engine exists)."""
-        self._requests: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._requests: dict[str, list[tuple[tuple, int, int]]] = {}
+        """Per request, ((positions_T, ids_TMK) of a step, first row, last row) of its steps."""
         for router in routers:
             weight = router.gate.weight
             device = weight.to_local().device if isinstance(weight, DTensor) else weight.device
@@ -57,13 +59,13 @@ class RoutingLog:
         ids_TMK = ids_TMK.to("cpu", torch.int16)
         starts = metadata.query_start_loc.tolist()
         request_ids = self.runner.input_batch.req_ids
-        positions = positions_T.to("cpu", copy=True)  # vLLM reuses its buffer every step
+        step = (positions_T.to("cpu", copy=True), ids_TMK)  # vLLM reuses its buffer every step
+        # Only where each request's rows are: the slicing waits for `take` (per request and
+        # step, it was a fifth of a tiny MoE engine's time).
         for i in range(len(starts) - 1):
             first, last = starts[i], starts[i + 1]
             if last > first:
-                self._requests.setdefault(_external(request_ids[i]), []).append(
-                    (positions[first:last], ids_TMK[first:last])
-                )
+                self._requests.setdefault(_external(request_ids[i]), []).append((step, first, last))
 
     def take(self, request_id: str, length: int) -> torch.Tensor:
         """The request's ids [length, M, K] (-1 where not run), forgetting them. A position
@@ -75,8 +77,8 @@ class RoutingLog:
             return out
         # One indexing for all of the request's steps (per step, the host work of a long
         # generation was a tenth of the engine's time on a tiny MoE).
-        positions = torch.cat([p for p, _ in chunks])
-        ids = torch.cat([i for _, i in chunks])
+        positions = torch.cat([step[0][first:last] for step, first, last in chunks])
+        ids = torch.cat([step[1][first:last] for step, first, last in chunks])
         inside = positions < length
         positions, ids = positions[inside], ids[inside]
         order = torch.argsort(positions, stable=True)  # steps in order within a position
@@ -87,6 +89,7 @@ class RoutingLog:
         return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _external(request_id: str) -> str:
     """The id the request was added with: vLLM 0.32 runs it as "{id}-{8 hex digits}" (and
     sample i of an n > 1 request as "{i}_{id}-{8 hex digits}")."""
