@@ -200,7 +200,7 @@ def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, w
     return {
         "compiled": compiled,
         "eager": reference,
-        "decoder_compiled": generator.config.compiled,
+        "decoder_compiled": generator.compiled,
         "dynamo_graphs": graphs.get("unique_graphs", 0),
         "graph_breaks": dict(counters["graph_break"]),
     }
@@ -377,6 +377,12 @@ def main() -> None:
         )
         results = {c: run[c](model, generator, replica, world) for c in checks.split(",")}
         results["local_numel"] = sum(local(t).numel() for t in generator.weights().values())
+        results["engine_compiled"] = generator.compiled
+        # Tensor parallel on plain local shards (generator/tensor_parallel.py): the model's
+        # parameters are plain, weight sync sees them as DTensors.
+        results["plain_parameters"] = not any(
+            isinstance(p, DTensor) for p in generator.model().parameters()
+        )
         # The KV cache vLLM allocated, and the block size the CPU cap reckons with.
         results["kv_cache_bytes"] = generator.kv_cache_bytes()
         results["kv_block_bytes"] = kv_block_bytes(model, generator.config)

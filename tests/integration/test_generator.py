@@ -113,7 +113,8 @@ def test_gpt_oss_in_a_plain_process(engine_plain_gpt_oss):
 def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines_two_ranks):
     """generator TP = 2 (tensor_parallel_degree): one vLLM engine over the 2 torchrun ranks
     (external launcher, gloo), the torchtitan model sharded by its spec's own TP plan
-    (`parallelize_fn(skip_dp=True)`), vLLM's attention on each rank's heads. Both ranks sample
+    (`parallelize_fn(skip_dp=True)`), then run on plain local shards with vLLM's collectives,
+    compiled, vLLM's attention on each rank's heads. Both ranks sample
     the same tokens, which are the one-engine-per-rank run's for the same prompts and seed, with
     the same logprobs to 1e-5 (fp32), and the trainer's recomputation agrees; each rank holds
     half the weights."""
@@ -128,6 +129,10 @@ def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines
         assert max(rank["logprob_diffs"]) <= 1e-5, rank["logprob_diffs"]
         assert all(rank["greedy_match"]) and max(rank["lengths"]) > 1
         assert rank["generator_params"] == rank["trainer_params"]  # whole shapes, same names
+    # Compiled, on plain local shards with vLLM's collectives (no DTensor in forward).
+    assert all(
+        r["engine_compiled"] and r["plain_parameters"] for r in engines_two_ranks["qwen3@tp2"]
+    )
     local = [rank["local_numel"] for rank in engines_two_ranks["qwen3@tp2"]]
     assert local[0] == local[1] < 0.51 * tp1["local_numel"]  # norms are replicated
 

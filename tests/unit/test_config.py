@@ -231,19 +231,24 @@ def test_mixture_of_experts_flavors_are_accepted():
     assert hf_architecture("gpt_oss", "20b") == "GptOssForCausalLM"
 
 
-def test_enforce_eager_unset_compiles_one_rank_engines_and_refuses_a_compiled_tp_engine():
-    """generator.enforce_eager unset: compiled where the generator compiles (one rank per
-    engine), eager under generator TP; false under TP is refused in one line naming the fix."""
-    from torchtitan_rl.config import ConfigError
+def test_enforce_eager_unset_compiles_where_the_generator_compiles():
+    """generator.enforce_eager unset: compiled on one rank per engine and, tensor parallel, on
+    local shards (dense qwen3, llama3); an MoE's tensor-parallel generator runs eager, and
+    false for it is refused in one line naming the fix, before any engine starts."""
+    from torchtitan_rl.config import ConfigError, GeneratorParallelismSection, GeneratorSection
+    from torchtitan_rl.generator.engine import compiles
 
-    def parse(*flags):
-        return parse_args(["--job.config_file", DEBUG_TOML, *flags], world_size=2).generator
+    def generator(tp: int, eager):
+        parallelism = GeneratorParallelismSection(tensor_parallel_degree=tp)
+        return GeneratorSection(enforce_eager=eager, parallelism=parallelism)
 
-    tp2 = ["--generator.parallelism.tensor_parallel_degree", "2"]
-    assert parse().compiled and not parse(*tp2).compiled
-    assert not parse("--generator.enforce_eager", "true").compiled
+    dense, moe = ModelSection(hf_checkpoint=TINY), ModelSection(flavor="tiny_moe")
+    assert compiles(generator(1, None), dense) and compiles(generator(1, None), moe)
+    assert compiles(generator(2, None), dense) and compiles(generator(2, False), dense)
+    assert not compiles(generator(2, None), moe)
+    assert not compiles(generator(1, True), dense) and not compiles(generator(2, True), moe)
     with pytest.raises(ConfigError) as error:
-        parse(*tp2, "--generator.enforce_eager", "false")
+        compiles(generator(2, False), moe)
     message = str(error.value)
     assert "\n" not in message and "generator.enforce_eager = false" in message
     assert "unset enforce_eager or set it to true" in message

@@ -224,6 +224,7 @@ class LocalGenerator:
                 "set it (scripts/setup.sh builds assets/tiny_qwen3)"
             )
         check_tokenizer_fits(model)
+        compiled = compiles(generator, model)
         read_hf_shapes(model.hf_checkpoint)  # a damaged file: one line, not vLLM's loader's
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(generator.kv_cache_space_gib)
         from vllm import EngineArgs, LLMEngine
@@ -257,9 +258,9 @@ class LocalGenerator:
             dtype=generator.dtype,
             seed=seed,
             max_model_len=generator.max_model_len,
-            enforce_eager=not generator.compiled,
+            enforce_eager=not compiled,
             compilation_config=platform.generator_compilation(
-                compiled=generator.compiled,
+                compiled=compiled,
                 own_invariant_kernels=batch_invariant.uses_own_kernels() and not native,
                 captures_routing=not native and _is_moe(model),
             ),
@@ -299,6 +300,8 @@ class LocalGenerator:
                 platform.at_exit(functools.partial(segment.unlink, missing_ok=True))
         # After the engine: vLLM sets this process's threads, which the check runs with.
         self.native = native
+        self.compiled = compiled
+        """Whether vLLM compiled the model (generator.enforce_eager resolved)."""
         if not native:
             spec = model_spec(model.name, model.flavor)
             batch_invariant.check_kernels(spec.model, generator.dtype)
@@ -544,8 +547,9 @@ class LocalGenerator:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """What weight sync writes, by torchtitan FQN: the parameters (tied ones once) and the
-        persistent buffers the forward reads (`models.weights`)."""
-        return weights(self.model())
+        persistent buffers the forward reads (`models.weights`); under tensor parallelism each
+        sharded one as a DTensor (of the rank's local shard)."""
+        return self._wrapper().weights()
 
 
 def _check_same_requests(requests: list) -> None:
@@ -575,6 +579,23 @@ def _kv_cache_bytes(worker) -> int:
     return sum(
         {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in caches}.values()
     )
+
+
+def compiles(generator: GeneratorSection, model: ModelSection) -> bool:
+    """Whether the engine compiles its model: generator.enforce_eager, or unset, wherever the
+    wrapper compiles (vllm_model._compiles). false where it does not is one ConfigError line."""
+    from torchtitan_rl.generator import tensor_parallel
+
+    tp = generator.parallelism.tensor_parallel_degree
+    can = tp == 1 or tensor_parallel.supported(model_spec(model.name, model.flavor), tp)
+    if generator.enforce_eager is False and not can:
+        raise ConfigError(
+            f"generator.enforce_eager = false with generator.parallelism.tensor_parallel_degree "
+            f"= {tp}: {model.name}/{model.flavor}'s tensor-parallel generator runs DTensors, "
+            "eager (local shards are built for dense qwen3 and llama3); unset enforce_eager or "
+            "set it to true"
+        )
+    return can and not generator.enforce_eager
 
 
 def _is_moe(model: ModelSection) -> bool:

@@ -29,10 +29,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 
 from torchtitan_rl.batch_invariant import make_linears_invariant
+from torchtitan_rl.generator import tensor_parallel
 from torchtitan_rl.generator.attention import PagedAttention
 from torchtitan_rl.generator.packed import PackedExperts, PackedLinear, onednn_available
 from torchtitan_rl.generator.routing import RoutingLog
-from torchtitan_rl.models import model_spec
+from torchtitan_rl.models import model_spec, weights
 from torchtitan_rl.models.moe import routers
 from torchtitan_rl.trainer.model import hf_shapes
 
@@ -41,9 +42,13 @@ TP_BATCH_MULTIPLE = 64
 
 
 def _compiles(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM compiles the decoder: unless enforce_eager, on one rank. A tensor-parallel
-    generator runs DTensors, eager (the engine refuses enforce_eager = false for it)."""
-    return vllm_config.parallel_config.tensor_parallel_size == 1
+    """Whether vLLM may compile the decoder (unless enforce_eager): on one rank, or tensor
+    parallel on local shards (dense models). An MoE's tensor-parallel generator runs DTensors,
+    eager (the engine refuses enforce_eager = false for it)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    hf_config = vllm_config.model_config.hf_config
+    spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
+    return tp == 1 or tensor_parallel.supported(spec, tp)
 
 
 @support_torch_compile(
@@ -89,6 +94,11 @@ class TorchTitanForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config
         self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
         self.tp = vllm_config.parallel_config.tensor_parallel_size
+        self.local_shards = self.tp > 1 and tensor_parallel.supported(self.spec, self.tp)
+        """Tensor parallel on plain local shards (generator/tensor_parallel.py) once loaded;
+        else, under TP, DTensors."""
+        self.layouts: dict = {}
+        """With local shards, each sharded weight's DTensor layout, by FQN."""
         if self.tp > 1:
             ep = self.tp if getattr(hf_config, "torchtitan_expert_parallel", False) else 1
             self.dims, self.parallelism = _tp_layout(self.spec, self.tp, ep)
@@ -197,7 +207,7 @@ class TorchTitanForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, D] of the flat token batch (positions always given)."""
         T = positions.shape[0]
-        if self.tp > 1:
+        if self.tp > 1 and not self.local_shards:
             input_ids, positions, inputs_embeds = self._padded(input_ids, positions, inputs_embeds)
         hidden_TD = _whole(self.decoder(input_ids, positions, inputs_embeds))[:T]
         if self.routing is not None:  # on the host, after the compiled decoder
@@ -226,7 +236,14 @@ class TorchTitanForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states_TD: torch.Tensor) -> torch.Tensor:
         """Every TP rank's sampler reads the whole vocabulary."""
-        return _whole(self.model.lm_head(hidden_states_TD))
+        logits_TV = self.model.lm_head(hidden_states_TD)
+        if self.local_shards:
+            return tensor_parallel.gather_vocabulary(logits_TV)
+        return _whole(logits_TV)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What weight sync writes (`models.weights`), a sharded weight as its DTensor."""
+        return tensor_parallel.as_dtensors(weights(self.model), self.layouts)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors through the spec's adapter; returns our parameter names.
@@ -272,7 +289,10 @@ class TorchTitanForCausalLM(nn.Module):
                 f"missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
         self.repack()
-        return {name for name, _ in self.named_parameters()}
+        names = {name for name, _ in self.named_parameters()}
+        if self.local_shards:
+            self.layouts = tensor_parallel.localize(self.model)
+        return names
 
 
 def _local_heads(sinks: torch.Tensor | None, tp: int) -> torch.Tensor | None:
