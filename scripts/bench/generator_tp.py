@@ -12,7 +12,11 @@ all of them). Per layout: `tokens_per_s` (tokens sampled by all engines / the sl
 seconds), `weights_mb` (this rank's share of the weights), `peak_rss_gib` (rank 0's peak,
 engine, KV cache and a trainer included), and a weight sync from an FSDP trainer: median
 `sync_ms` against `memcpy_ms`, one copy of the rank's weight bytes between preallocated
-buffers. The parent prints one JSON line with the TP layout's ratios to one engine per rank.
+buffers. Then vLLM's native model over both ranks (TP = 2, its own TP layers and collectives),
+and both TP engines again eager: every engine compiles unless `_eager` (generator.enforce_eager
+unset, as vLLM runs its models). The parent prints one JSON line with the TP layout's ratios to
+one engine per rank and to native TP = 2, compiled and eager (`tp2_vs_native_tp2`,
+`tp2_vs_native_tp2_eager`; the native engine has no weight sync, its sync figures are null).
 A checkpoint variant with long-tailed completion lengths (`make_tiny_checkpoint.py
 --mean_completion_tokens`, assets/debug_qwen3_L100) gives the shape of a real RL batch.
 """
@@ -56,9 +60,11 @@ def measure(args) -> dict | None:
             num_kv_blocks=args.kv_blocks,
             cpu_packed_gemm=not args.plain,
             parallelism=parallelism,
+            enforce_eager=True if args.eager else None,
         ),
         model=model,
         seed=rank // args.tp,
+        native=args.native,
     )
     engine, _, engines = parallelism.engine_of(rank, world)
     vocab = json.loads((REPO / args.checkpoint / "config.json").read_text())["vocab_size"]
@@ -80,23 +86,25 @@ def measure(args) -> dict | None:
     tokens = torch.tensor([completions.num_tokens if rank % args.tp == 0 else 0])
     platform.all_reduce_host(tokens)
 
-    weights = generator.weights()
-    local = [w.to_local() if isinstance(w, DTensor) else w for w in weights.values()]
-    weight_bytes = sum(t.numel() * t.element_size() for t in local)
-    trainer = PolicyTrainer(
-        model=model, training=TrainingSection(), parallelism=ParallelismSection()
-    )
-    sync = LocalTransport(trainer, generator, bucket_mb=64.0, verify=False)
-    sync_ms, memcpy_ms = [], []
-    src, dst = (torch.ones(weight_bytes, dtype=torch.uint8) for _ in range(2))
-    for _ in range(args.repeats + 1):  # the first of each: warm-up
-        dist.barrier()
-        begin = time.perf_counter()
-        sync.send(version=1)
-        sync_ms.append((time.perf_counter() - begin) * 1e3)
-        begin = time.perf_counter()
-        dst.copy_(src)
-        memcpy_ms.append((time.perf_counter() - begin) * 1e3)
+    weight_bytes = sync_ms = memcpy_ms = None
+    if not args.native:  # vLLM's own model repacks its weights: nothing to sync in place
+        weights = generator.weights()
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in weights.values()]
+        weight_bytes = sum(t.numel() * t.element_size() for t in local)
+        trainer = PolicyTrainer(
+            model=model, training=TrainingSection(), parallelism=ParallelismSection()
+        )
+        sync = LocalTransport(trainer, generator, bucket_mb=64.0, verify=False)
+        sync_ms, memcpy_ms = [], []
+        src, dst = (torch.ones(weight_bytes, dtype=torch.uint8) for _ in range(2))
+        for _ in range(args.repeats + 1):  # the first of each: warm-up
+            dist.barrier()
+            begin = time.perf_counter()
+            sync.send(version=1)
+            sync_ms.append((time.perf_counter() - begin) * 1e3)
+            begin = time.perf_counter()
+            dst.copy_(src)
+            memcpy_ms.append((time.perf_counter() - begin) * 1e3)
     platform.shutdown_distributed()
     if rank != 0:
         return None
@@ -104,10 +112,10 @@ def measure(args) -> dict | None:
         "tokens": int(tokens),
         "seconds": round(float(seconds), 2),
         "tokens_per_s": round(int(tokens) / float(seconds), 1),
-        "weights_mb": round(weight_bytes / 2**20, 1),
+        "weights_mb": weight_bytes and round(weight_bytes / 2**20, 1),
         "peak_rss_gib": round(peak_rss_gib(), 2),
-        "sync_ms": round(statistics.median(sync_ms[1:]), 2),
-        "memcpy_ms": round(statistics.median(memcpy_ms[1:]), 2),
+        "sync_ms": sync_ms and round(statistics.median(sync_ms[1:]), 2),
+        "memcpy_ms": memcpy_ms and round(statistics.median(memcpy_ms[1:]), 2),
     }
 
 
@@ -122,6 +130,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="weight syncs timed")
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--native", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -141,6 +151,9 @@ def main() -> None:
         "engine_per_rank": run_child([*torchrun, *me, "--tp", "1"]),
         "engine_per_rank_plain_gemm": run_child([*torchrun, *me, "--tp", "1", "--plain"]),
         "tp2": run_child([*torchrun, *me, "--tp", "2"]),
+        "native_tp2": run_child([*torchrun, *me, "--tp", "2", "--native"]),
+        "tp2_eager": run_child([*torchrun, *me, "--tp", "2", "--eager"]),
+        "native_tp2_eager": run_child([*torchrun, *me, "--tp", "2", "--native", "--eager"]),
     }
     one, plain, tp = (layouts[k] for k in ("engine_per_rank", "engine_per_rank_plain_gemm", "tp2"))
     result = {
@@ -152,6 +165,10 @@ def main() -> None:
         "tp2_tokens_per_s_vs_engine_per_rank": round(tp["tokens_per_s"] / one["tokens_per_s"], 3),
         "tp2_tokens_per_s_vs_plain_gemm": round(tp["tokens_per_s"] / plain["tokens_per_s"], 3),
         "tp2_weights_vs_engine_per_rank": round(tp["weights_mb"] / plain["weights_mb"], 3),
+        "tp2_vs_native_tp2": round(tp["tokens_per_s"] / layouts["native_tp2"]["tokens_per_s"], 3),
+        "tp2_vs_native_tp2_eager": round(
+            layouts["tp2_eager"]["tokens_per_s"] / layouts["native_tp2_eager"]["tokens_per_s"], 3
+        ),
         "tp2_sync_vs_memcpy": round(tp["sync_ms"] / tp["memcpy_ms"], 2),
         "engine_per_rank_sync_vs_memcpy": round(plain["sync_ms"] / plain["memcpy_ms"], 2),
     }

@@ -28,7 +28,7 @@ from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection, re
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.generator.routing import RoutingLog
-from torchtitan_rl.models import checkpoint_stop_ids, model_spec, weights
+from torchtitan_rl.models import checkpoint_stop_ids, model_spec
 from torchtitan_rl.tasks.render import read_tokenizer_json
 from torchtitan_rl.trainer.model import read_hf_shapes
 from torchtitan_rl.types import Completions, Delta, Sample
