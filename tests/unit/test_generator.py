@@ -126,3 +126,37 @@ def test_routing_log_files_each_position_once_the_last_run_winning():
     assert (out[4] == -1).all() and "a" not in log._requests
     assert (log.take("unknown", 3) == -1).all()
     assert torch.equal(log.take("a", 2), torch.full((2, 2, 2), -1, dtype=torch.int16))
+
+
+def test_packed_feed_forward_runs_w1_and_w3_in_one_gemm_and_follows_weight_updates():
+    """`PackedFeedForward`: torchtitan's SwiGLU feed-forward with w1 and w3 stacked in one
+    oneDNN GEMM (as vLLM's merged gate/up projection) computes the module's output to fp32
+    rounding, keeps the weights under their FQNs, and after an in-place update (a weight
+    sync) needs `repack` to follow it."""
+    from torchtitan_rl.generator.packed import PackedFeedForward
+    from torchtitan_rl.models import model_spec
+
+    model = model_spec("qwen3", "tiny").model.build()
+    with torch.no_grad():
+        model.init_states()
+    feed_forward = model.layers["0"].feed_forward
+    assert PackedFeedForward.fits(feed_forward)
+    x = torch.randn(2, 7, feed_forward.w1.weight.shape[1])
+    expected = feed_forward(x)
+    packed = PackedFeedForward(feed_forward)
+
+    def repack():  # as the wrapper's `repack`: every packed module, w2's PackedLinear too
+        for module in packed.modules():
+            if hasattr(module, "repack"):
+                module.repack()
+
+    repack()
+    torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+    names = {name for name, _ in packed.named_parameters()}
+    assert names == {"w1.weight", "w2.weight", "w3.weight"}
+    with torch.no_grad():
+        feed_forward.w3.weight.mul_(2)
+    updated = feed_forward(x)
+    assert not torch.allclose(packed(x), updated, atol=1e-4)  # the stale stacked copy
+    repack()
+    torch.testing.assert_close(packed(x), updated, rtol=1e-5, atol=1e-5)

@@ -134,3 +134,40 @@ class PackedExperts(nn.Module):
             False,  # weight each expert's output by its routing score
         )
         return out_TD.view_as(x_BLD)
+
+
+class PackedFeedForward(nn.Module):
+    """torchtitan's SwiGLU feed-forward, w2(silu(w1 x) * w3 x), with w1 and w3 in one oneDNN
+    GEMM over a packed copy of both stacked, as vLLM's merged gate/up projection runs them (one
+    call per layer instead of two); w2 a `PackedLinear`. `w1` and `w3` stay the modules whose
+    weights weight sync writes (same FQNs), not run; `repack()` refreshes the stacked copy."""
+
+    def __init__(self, feed_forward: nn.Module):
+        super().__init__()
+        self.w1, self.w3 = feed_forward.w1, feed_forward.w3
+        self.w2 = PackedLinear(feed_forward.w2)
+        self._handler = None
+
+    @staticmethod
+    def fits(module: nn.Module) -> bool:
+        """torchtitan's plain FeedForward (not a gated subclass), without biases."""
+        from torchtitan.models.common.feed_forward import FeedForward
+
+        if type(module) is not FeedForward:
+            return False
+        return all(getattr(module, w).bias is None for w in ("w1", "w2", "w3"))
+
+    def repack(self) -> None:
+        from vllm import _custom_ops as ops
+
+        with torch.no_grad():
+            w13_GD = torch.cat([self.w1.weight, self.w3.weight])
+            self._handler = ops.create_onednn_mm(w13_GD.t(), 32)  # packed: w13_GD is freed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        h_TG = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), None)
+        gate_TF, up_TF = h_TG.chunk(2, dim=-1)
+        out = self.w2(nn.functional.silu(gate_TF) * up_TF)
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -31,7 +31,12 @@ from vllm.config import VllmConfig
 from torchtitan_rl.batch_invariant import make_linears_invariant
 from torchtitan_rl.generator import tensor_parallel
 from torchtitan_rl.generator.attention import PagedAttention
-from torchtitan_rl.generator.packed import PackedExperts, PackedLinear, onednn_available
+from torchtitan_rl.generator.packed import (
+    PackedExperts,
+    PackedFeedForward,
+    PackedLinear,
+    onednn_available,
+)
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import model_spec, weights
 from torchtitan_rl.models.moe import routers
@@ -151,10 +156,15 @@ class TorchTitanForCausalLM(nn.Module):
         ):
             for name, module in list(model.named_modules()):
                 parent, _, child = name.rpartition(".")
-                if isinstance(module, nn.Linear):
-                    setattr(model.get_submodule(parent), child, PackedLinear(module))
+                if PackedFeedForward.fits(module):
+                    setattr(model.get_submodule(parent), child, PackedFeedForward(module))
+            for name, module in list(model.named_modules()):
+                parent, _, child = name.rpartition(".")
+                owner = model.get_submodule(parent)
+                if isinstance(module, nn.Linear) and not isinstance(owner, PackedFeedForward):
+                    setattr(owner, child, PackedLinear(module))
                 elif child == "routed_experts" and PackedExperts.fits(module.inner_experts):
-                    setattr(model.get_submodule(parent), child, PackedExperts(module))
+                    setattr(owner, child, PackedExperts(module))
         self.model = model
         self.decoder = Decoder(vllm_config=vllm_config, prefix=prefix, model=model)
         """What vLLM compiles; `model`'s parameters keep their names (registered first)."""
@@ -184,13 +194,13 @@ class TorchTitanForCausalLM(nn.Module):
     def repack(self) -> None:
         """Refresh derived copies of the weights; call after every in-place weight update."""
         for module in self.model.modules():
-            if isinstance(module, (PackedLinear, PackedExperts)):
+            if isinstance(module, (PackedLinear, PackedExperts, PackedFeedForward)):
                 module.repack()
 
     def drop_packed(self) -> None:
         """Free the packed copies of the weights (until the next `repack`)."""
         for module in self.model.modules():
-            if isinstance(module, PackedLinear):
+            if isinstance(module, (PackedLinear, PackedFeedForward)):
                 module._handler = None
             elif isinstance(module, PackedExperts):
                 module._w13_EGD = module._w2_EDF = None
