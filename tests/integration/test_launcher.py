@@ -11,7 +11,7 @@ import sys
 import textwrap
 import tomllib
 
-from helpers.launch import DEBUG_TOML, REPO, metric_rows, run_train
+from helpers.launch import DEBUG_TOML, REPO, launcher, metric_rows, run, run_train
 
 # Seen on the console of a 2-rank CPU run before the redirect: torch's DTensor UserWarning,
 # vLLM's "(MainProcess pid=...) WARNING" lines, a FutureWarning from vLLM's Triton shim,
@@ -55,7 +55,9 @@ def test_torchrun_two_ranks_train_and_write_the_config(reference_run):
     # The written config is the resolved one, and feeding it back reproduces it.
     written = (dump / "config.toml").read_text()
     assert tomllib.loads(written)["training"]["steps"] == steps
-    again = run_train("--job.config_file", str(dump / "config.toml"), "--job.dry_run")
+    # As it is: `run_train` would add helpers.launch.EAGER, which this config leaves unset.
+    feed_back = ["--job.config_file", str(dump / "config.toml"), "--job.dry_run"]
+    again = run([*launcher(0), "-m", "torchtitan_rl.train", *feed_back])
     assert again.returncode == 0, again.stderr
     assert again.stdout == written
 
