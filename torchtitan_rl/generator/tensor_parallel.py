@@ -43,11 +43,13 @@ def supported(spec, tp: int) -> bool:
     return config.vocab_size % tp == 0 and spec.name in ("qwen3", "llama3")
 
 
-def localize(model: nn.Module) -> dict[str, Layout]:
-    """Turn the parallelized `model` into plain local shards with explicit collectives, in
-    place; returns the layout of every weight that was a DTensor, by FQN."""
+def localize(model: nn.Module) -> tuple[dict[str, Layout], list[str]]:
+    """Turn the parallelized `model` into plain local shards, in place; returns the layout of
+    every weight that was a DTensor, by FQN, and the modules whose output must be summed over
+    the ranks (`add_all_reduces`, once any module replacement is done)."""
     local: dict[int, nn.Parameter] = {}  # a tied weight becomes one local parameter
     layouts: dict[str, Layout] = {}
+    reduced: list[str] = []
     for module_name, module in model.named_modules():
         module.__dict__.pop("forward", None)  # torchtitan's redistributing wrapper
         placements = {}
@@ -63,23 +65,33 @@ def localize(model: nn.Module) -> dict[str, Layout]:
         for name, buffer in list(module._buffers.items()):
             if isinstance(buffer, DTensor):
                 module._buffers[name] = buffer.to_local()
-        _add_collective(module_name, module, placements.get("weight"))
-    return layouts
+        if _sums_over_ranks(module_name, module, placements.get("weight")):
+            reduced.append(module_name)
+    return layouts, reduced
 
 
-def _add_collective(name: str, module: nn.Module, placements) -> None:
-    """The all-reduce a row-parallel linear or a vocabulary-parallel embedding needs."""
+def add_all_reduces(model: nn.Module, names: list[str]) -> None:
+    """Sum the output of each named module (as it is now: maybe a packed stand-in) over the
+    ranks, with vLLM's all-reduce (a registered op: it compiles)."""
+    for name in names:
+        model.get_submodule(name).register_forward_hook(_all_reduce_output)
+
+
+def _sums_over_ranks(name: str, module: nn.Module, placements) -> bool:
+    """Whether the module's output is partial: a row-parallel linear or a vocabulary-parallel
+    embedding; a column-parallel linear's is the rank's slice; nothing else may be sharded."""
     if placements is None or all(isinstance(p, Replicate) for p in placements):
-        return
+        return False
     (placement,) = placements  # the TP mesh alone: the generator has no data parallelism
     if isinstance(module, nn.Embedding) and placement == Shard(0):
-        module.register_forward_hook(_all_reduce_output)
-    elif isinstance(module, nn.Linear) and placement == Shard(1):
+        return True
+    if isinstance(module, nn.Linear) and placement == Shard(1):
         if module.bias is not None:
             raise NotImplementedError(f"{name}: a row-parallel linear with a bias")
-        module.register_forward_hook(_all_reduce_output)
-    elif not (isinstance(module, nn.Linear) and placement == Shard(0)):
-        raise NotImplementedError(f"{name}: {type(module).__name__} sharded as {placement}")
+        return True
+    if isinstance(module, nn.Linear) and placement == Shard(0):
+        return False
+    raise NotImplementedError(f"{name}: {type(module).__name__} sharded as {placement}")
 
 
 def _all_reduce_output(module, args, output: torch.Tensor) -> torch.Tensor:

@@ -149,22 +149,15 @@ class TorchTitanForCausalLM(nn.Module):
         if invariant:
             # The trainer's kernels on the generator side; no packed copies.
             make_linears_invariant(model)
-        elif (
-            self.tp == 1  # oneDNN packs a whole weight; a TP shard runs plain GEMMs
+        self.packed = (
+            not invariant
+            and (self.tp == 1 or self.local_shards)  # DTensor shards run plain GEMMs
             and getattr(hf_config, "torchtitan_packed_gemm", True)
             and onednn_available(vllm_config.model_config.dtype)
-        ):
-            for name, module in list(model.named_modules()):
-                parent, _, child = name.rpartition(".")
-                if PackedFeedForward.fits(module):
-                    setattr(model.get_submodule(parent), child, PackedFeedForward(module))
-            for name, module in list(model.named_modules()):
-                parent, _, child = name.rpartition(".")
-                owner = model.get_submodule(parent)
-                if isinstance(module, nn.Linear) and not isinstance(owner, PackedFeedForward):
-                    setattr(owner, child, PackedLinear(module))
-                elif child == "routed_experts" and PackedExperts.fits(module.inner_experts):
-                    setattr(owner, child, PackedExperts(module))
+        )
+        """GEMMs on oneDNN-packed copies of the weights (on local shards: once loaded)."""
+        if self.packed and self.tp == 1:
+            _pack(model)
         self.model = model
         self.decoder = Decoder(vllm_config=vllm_config, prefix=prefix, model=model)
         """What vLLM compiles; `model`'s parameters keep their names (registered first)."""
@@ -301,8 +294,28 @@ class TorchTitanForCausalLM(nn.Module):
         self.repack()
         names = {name for name, _ in self.named_parameters()}
         if self.local_shards:
-            self.layouts = tensor_parallel.localize(self.model)
+            self.layouts, reduced = tensor_parallel.localize(self.model)
+            if self.packed:
+                _pack(self.model)
+                self.repack()
+            tensor_parallel.add_all_reduces(self.model, reduced)
         return names
+
+
+def _pack(model: nn.Module) -> None:
+    """Run `model`'s GEMMs on oneDNN-packed copies (packed.py), in place: its feed-forwards'
+    w1 and w3 stacked, every other linear alone, MoE experts on the fused kernel."""
+    for name, module in list(model.named_modules()):
+        parent, _, child = name.rpartition(".")
+        if PackedFeedForward.fits(module):
+            setattr(model.get_submodule(parent), child, PackedFeedForward(module))
+    for name, module in list(model.named_modules()):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        if isinstance(module, nn.Linear) and not isinstance(owner, PackedFeedForward):
+            setattr(owner, child, PackedLinear(module))
+        elif child == "routed_experts" and PackedExperts.fits(module.inner_experts):
+            setattr(owner, child, PackedExperts(module))
 
 
 def _local_heads(sinks: torch.Tensor | None, tp: int) -> torch.Tensor | None:
