@@ -74,7 +74,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Hidden states [T, D] (a DTensor under TP)."""
+        """Hidden states [T, D] (a DTensor on the DTensor tensor-parallel path)."""
         if inputs_embeds is not None:  # None or not for the engine's lifetime
             h_1TD = inputs_embeds[None]
         else:
