@@ -587,7 +587,7 @@ def compiles(generator: GeneratorSection, model: ModelSection) -> bool:
     from torchtitan_rl.generator import tensor_parallel
 
     tp = generator.parallelism.tensor_parallel_degree
-    can = tp == 1 or tensor_parallel.supported(model_spec(model.name, model.flavor), tp)
+    can = tensor_parallel.compiles(model_spec(model.name, model.flavor), tp)
     if generator.enforce_eager is False and not can:
         raise ConfigError(
             f"generator.enforce_eager = false with generator.parallelism.tensor_parallel_degree "

@@ -43,6 +43,12 @@ def supported(spec, tp: int) -> bool:
     return config.vocab_size % tp == 0 and spec.name in ("qwen3", "llama3")
 
 
+def compiles(spec, tp: int) -> bool:
+    """Whether the generator's decoder compiles at `tp` ranks: on one rank, or on local shards
+    (the DTensor path runs eager). The engine's choice and the wrapper's both read this."""
+    return tp == 1 or supported(spec, tp)
+
+
 def localize(model: nn.Module) -> tuple[dict[str, Layout], list[str]]:
     """Turn the parallelized `model` into plain local shards, in place; returns the layout of
     every weight that was a DTensor, by FQN, and the modules whose output must be summed over
