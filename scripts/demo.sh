@@ -5,6 +5,7 @@
 #   CONFIG=run_configs/arith_cpu.toml ./scripts/demo.sh     # RL from random weights, ~6 minutes
 #   CONFIG=run_configs/debug_cpu.toml ./scripts/demo.sh     # the 25-second echo demo
 #   TOOLS=1 ./scripts/demo.sh     # the calculator-tool demo: SFT on traces, then RL with the tool
+#   AGENT=1 ./scripts/demo.sh     # the same, the tool run by an OpenAI-client agent via the gateway
 #   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 1:1 (task.sources), each with its figures
 #   MOE=1 ./scripts/demo.sh       # the arithmetic demo on a mixture-of-experts model, EP = 2
 #   DISTILL=1 ./scripts/demo.sh   # the arithmetic demo's RL export teaches the SFT export
@@ -35,6 +36,11 @@ if [[ -n "${DISTILL:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.train --job.config_file run_configs/arith_rl_from_sft_cpu.toml
     exec "${torchrun[@]}" -m torchtitan_rl.train \
         --job.config_file run_configs/distill_cpu.toml "$@"
+fi
+if [[ -n "${AGENT:-}" ]]; then
+    "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml
+    exec "${torchrun[@]}" -m torchtitan_rl.train \
+        --job.config_file run_configs/tools_agent_rl_cpu.toml "$@"
 fi
 if [[ -n "${TOOLS:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml

@@ -25,22 +25,25 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan_rl.config import ConfigError, JobConfig
+from torchtitan_rl.gateway.protocol import Parsers, load_parsers
+from torchtitan_rl.gateway.server import MODEL, Gateway, Opened
 from torchtitan_rl.generator.base import Generator
-from torchtitan_rl.generator.stream import AsyncStream
+from torchtitan_rl.generator.stream import AsyncStream, Lockstep, RequestStream
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks import Task, build_task, dataset_keys
+from torchtitan_rl.tasks.agent import Agent, Endpoint, load_agent, row_of
 from torchtitan_rl.tasks.dataset import read_rows
 from torchtitan_rl.tasks.env import Environment, EnvStep, SingleTurn, load_env
 from torchtitan_rl.tasks.mixture import Mixture
 from torchtitan_rl.tasks.render import Renderer, build_renderer
 from torchtitan_rl.tasks.rewards import Reward, RewardError, Scorer, load_rewards
-from torchtitan_rl.types import Completions, Prompt, Sample, Scored, is_chat
+from torchtitan_rl.types import Completions, Prompt, Sample, Scored, Trace, is_chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,58 +54,34 @@ class Source:
     renderer: Renderer
     make_env: Callable[[], Environment]
     max_turns: int
+    agent: Agent | None = None
+    """An agent task's agent (tasks.agent), which drives its episodes through the gateway."""
+    parsers: Parsers | None = None
+    """An agent task's tool-call and reasoning parsers."""
 
 
 @dataclass(slots=True)
-class Episode:
+class Episode(Trace):
     """One episode in progress."""
 
-    prompt: Prompt
-    source: Source
-    env: Environment
+    prompt: Prompt | None = None
+    source: Source | None = None
+    env: Environment | None = None
+    """None for an agent's episode (tasks.agent), which the gateway records."""
     messages: list[dict] = field(default_factory=list)
     """Every message so far, the system prompt's and the opening ones included."""
     tools: list[dict] | None = None
-    token_ids: list[int] = field(default_factory=list)
-    """Every id after the first prompt: sampled turns and environment replies."""
-    logprobs: list[float] = field(default_factory=list)
-    sampled_mask: list[int] = field(default_factory=list)
-    versions: list[int] | None = None
-    """The policy version of each id (-1: the environment's), when a stream gave them."""
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    routed: torch.Tensor | None = None
-    """A mixture-of-experts generator's routing of the first prompt and `token_ids` so far
-    (`Sample.routed_experts`: each turn's, merged)."""
-
-    def route(self, routed: torch.Tensor | None) -> None:
-        """Merge a turn's routing (its context and its completion): where the turn's request
-        has none (its context's KV came from the prefix cache), the earlier turns' stands."""
-        if routed is None or self.routed is None:
-            self.routed = routed
-            return
-        known = self.routed[: len(routed), 0, 0] >= 0
-        missing = routed[: len(known), 0, 0] < 0
-        routed[: len(known)][missing & known] = self.routed[: len(routed)][missing & known]
-        self.routed = routed
-
-    def add(
-        self,
-        ids: Sequence[int],
-        logprobs: Sequence[float] | None = None,
-        versions: Sequence[int] | None = None,
-    ) -> None:
-        """Append sampled ids (with their logprobs, and their policy versions when a stream
-        sampled them) or, without, the environment's."""
-        if versions is not None and self.versions is None:
-            self.versions = [-1] * len(self.token_ids)
-        self.token_ids += ids
-        self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
-        self.sampled_mask += [int(logprobs is not None)] * len(ids)
-        if self.versions is not None:
-            self.versions += [-1] * len(ids) if versions is None else versions
+    first_ids: list[int] = field(default_factory=list)
+    """An agent's episode: the first prompt of the segment it trains on (gateway/session.py)."""
+    finish: str = "stop"
+    """An agent's episode: how it ended."""
+    by_reward_fn: bool = False
+    """An agent's episode whose reward the task's reward function gives (the agent gave none)."""
+    forks: int = 0
 
     def sample(self, finish_reason: str, first_prompt_length: int) -> Sample:
         return Sample(
@@ -114,17 +93,9 @@ class Episode:
             turns=self.turns,
             tool_calls=self.tool_calls,
             tool_errors=self.tool_errors,
-            routed_experts=self._routed_to(first_prompt_length + len(self.token_ids)),
+            routed_experts=self.routed_to(first_prompt_length + len(self.token_ids)),
             versions=self.versions,
         )
-
-    def _routed_to(self, length: int) -> torch.Tensor | None:
-        """The routing over `length` positions: the environment's last reply, which no turn
-        ran, has none (-1)."""
-        if self.routed is None or len(self.routed) >= length:
-            return None if self.routed is None else self.routed[:length]
-        pad = self.routed.new_full((length - len(self.routed), *self.routed.shape[1:]), -1)
-        return torch.cat([self.routed, pad])
 
 
 class Episodes:
@@ -138,12 +109,15 @@ class Episodes:
         stop_ids: list[int],
         max_model_len: int,
         timeout_s: float,
+        gateway: Gateway | None = None,
     ):
         """`sources[prompt.source]` runs the episodes of each prompt ("": a run of one task).
         `stop_ids`: the checkpoint's stop tokens (a turn may also end on a stop string)."""
         self.sources, self.scorer = sources, scorer
         self.stop_ids = set(stop_ids)
         self.max_model_len, self.timeout_s = max_model_len, timeout_s
+        self.gateway = gateway
+        """The OpenAI-compatible server of agent tasks' sessions (None without agents)."""
         self._loop: asyncio.Runner | None = None
 
     def run(
@@ -166,6 +140,11 @@ class Episodes:
         return self._loop.run(self._run(generator, prompts, seed, n, temperature, max_tokens))
 
     async def _run(self, generator: Generator, prompts, seed, n, temperature, max_tokens) -> Scored:
+        if self.gateway is not None:
+            lockstep = Lockstep(RequestStream(generator))
+            return await self._agents(
+                lockstep.sample, lockstep.run, prompts, seed, n, temperature, max_tokens
+            )
         env_s = 0.0
         began = time.perf_counter()
         groups = [[self._open(p) for _ in range(n)] for p in prompts]
@@ -232,6 +211,17 @@ class Episodes:
         continuous placement): each submits its next turn as soon as its environment answers,
         with no barrier across episodes. Seeded as `run` seeds them, so that at one policy
         version the samples are the ones `run` gives."""
+        if self.gateway is not None:
+            # The loop that owns the stream steps it (placements/continuous.py).
+            return await self._agents(
+                lambda _, *args, **kwargs: stream.sample(*args, **kwargs),
+                asyncio.gather,
+                [prompt],
+                seed,
+                n,
+                temperature,
+                max_tokens,
+            )
         env_s = 0.0
         began = time.perf_counter()
         group = [self._open(prompt) for _ in range(n)]
@@ -268,9 +258,96 @@ class Episodes:
         rewards_PN = torch.tensor([[e.reward for e in group]])
         return Scored(Completions([first_ids], [samples]), rewards_PN, env_s, parts_PN)
 
+    async def _agents(self, sample, drive, prompts, seed, n, temperature, max_tokens) -> Scored:
+        """The episodes of an agent task: `n` agents per prompt, each on a gateway session
+        whose turns `sample` samples (seeded as an environment's turns), while `drive(parties)`
+        runs the engine until they are all done."""
+        await self.gateway.start()
+        groups = [[self._open(p) for _ in range(n)] for p in prompts]
+        opened = [
+            [
+                self.gateway.open(
+                    e.source.renderer,
+                    e.source.parsers,
+                    seed=seed + p * n + j,
+                    order=p * n + j,
+                    sample=_defaults(sample, temperature, max_tokens),
+                    max_turns=e.source.max_turns,
+                )
+                for j, e in enumerate(group)
+            ]
+            for p, group in enumerate(groups)
+        ]
+        parties = [
+            asyncio.ensure_future(self._agent(e, url, session))
+            for group, sessions in zip(groups, opened, strict=True)
+            for e, (url, session) in zip(group, sessions, strict=True)
+        ]
+        try:
+            await drive(parties)
+        finally:
+            for party in parties:
+                party.cancel()
+        unscored = [e for group in groups for e in group if e.by_reward_fn]
+        if unscored:  # the agents that left their reward to the task's reward function
+            rewards, _ = await self.scorer.score(
+                [e.prompt for e in unscored],
+                [e.messages[-1].get("content") or "" for e in unscored],
+            )
+            for episode, reward in zip(unscored, rewards, strict=True):
+                episode.reward = reward
+        first_ids = [_shared_prompt(group) for group in groups]
+        samples = [
+            [e.sample(e.finish, len(first_ids[p])) for e in group] for p, group in enumerate(groups)
+        ]
+        rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
+        env_s = max(p.result() for p in parties)  # the longest an agent worked, not waiting
+        return Scored(Completions(first_ids, samples), rewards_PN, env_s, {})
+
+    async def _agent(self, episode: Episode, url: str, opened: Opened) -> float:
+        """Run an episode's agent on its session, within task.env_timeout_s of idleness; take
+        the session's record into `episode`. The seconds it ran outside its requests."""
+        source, prompt = episode.source, episode.prompt
+        endpoint = Endpoint(url, opened.key, MODEL)
+        agent = asyncio.ensure_future(
+            source.agent(endpoint, row_of(prompt, source.renderer.messages(prompt)))
+        )
+        reward, failed, began = None, None, time.monotonic()
+        try:
+            while not agent.done():
+                await asyncio.wait({agent}, timeout=self.timeout_s or None)
+                idle = time.monotonic() - opened.idle_since
+                if not agent.done() and opened.in_flight == 0 and 0 < self.timeout_s <= idle:
+                    agent.cancel()
+                    failed = (
+                        f"the agent made no request for longer than task.env_timeout_s = "
+                        f"{self.timeout_s:g} s"
+                    )
+            if failed is None:
+                reward = agent.result()
+        except asyncio.CancelledError:
+            if failed is None:
+                raise
+        except RewardError:
+            raise
+        except Exception as e:  # user code: any exception is the agent's failure
+            failed = f"the agent raised {e!r}"
+        finally:
+            agent.cancel()
+            self.gateway.close(opened)
+        _take(episode, opened)
+        if failed is not None:
+            episode.reward = self.scorer.failed(failed, prompt, None)
+        elif reward is not None or opened.reward is not None:
+            episode.reward = float(reward if reward is not None else opened.reward)
+        else:
+            episode.by_reward_fn = True
+        return time.monotonic() - began - opened.waited_s
+
     def _open(self, prompt: Prompt) -> Episode:
         source = self.sources[prompt.source]
-        return Episode(prompt, source, source.make_env())
+        env = None if source.agent is not None else source.make_env()
+        return Episode(prompt=prompt, source=source, env=env)
 
     async def _score(self, groups: list[list[Episode]]) -> dict[str, torch.Tensor]:
         """Score the answers of single-turn episodes, all at once (a source's batched and
@@ -385,6 +462,71 @@ class Episodes:
         return None
 
 
+def _defaults(sample, temperature: float | None, max_tokens: int):
+    """A driver's `sample` with the run's sampling where a request gives none: its temperature,
+    and at most `max_tokens` (and the room the prompt leaves) per turn."""
+
+    async def sample_with(order: int, prompt_ids: list[int], **options) -> Sample:
+        if options["temperature"] is None:
+            options["temperature"] = temperature
+        options["max_tokens"] = min(options["max_tokens"] or max_tokens, options.pop("room"))
+        return await sample(order, prompt_ids, **options)
+
+    return sample_with
+
+
+def _take(episode: Episode, opened: Opened) -> None:
+    """An agent's episode as its session recorded it: the segment a request continued last."""
+    session, prompt = opened.session, episode.prompt
+    segment = session.final()
+    if segment is None:
+        raise RewardError(
+            f"task.agent: the agent of {prompt.row or repr(prompt.text)} made no request to its "
+            "session: an episode must sample at least one turn (is the agent using the client "
+            "it is given?)"
+        )
+    episode.first_ids = segment.first_ids
+    episode.token_ids, episode.logprobs = segment.token_ids, segment.logprobs
+    episode.sampled_mask, episode.versions = segment.sampled_mask, segment.versions
+    episode.routed = segment.routed
+    episode.messages, episode.tools = segment.sent, segment.tools
+    episode.turns, episode.forks = session.turns, session.forks
+    episode.tool_calls, episode.tool_errors = opened.tool_calls, opened.ill_formed_tool_calls
+    # A last turn that called tools no request answered: the episode was cut, as an
+    # environment's episode is when its turns run out.
+    episode.finish = "length" if segment.waits_for_tool else segment.finish_reason
+
+
+def _shared_prompt(group: list[Episode]) -> list[int]:
+    """The first prompt of a group of agents' episodes: the longest start their first prompts
+    share; the rest of each is its episode's first ids (not sampled)."""
+    shared = group[0].first_ids
+    for episode in group[1:]:
+        same = next(
+            (i for i, (a, b) in enumerate(zip(shared, episode.first_ids, strict=False)) if a != b),
+            min(len(shared), len(episode.first_ids)),
+        )
+        shared = shared[:same]
+    if not shared:
+        raise ConfigError(
+            "task.agent: the agents of one prompt opened with prompts that share no token; a "
+            "group's episodes must start alike (GRPO compares them): build the first messages "
+            "from the row only"
+        )
+    for episode in group:
+        rest = episode.first_ids[len(shared) :]
+        if rest:
+            trace = Trace()
+            trace.add(rest)
+            trace.versions = None if episode.versions is None else [-1] * len(rest)
+            episode.token_ids = rest + episode.token_ids
+            episode.logprobs = trace.logprobs + episode.logprobs
+            episode.sampled_mask = trace.sampled_mask + episode.sampled_mask
+            if episode.versions is not None:
+                episode.versions = trace.versions + episode.versions
+    return list(shared)
+
+
 class _EnvFailed(Exception):
     """An environment's reset or step raised, timed out or answered something malformed."""
 
@@ -443,10 +585,15 @@ def open_task(config: JobConfig) -> OpenTask:
             source, config.model.tokenizer_dir, config.training.max_prompt_len, at=at
         )
         rewards[name] = load_rewards(source.reward_fn, source.rewards, at)
-        make_env = SingleTurn
+        make_env, agent, parsers = SingleTurn, None, None
         if source.name == "env":
             make_env = load_env(source.env, source.env_kwargs, at)
-        sources[name] = Source(renderer, make_env, source.turns)
+        if source.name == "agent":
+            agent = load_agent(source.agent, source.agent_url, at)
+            parsers = load_parsers(
+                renderer.tokenizer, source.tool_parser, source.reasoning_parser, at
+            )
+        sources[name] = Source(renderer, make_env, source.turns, agent, parsers)
         held_out = []
         eval_path = source.eval_dataset_path if name else config.eval.dataset_path
         if eval_path is not None:
@@ -467,15 +614,31 @@ def open_task(config: JobConfig) -> OpenTask:
         section.reward_timeout_s,
         log_each=any(s.rewards for s in section.named_sources.values()),
     )
+    stop_ids = checkpoint_stop_ids(
+        config.model.hf_checkpoint or config.model.tokenizer_dir,
+        "model.hf_checkpoint" if config.model.hf_checkpoint else "model.tokenizer_path",
+    )
+    agents = [name for name, source in sources.items() if source.agent is not None]
+    if agents and len(agents) != len(sources):
+        raise ConfigError(
+            f"task.sources.{agents[0]} is an agent task beside sources that are not: a run's "
+            "episodes are all agents' or none (its generator is driven one way); run them apart"
+        )
+    gateway = None
+    if agents:
+        gateway = Gateway(
+            stop_ids=set(stop_ids),
+            max_model_len=config.generator.max_model_len,
+            host=section.gateway_host,
+            port=section.gateway_port,
+        )
     episodes = Episodes(
         sources,
         scorer,
-        stop_ids=checkpoint_stop_ids(
-            config.model.hf_checkpoint or config.model.tokenizer_dir,
-            "model.hf_checkpoint" if config.model.hf_checkpoint else "model.tokenizer_path",
-        ),
+        stop_ids=stop_ids,
         max_model_len=config.generator.max_model_len,
         timeout_s=section.env_timeout_s,
+        gateway=gateway,
     )
     return OpenTask(task, sources, scorer, episodes, eval_prompts)
 

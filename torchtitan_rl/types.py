@@ -10,6 +10,7 @@ imports its types from here. Shapes: P prompts, N samples per prompt, B sequence
 (prompt + completion, right-padded).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -36,6 +37,56 @@ def is_chat(messages) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in messages
     )
+
+
+@dataclass(slots=True)
+class Trace:
+    """The ids of an episode after its first prompt, as sampled and as written between turns."""
+
+    token_ids: list[int] = field(default_factory=list)
+    """Every id after the first prompt: sampled turns and environment replies."""
+    logprobs: list[float] = field(default_factory=list)
+    sampled_mask: list[int] = field(default_factory=list)
+    versions: list[int] | None = None
+    """The policy version of each id (-1: the environment's), when a stream gave them."""
+    routed: torch.Tensor | None = None
+    """A mixture-of-experts generator's routing of the first prompt and `token_ids` so far
+    (`Sample.routed_experts`: each turn's, merged)."""
+
+    def route(self, routed: torch.Tensor | None) -> None:
+        """Merge a turn's routing (its context and its completion): where the turn's request
+        has none (its context's KV came from the prefix cache), the earlier turns' stands."""
+        if routed is None or self.routed is None:
+            self.routed = routed
+            return
+        known = self.routed[: len(routed), 0, 0] >= 0
+        missing = routed[: len(known), 0, 0] < 0
+        routed[: len(known)][missing & known] = self.routed[: len(routed)][missing & known]
+        self.routed = routed
+
+    def add(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
+        """Append sampled ids (with their logprobs, and their policy versions when a stream
+        sampled them) or, without, the environment's."""
+        if versions is not None and self.versions is None:
+            self.versions = [-1] * len(self.token_ids)
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+        self.sampled_mask += [int(logprobs is not None)] * len(ids)
+        if self.versions is not None:
+            self.versions += [-1] * len(ids) if versions is None else versions
+
+    def routed_to(self, length: int) -> torch.Tensor | None:
+        """The routing over `length` positions: the environment's last reply, which no turn
+        ran, has none (-1)."""
+        if self.routed is None or len(self.routed) >= length:
+            return None if self.routed is None else self.routed[:length]
+        pad = self.routed.new_full((length - len(self.routed), *self.routed.shape[1:]), -1)
+        return torch.cat([self.routed, pad])
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +135,9 @@ class Delta:
     """The policy version that sampled these tokens."""
     finish_reason: str | None
     """None while the request goes on."""
+    routed: torch.Tensor | None = None
+    """At its finish, an MoE generator's routing of the request's prompt and tokens
+    (`Sample.routed_experts`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,12 @@ class SourceSection:
     """Where prompts come from and how they are rewarded: the fields of a one-task [task]
     section, and of each [task.sources.NAME] of a mixture."""
 
-    name: Literal["echo_digits", "reverse_digits", "dataset", "env"] = "echo_digits"
+    name: Literal["echo_digits", "reverse_digits", "dataset", "env", "agent"] = "echo_digits"
     """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'),
-    dataset: the rows of task.dataset_path, scored by math-verify, or env: episodes of the
-    environment task.env on the rows of task.dataset_path (multi-turn, tools)."""
+    dataset: the rows of task.dataset_path, scored by math-verify, env: episodes of the
+    environment task.env on the rows of task.dataset_path (multi-turn, tools), or agent:
+    episodes an agent drives through the OpenAI-compatible gateway (task.agent or
+    task.agent_url; docs/agents.md)."""
     num_digits: int = 1
     """Digits per prompt (echo_digits, reverse_digits)."""
     dataset_path: str | None = None
@@ -62,8 +64,22 @@ class SourceSection:
     env_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments of the environment class (a [task.env_kwargs] table)."""
     max_turns: int | None = None
-    """Most assistant turns of an episode (task.name = env; unset: 4); an episode still going
-    after it ends as truncated."""
+    """Most assistant turns of an episode (task.name = env, unset: 4; agent, unset: 16); an
+    environment's episode still going after it ends as truncated, an agent's further requests
+    are answered 429."""
+    agent: str | None = None
+    """The agent 'module:function' (task.name = agent): `async def function(client: openai.
+    AsyncOpenAI, model: str, row: dict) -> float | None`, one call per episode (tasks/agent.py);
+    torchtitan_rl.tasks.calculator_agent:calculator is the built-in example."""
+    agent_url: str | None = None
+    """An agent server instead of task.agent (task.name = agent): POST {agent_url} with
+    {"base_url", "api_key", "model", "row"} per episode, answered {"reward": float | null}."""
+    tool_parser: str | None = "hermes"
+    """vLLM's tool-call parser for an agent's chat turns (vllm.tool_parsers: hermes reads
+    Qwen3's and Hermes' <tool_call> JSON); none: tool calls stay text."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser for an agent's chat turns (e.g. qwen3: the <think> block goes to
+    reasoning_content); unset: the text is all content."""
     learn_from: Literal["reward", "teacher", "both"] | None = None
     """What this source's samples learn from: the task's reward (advantages from it), the
     [distill] teacher alone (its per-token signal; rewards are still logged), or both (the
@@ -73,21 +89,23 @@ class SourceSection:
     @property
     def turns(self) -> int:
         """Most assistant turns of an episode (1: a single-turn task)."""
-        if self.name != "env":
+        if self.name not in ("env", "agent"):
             return 1
-        return 4 if self.max_turns is None else self.max_turns
+        if self.max_turns is None:
+            return 4 if self.name == "env" else 16
+        return self.max_turns
 
     def validate(self, at: str = "task") -> None:
         """Values only (`at`: the section's dotted name, task or task.sources.NAME); the
         dataset, its rows and the reward functions are checked when the task is opened."""
         require(self.num_digits >= 1, f"{at}.num_digits = {self.num_digits}: must be >= 1")
         require(
-            self.name not in ("dataset", "env") or self.dataset_path is not None,
+            self.name not in ("dataset", "env", "agent") or self.dataset_path is not None,
             f"{at}.name = {self.name!r} needs {at}.dataset_path: a JSONL, JSON or Parquet file "
             '(or a folder of them) of {"prompt": ..., "answer": ...} rows',
         )
         require(
-            self.dataset_path is None or self.name in ("dataset", "env"),
+            self.dataset_path is None or self.name in ("dataset", "env", "agent"),
             f"{at}.dataset_path is set but {at}.name = {self.name!r} does not read it: set "
             f"{at}.name = 'dataset', or unset {at}.dataset_path",
         )
@@ -96,12 +114,36 @@ class SourceSection:
             f"{at}.name = 'env' needs {at}.env = 'module:Class', e.g. "
             "'torchtitan_rl.tasks.env:Calculator'",
         )
-        for name in ("env", "max_turns"):
+        require(
+            self.env is None or self.name == "env",
+            f"{at}.env = {self.env!r} but {at}.name = {self.name!r}: set {at}.name = 'env', or "
+            "unset it",
+        )
+        require(
+            self.max_turns is None or self.name in ("env", "agent"),
+            f"{at}.max_turns = {self.max_turns!r} but {at}.name = {self.name!r} runs "
+            f"single-turn episodes: set {at}.name = 'env' or 'agent', or unset it",
+        )
+        require(
+            self.name != "agent" or (self.agent is None) != (self.agent_url is None),
+            f"{at}.name = 'agent' needs one of {at}.agent = 'module:function' or "
+            f"{at}.agent_url = 'http://...', e.g. "
+            "'torchtitan_rl.tasks.calculator_agent:calculator'",
+        )
+        for name in ("agent", "agent_url", "reasoning_parser"):
             require(
-                getattr(self, name) is None or self.name == "env",
-                f"{at}.{name} = {getattr(self, name)!r} but {at}.name = {self.name!r} runs "
-                f"single-turn episodes: set {at}.name = 'env', or unset it",
+                getattr(self, name) is None or self.name == "agent",
+                f"{at}.{name} = {getattr(self, name)!r} but {at}.name = {self.name!r}: set "
+                f"{at}.name = 'agent', or unset it",
             )
+        require(
+            self.agent is None or self.agent.count(":") == 1,
+            f"{at}.agent = {self.agent!r}: write it as 'module:function'",
+        )
+        require(
+            self.agent_url is None or self.agent_url.startswith(("http://", "https://")),
+            f"{at}.agent_url = {self.agent_url!r}: must be an http:// or https:// URL",
+        )
         require(
             not self.env_kwargs or self.name == "env",
             f"{at}.env_kwargs = {self.env_kwargs!r} but {at}.name = {self.name!r} builds no "
@@ -200,7 +242,12 @@ class TaskSection(SourceSection):
     disables the limit. Interrupts Python code (SIGALRM), so it works in the main thread."""
     env_timeout_s: float = 30.0
     """Longest one environment reset or step may take (an async step's await is cut); a step
-    that times out or raises scores as task.reward_on_error says. 0: no limit."""
+    that times out or raises scores as task.reward_on_error says. An agent (task.name =
+    agent) may work this long between its requests. 0: no limit."""
+    gateway_host: str = "127.0.0.1"
+    """Where the agents' gateway listens (task.name = agent), in the sessions' base URLs."""
+    gateway_port: int = 0
+    """The gateway's port; 0: any free one (each generator rank serves its own)."""
 
     @property
     def named_sources(self) -> dict[str, SourceSection]:

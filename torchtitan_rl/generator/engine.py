@@ -12,6 +12,7 @@ runner): everything else goes through `LocalGenerator`.
 """
 
 import collections
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -309,6 +310,8 @@ class LocalGenerator:
         self.stop_token_ids = checkpoint_stop_ids(model.hf_checkpoint)
         self._next_request = 0
         self._stream_outputs: list[Delta] = []
+        self._streamed: dict[str, int] = {}
+        """Per streamed request in flight, its prompt's and sampled tokens' count."""
         self.policy_version = 0
         """Version of the weights the engine samples with (bumped by weight sync)."""
 
@@ -388,6 +391,8 @@ class LocalGenerator:
         max_tokens,
         seed,
         output_kind,
+        top_p: float | None = None,
+        stop: Sequence[str] | None = None,
     ) -> tuple:
         """vLLM's (id, prompt, params) of one request. The prompt carries the policy version as
         its cache salt: the prefix cache serves it no KV that other weights computed, even
@@ -396,19 +401,20 @@ class LocalGenerator:
         from vllm.inputs.engine import tokens_input
 
         sampling = self.config.sampling
+        stop = list(sampling.stop) + list(stop or [])
         params = SamplingParams(
             n=n,
             temperature=sampling.temperature if temperature is None else temperature,
-            top_p=sampling.top_p,
+            top_p=sampling.top_p if top_p is None else top_p,
             max_tokens=max_tokens,
             logprobs=0,  # the sampled token's logprob only
             stop_token_ids=self.stop_token_ids,
-            stop=sampling.stop or None,
+            stop=stop or None,
             # Measured: vLLM's per-token Python work was a fifth of generation at 2 tokens
             # per sample. Completions are decoded by the scorer, so vLLM decodes nothing
             # (no text, no logprob token strings) unless stop strings need the text; logprobs
             # come as flat lists.
-            detokenize=bool(sampling.stop),
+            detokenize=bool(stop),
             flat_logprobs=True,
             seed=seed,
             output_kind=output_kind,
@@ -428,7 +434,7 @@ class LocalGenerator:
         while len(finished) < len(requests):
             for output in self.engine.step():
                 if output.request_id not in mine:  # a stream's: kept for its next step
-                    self._stream_outputs.append(_delta(output, self.policy_version))
+                    self._stream_outputs.append(self._delta(output))
                 elif output.finished:
                     finished[int(output.request_id) - first] = output
                     if bar is not None:
@@ -445,8 +451,11 @@ class LocalGenerator:
         seed: int,
         max_tokens: int,
         temperature: float | None = None,
+        top_p: float | None = None,
+        stop: Sequence[str] | None = None,
     ) -> None:
-        """Add one sample's request, stepped by `step_outputs` (stream.RequestStream)."""
+        """Add one sample's request, stepped by `step_outputs` (stream.RequestStream);
+        `top_p` and `stop` (strings, beside generator.sampling.stop) as a client asked."""
         from vllm.sampling_params import RequestOutputKind
 
         self._check_prompt(prompt_token_ids, f"request {request_id}")
@@ -458,11 +467,14 @@ class LocalGenerator:
             max_tokens=max_tokens,
             seed=seed,
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens
+            top_p=top_p,
+            stop=stop,
         )
         try:
             self.engine.add_request(*request)
         except Exception as e:
             raise EngineError(f"the generator's engine raised {e!r}") from e
+        self._streamed[request_id] = len(prompt_token_ids)
 
     def step_outputs(self) -> list[Delta]:
         """One engine step (after what `generate` stepped for the stream meanwhile): each
@@ -474,11 +486,26 @@ class LocalGenerator:
             stepped = self.engine.step()
         except Exception as e:
             raise EngineError(f"the generator's engine raised {e!r}") from e
-        return outputs + [_delta(output, self.policy_version) for output in stepped]
+        return outputs + [self._delta(output) for output in stepped]
+
+    def _delta(self, output) -> Delta:
+        """A streamed request's step output; at its finish, with its routing (MoE)."""
+        delta = _delta(output, self.policy_version)
+        self._streamed[delta.request_id] += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            length = self._streamed.pop(delta.request_id)
+            if not self.native and self._wrapper().routing is not None:
+                routed = self._wrapper().routing.take(delta.request_id, length)
+                delta = dataclasses.replace(delta, routed=routed)
+        return delta
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests in flight."""
         self.engine.abort_request(request_ids)
+        for request_id in request_ids:
+            self._streamed.pop(request_id, None)
+            if not self.native and self._wrapper().routing is not None:
+                self._wrapper().routing.take(request_id, 0)  # forget what it ran
 
     def kv_cache_bytes(self) -> int:
         """The memory of this engine's KV cache as allocated (this rank's, tensor parallel)."""

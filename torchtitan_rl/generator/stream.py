@@ -19,7 +19,7 @@ another episode's.
 """
 
 import asyncio
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from torchtitan_rl.generator.base import Generator
@@ -31,6 +31,8 @@ class Live:
     """A request in flight: what it has sampled so far."""
 
     key: Hashable
+    listener: Callable[[list[int]], None] | None = None
+    """Called with each step's new tokens (a streaming client's response)."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -53,14 +55,23 @@ class RequestStream:
         seed: int,
         max_tokens: int,
         temperature: float | None = None,
+        listener: Callable[[list[int]], None] | None = None,
+        **sampling,
     ) -> None:
-        """Add a request for one sample of `prompt_token_ids`; `step` returns it under `key`."""
+        """Add a request for one sample of `prompt_token_ids`; `step` returns it under `key`,
+        and gives `listener` each step's new tokens. `sampling`: the engine's other overrides
+        (top_p, stop)."""
         request_id = f"stream-{self._next}"
         self._next += 1
         self.engine.submit(
-            request_id, prompt_token_ids, seed=seed, max_tokens=max_tokens, temperature=temperature
+            request_id,
+            prompt_token_ids,
+            seed=seed,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            **sampling,
         )
-        self.live[request_id] = Live(key)
+        self.live[request_id] = Live(key, listener)
 
     def __len__(self) -> int:
         """Requests in flight."""
@@ -77,6 +88,8 @@ class RequestStream:
             live.token_ids += delta.token_ids
             live.logprobs += delta.logprobs
             live.versions += [delta.version] * len(delta.token_ids)
+            if live.listener is not None and delta.token_ids:
+                live.listener(delta.token_ids)
             if delta.finish_reason is not None:
                 del self.live[delta.request_id]
                 sample = Sample(
@@ -84,6 +97,7 @@ class RequestStream:
                     logprobs=live.logprobs,
                     finish_reason=delta.finish_reason,
                     versions=live.versions,
+                    routed_experts=delta.routed,
                 )
                 finished.append((int(delta.request_id.partition("-")[2]), live.key, sample))
         return [(key, sample) for _, key, sample in sorted(finished, key=lambda f: f[0])]
@@ -117,14 +131,21 @@ class AsyncStream:
         seed: int,
         max_tokens: int,
         temperature: float | None = None,
+        **options,
     ) -> Sample:
-        """One sample of `prompt_token_ids`, when it finishes."""
+        """One sample of `prompt_token_ids`, when it finishes (`options`: RequestStream.submit's
+        listener and sampling overrides)."""
         key = self._next
         self._next += 1
         future = asyncio.get_running_loop().create_future()
         self.waiting[key] = future
         self.stream.submit(
-            key, prompt_token_ids, seed=seed, max_tokens=max_tokens, temperature=temperature
+            key,
+            prompt_token_ids,
+            seed=seed,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            **options,
         )
         try:
             return await future
@@ -140,3 +161,49 @@ class AsyncStream:
         for key, sample in done:
             self.waiting.pop(key).set_result(sample)
         return len(done)
+
+
+class Lockstep:
+    """Requests on a RequestStream turn by turn, as `Episodes.run` samples environments' turns:
+    a batch of requests runs to its end, then the next batch goes in once every party still
+    going (each agent's episode) has asked, in the parties' order. Requests then share engine
+    batches (and the batch-dependent rounding of vLLM's kernels) exactly as an environment's
+    batched turns do, so that an agent and the environment that does what it does sample the
+    same tokens."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.asked: list[tuple[int, Sequence[int], dict, asyncio.Future]] = []
+        self.changed = asyncio.Event()
+
+    async def sample(self, order: int, prompt_token_ids: Sequence[int], **options) -> Sample:
+        """One sample of `prompt_token_ids` for party `order`, once its batch ran."""
+        future = asyncio.get_running_loop().create_future()
+        self.asked.append((order, prompt_token_ids, options, future))
+        self.changed.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.asked = [a for a in self.asked if a[3] is not future]
+            self.stream.abort({future})
+            raise
+
+    async def run(self, parties: list[asyncio.Future]) -> None:
+        """Drive the engine until every party is done."""
+        for party in parties:
+            party.add_done_callback(lambda _: self.changed.set())
+        while not all(p.done() for p in parties):
+            if len(self.stream):
+                for future, sample in self.stream.step():
+                    if not future.done():
+                        future.set_result(sample)
+                await asyncio.sleep(0)
+                continue
+            going = sum(not p.done() for p in parties)
+            if self.asked and len({a[0] for a in self.asked}) >= going:
+                batch, self.asked = sorted(self.asked, key=lambda a: a[0]), []
+                for _, prompt_token_ids, options, future in batch:
+                    self.stream.submit(future, prompt_token_ids, **options)
+                continue
+            self.changed.clear()
+            await self.changed.wait()

@@ -30,10 +30,11 @@ def build_task(task: SourceSection, seed: int, at: str = "task") -> Task:
         return EchoDigitsTask(num_digits=task.num_digits, seed=seed)
     if task.name == "reverse_digits":
         return ReverseDigitsTask(num_digits=task.num_digits, seed=seed)
-    if task.name in ("dataset", "env"):
+    if task.name in ("dataset", "env", "agent"):
         return DatasetTask(
             task.dataset_path, dataset_keys(task, at), seed=seed, field=f"{at}.dataset_path"
         )
     raise ConfigError(
-        f"{at}.name = {task.name!r} is not a task: use echo_digits, reverse_digits, dataset or env"
+        f"{at}.name = {task.name!r} is not a task: use echo_digits, reverse_digits, dataset, "
+        "env or agent"
     )

@@ -202,10 +202,10 @@ def build_renderer(
     has_template = bool(getattr(tokenizer, "chat_template", None))
     wanted = task.chat_template
     if wanted is None:
-        wanted = task.name in ("dataset", "env") and has_template
-    if task.name == "env" and not wanted:
+        wanted = task.name in ("dataset", "env", "agent") and has_template
+    if task.name in ("env", "agent") and not wanted:
         raise ConfigError(
-            f"{at}.name = 'env' renders episodes turn by turn with the chat template, but "
+            f"{at}.name = {task.name!r} renders episodes turn by turn with the chat template, but "
             f"{f'{at}.chat_template = false' if has_template else f'{tokenizer_dir} has none'}: "
             "use a checkpoint that ships a chat template, and leave task.chat_template unset"
         )
