@@ -215,7 +215,7 @@ class Episodes:
             # The loop that owns the stream steps it (placements/continuous.py).
             return await self._agents(
                 lambda _, *args, **kwargs: stream.sample(*args, **kwargs),
-                asyncio.gather,
+                lambda parties: asyncio.gather(*parties),
                 [prompt],
                 seed,
                 n,

@@ -99,8 +99,11 @@ class Gateway:
     async def start(self) -> None:
         """Serve on the running event loop (again, if the loop is another than before)."""
         loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
+        if self._loop is not loop:  # the first of the episodes (continuous: groups) starting
+            self._loop, self._started = loop, loop.create_task(self._serve(loop))
+        await asyncio.shield(self._started)
+
+    async def _serve(self, loop) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -125,7 +128,6 @@ class Gateway:
             if self._task.done():
                 self._task.result()  # the server's failure, raised
             await asyncio.sleep(0.001)
-        self._loop = loop
 
     def open(
         self,
