@@ -50,7 +50,9 @@ def episodes_of(name: str, checkpoint: str, max_model_len: int):
 def summary(scored) -> list:
     return [
         [s.token_ids, s.sampled_mask, float(r)]
-        for group, rewards in zip(scored.completions.samples, scored.rewards_PN.tolist(), strict=True)
+        for group, rewards in zip(
+            scored.completions.samples, scored.rewards_PN.tolist(), strict=True
+        )
         for s, r in zip(group, rewards, strict=True)
     ]
 

@@ -82,3 +82,51 @@ class RecordSteps:
         if path:
             with open(path, "w") as f:
                 json.dump({"env": self.env, "steps": self.steps}, f)
+
+
+async def chatter_agent(client, model, row):
+    """task.agent: `Chatter` from the agent's side, with the `openai` client: the same turns,
+    replies and reward, so that its run samples the environment's tokens."""
+    messages, seen = [{"role": "user", "content": row["prompt"]}], []
+    while True:
+        response = await client.chat.completions.create(model=model, messages=messages)
+        choice = response.choices[0]
+        seen.append(choice.message.content)
+        if len(seen) >= 3:
+            return sum(len(text) % 2 == 0 for text in seen) / len(seen)
+        if choice.finish_reason != "stop":
+            return 0.0  # cut at max_tokens: the environment's episode ends there too
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "content": f"go on {len(seen)}"})
+
+
+def serve_chatter_agent(port_file: str) -> None:
+    """An agent server (task.agent_url) in its own process, as a user's would run in a
+    container: POST / with {base_url, api_key, model, row} runs `chatter_agent` and answers
+    {"reward": ...}; it writes its port to `port_file` once listening."""
+    import socket
+
+    import openai
+    import uvicorn
+    from fastapi import FastAPI, Request
+
+    app = FastAPI()
+
+    @app.post("/")
+    async def episode(request: Request):
+        body = await request.json()
+        client = openai.AsyncOpenAI(base_url=body["base_url"], api_key=body["api_key"])
+        async with client:
+            return {"reward": await chatter_agent(client, body["model"], body["row"])}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    with open(port_file, "w") as f:
+        f.write(str(sock.getsockname()[1]))
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve_chatter_agent(sys.argv[1])

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from helpers import runs
-from helpers.launch import HELPERS, REPO, run_dist, run_train
+from helpers.launch import HELPERS, REPO, TIMING, run_dist, run_train
 from helpers.render import chatter_renderer
 
 from torchtitan_rl.tasks.env import calc, parse_tool_calls
@@ -101,11 +101,8 @@ def test_real_episodes_stop_before_max_model_len(real):
 # The whole loop: a user environment and user hooks from the config, 2 ranks, bitwise.
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement, tmp_path):
-    """The mixture-of-experts tiny Qwen3 (colocated: its experts split over the 2 ranks): each
-    turn's routing, captured in the generator and merged over the episode, is the trainer's."""
-    record = tmp_path / "hooks.json"
+def chatter_run(placement: str, folder, *task: str, env=None) -> None:
+    """A 3-step run of 8 prompts on 2 ranks, batch-invariant, whose episodes are `task`'s."""
     # The disaggregated trainer is 1 rank: no expert parallel there.
     moe = runs.MOE_MODEL if placement == "colocated" else runs.MOE_MODEL[:4]
     result = run_train(
@@ -120,16 +117,11 @@ def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement
         "3",
         "--training.prompts_per_step",
         "8",
-        "--task.name",
-        "env",
-        "--task.env",
-        "user_envs:Chatter",
+        *task,
         "--task.dataset_path",
         "data/arith/train.jsonl",
         "--task.max_turns",
         "3",
-        "--job.hooks",
-        "user_envs:RecordSteps",
         "--generator.sampling.max_tokens",
         "6",
         "--generator.sampling.stop",
@@ -137,23 +129,45 @@ def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement
         "--metrics.rollout_log_interval",
         "2",
         "--job.dump_folder",
-        str(tmp_path / "run"),
+        str(folder),
         nproc=2,
-        env={"PYTHONPATH": HELPERS, "HOOKS_RECORD": str(record)},
+        env={"PYTHONPATH": HELPERS, **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
+
+
+@pytest.fixture(scope="module")
+def env_run(tmp_path_factory):
+    """The colocated run of user_envs:Chatter, with user hooks: (its folder, its hooks' record)."""
+    folder = tmp_path_factory.mktemp("env_run")
+    record = folder / "hooks.json"
+    env = ("--task.name", "env", "--task.env", "user_envs:Chatter")
+    hooks = ("--job.hooks", "user_envs:RecordSteps")
+    chatter_run("colocated", folder / "run", *env, *hooks, env={"HOOKS_RECORD": str(record)})
+    return folder / "run", record
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(
+    placement, tmp_path, request
+):
+    """The mixture-of-experts tiny Qwen3 (colocated: its experts split over the 2 ranks): each
+    turn's routing, captured in the generator and merged over the episode, is the trainer's."""
+    if placement == "colocated":
+        folder, record = request.getfixturevalue("env_run")
+    else:
+        folder, record = tmp_path / "run", tmp_path / "hooks.json"
+        env = ("--task.name", "env", "--task.env", "user_envs:Chatter")
+        hooks = ("--job.hooks", "user_envs:RecordSteps")
+        chatter_run(placement, folder, *env, *hooks, env={"HOOKS_RECORD": str(record)})
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [row["logprob_diff/max"] for row in rows] == [0.0] * 3
     assert [row["moe/routing_mismatch"] for row in rows] == [0.0] * 3
     # Every (token, layer) the generator ran but its last: first prompts ~50, turns ~6 tokens.
     assert all(row["moe/routing_compared"] > 8 * 4 * 2 * 50 for row in rows)
     assert all(row["env/turns"] > 1.5 for row in rows)
     assert json.loads(record.read_text()) == {"env": "user_envs:Chatter", "steps": [1, 2, 3]}
-    logged = [
-        json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
-    ]
+    logged = [json.loads(line) for line in (folder / "rollouts.jsonl").read_text().splitlines()]
     episode = max((s for row in logged for s in row["samples"]), key=lambda s: len(s["messages"]))
     assert [m["role"] for m in episode["messages"]][:4] == [
         "user",
@@ -165,6 +179,35 @@ def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(placement
         episode["sampled_mask"]
     )
     assert torch.tensor(episode["generator_logprobs"]).le(0).all()
+
+
+def test_an_openai_client_agent_through_the_gateway_samples_the_environments_tokens(
+    env_run, tmp_path
+):
+    """user_envs:chatter_agent does what Chatter does, from the agent's side, through the
+    gateway: the same run, row for row and token for token, bitwise on policy (batch-
+    invariant), its mixture-of-experts routing replayed from what the gateway's requests
+    routed (EP = 2)."""
+    folder, _ = env_run
+    agent = ("--task.name", "agent", "--task.agent", "user_envs:chatter_agent")
+    chatter_run("colocated", tmp_path / "run", *agent, "--algorithm.router_replay", "true")
+    expected, got = (
+        [json.loads(line) for line in (f / "metrics.jsonl").read_text().splitlines()]
+        for f in (folder, tmp_path / "run")
+    )
+    assert [row["logprob_diff/max"] for row in got] == [0.0] * 3
+    assert [row["moe/routing_mismatch"] for row in got] == [0.0] * 3
+    for row, mine in zip(expected, got, strict=True):
+        for metric, value in row.items():
+            if metric.startswith(TIMING) or metric.startswith("moe/replay"):
+                continue
+            assert mine.get(metric) == value, (row["step"], metric, mine.get(metric), value)
+    samples = [
+        [(s["token_ids"], s["sampled_mask"], s["reward"]) for s in json.loads(line)["samples"]]
+        for f in (folder, tmp_path / "run")
+        for line in (f / "rollouts.jsonl").read_text().splitlines()
+    ]
+    assert samples[: len(samples) // 2] == samples[len(samples) // 2 :]
 
 
 # The calculator demo's data.

@@ -1,0 +1,320 @@
+"""The gateway's HTTP API and its token-exact recording, with the real `openai` client
+(`AsyncOpenAI`) on the real FastAPI app, in process (httpx's ASGI transport), and a scripted
+policy: a random tiny model never writes a tool call or a <think> block, so each test scripts
+the text its turns sample (their ids as the tokenizer encodes them, then <|im_end|>). The real
+engine behind the gateway: tests/integration/test_gateway.py.
+
+    .venv/bin/python -m pytest tests/unit/test_gateway.py
+"""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from helpers.render import chatter_renderer, encode
+
+from torchtitan_rl.config import ConfigError, TaskSection
+from torchtitan_rl.episodes import Episode, _defaults, _shared_prompt
+from torchtitan_rl.gateway.protocol import load_parsers
+from torchtitan_rl.gateway.server import Gateway
+from torchtitan_rl.tasks.env import Calculator
+from torchtitan_rl.types import Sample
+
+IM_END = 4
+CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'
+USER = [{"role": "user", "content": "max(3,7)="}]
+
+
+class Script:
+    """A policy that samples the texts it is given, in order; each request it got is kept."""
+
+    def __init__(self, renderer, texts: list[str]):
+        self.renderer, self.texts = renderer, list(texts)
+        self.requests: list[tuple[list[int], dict]] = []
+
+    async def sample(self, order, prompt_ids, **options) -> Sample:
+        self.requests.append((list(prompt_ids), options))
+        ids = encode(self.renderer, self.texts.pop(0)) + [IM_END]
+        listener = options.get("listener")
+        if listener is not None:
+            for i in range(0, len(ids), 3):  # a few tokens per engine step
+                listener(ids[i : i + 3])
+                await asyncio.sleep(0)
+        return Sample(ids, [-0.5] * len(ids), "stop", versions=[3] * len(ids))
+
+
+@pytest.fixture(scope="module")
+def renderer():
+    return chatter_renderer()
+
+
+def serve(renderer, texts, *, max_turns=8, max_model_len=512, reasoning=None):
+    """A gateway session of a scripted policy: (client, opened session, script, gateway)."""
+    gateway = Gateway(stop_ids={IM_END}, max_model_len=max_model_len)
+    parsers = load_parsers(renderer.tokenizer, "hermes", reasoning, "task")
+    script = Script(renderer, texts)
+    url, opened = gateway.open(
+        renderer,
+        parsers,
+        seed=7,
+        order=0,
+        sample=_defaults(script.sample, None, 64),
+        max_turns=max_turns,
+    )
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app))
+    client = openai.AsyncOpenAI(base_url=url, api_key=opened.key, http_client=http, max_retries=0)
+    return client, opened, script, gateway
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_a_tool_call_turn_and_its_answer_are_one_segment_of_the_sampled_ids(renderer):
+    client, opened, script, _ = serve(renderer, [CALL, "7"])
+
+    async def episode():
+        first = await client.chat.completions.create(
+            model="policy",
+            messages=USER,
+            tools=Calculator.schemas,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+        )
+        message = first.choices[0].message
+        replies = [{"role": "tool", "content": "7", "tool_call_id": message.tool_calls[0].id}]
+        second = await client.chat.completions.create(
+            model="policy",
+            messages=[*USER, message.model_dump(exclude_none=True), *replies],
+            tools=Calculator.schemas,
+            extra_body={"return_token_ids": True},
+        )
+        return first, second
+
+    first, second = run(episode())
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calc"
+    assert json.loads(call.function.arguments) == {"expression": "max(3,7)"}
+    sampled = encode(renderer, CALL) + [IM_END]
+    assert first.choices[0].token_ids == sampled  # vLLM's field names, parsed by the SDK
+    assert first.usage.prompt_tokens == len(first.prompt_token_ids)
+    assert first.usage.completion_tokens == len(sampled)
+    assert [c.logprob for c in choice.logprobs.content] == [-0.5] * len(sampled)
+    # Turn 2's prompt: turn 1's prompt and sampled ids, then the tool reply alone rendered.
+    assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(sampled)] == (
+        first.prompt_token_ids + sampled
+    )
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.content == "7"
+    (segment,) = opened.session.segments
+    delta = second.prompt_token_ids[len(first.prompt_token_ids) + len(sampled) :]
+    answer = encode(renderer, "7") + [IM_END]
+    assert segment.first_ids == first.prompt_token_ids
+    assert segment.token_ids == sampled + delta + answer
+    assert segment.sampled_mask == [1] * len(sampled) + [0] * len(delta) + [1] * len(answer)
+    assert segment.versions == [3] * len(sampled) + [-1] * len(delta) + [3] * len(answer)
+    # The delta is what the environment path renders for the same reply.
+    assert delta == renderer.reply_ids(
+        USER, [{"role": "tool", "content": "7"}], Calculator.schemas, stop_id=IM_END
+    )
+    assert opened.tool_calls == 1 and opened.ill_formed_tool_calls == 0
+    # Sampled with the session's seeds, as an environment's turns are.
+    assert [options["seed"] for _, options in script.requests] == [7, (7 * 1_000_003 + 1) % 2**62]
+
+
+def test_what_clients_change_in_sent_back_turns_keeps_the_segment_and_an_edit_forks(renderer):
+    thought = "<think>3 or 7</think>" + CALL
+    client, opened, _, _ = serve(renderer, [thought, "7", "8", "9"], reasoning="qwen3")
+
+    async def ask(messages):
+        return await client.chat.completions.create(
+            model="policy", messages=messages, tools=Calculator.schemas
+        )
+
+    async def episode():
+        first = (await ask(USER)).choices[0].message
+        assert first.model_extra["reasoning_content"] == "3 or 7"
+        sent = first.model_dump(exclude_none=True)
+        # The client drops the reasoning and serialises the arguments its own way.
+        sent.pop("reasoning_content")
+        sent["tool_calls"][0]["function"]["arguments"] = '{ "expression" : "max(3,7)" }'
+        tool = {"role": "tool", "content": "7"}
+        await ask([*USER, sent, tool])
+        assert len(opened.session.segments) == 1
+        # Turn 1 again with another reply: a fork from turn 1's ids.
+        await ask([*USER, sent, {"role": "tool", "content": "8"}])
+        assert len(opened.session.segments) == 2
+        # An edited history: a new segment from its whole rendered chat.
+        edited = {"role": "assistant", "content": "I know: 7"}
+        await ask([*USER, edited, tool])
+
+    run(episode())
+    first, fork, edited = opened.session.segments
+    assert opened.session.forks == 2
+    call = encode(renderer, thought) + [IM_END]
+    assert first.token_ids[: len(call)] == call == fork.token_ids[: len(call)]
+    assert first.sampled_mask[: len(call)] == [1] * len(call)
+    assert edited.sampled_mask == [1] * len(edited.token_ids)  # its history is prompt, not trained
+    assert edited.first_ids == encode(
+        renderer,
+        renderer.chat([*USER, {**edited.sent[1]}, edited.sent[2]], Calculator.schemas, True),
+    )
+
+
+def test_streaming_gives_the_non_streamed_answer_and_usage(renderer):
+    texts = ["x=3", CALL]
+
+    async def both(stream: bool, tools):
+        client, _, _, _ = serve(renderer, texts)
+        out = []
+        for _ in texts:
+            kwargs = {"model": "policy", "messages": USER, "tools": tools}
+            if not stream:
+                response = await client.chat.completions.create(**kwargs)
+                out.append(response.choices[0].model_dump(exclude={"logprobs", "index"}))
+                continue
+            chunks = [
+                c
+                async for c in await client.chat.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+            ]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            assert chunks[-1].usage.completion_tokens == len(encode(renderer, texts[0])) + 1
+            out.append(
+                {
+                    "finish_reason": finish,
+                    "message": {
+                        "content": content or None,
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": t.id, "function": t.function.model_dump(), "type": "function"}
+                            for t in calls
+                        ]
+                        or None,
+                    },
+                }
+            )
+            texts.insert(0, texts.pop())  # the same script again
+        return out
+
+    for tools in (None, Calculator.schemas):
+        texts[:] = ["x=3", CALL] if tools is None else [CALL, "x=3"]
+        plain = run(both(False, tools))
+        texts[:] = ["x=3", CALL] if tools is None else [CALL, "x=3"]
+        streamed = run(both(True, tools))
+        for a, b in zip(plain, streamed, strict=True):
+            a["message"] = {k: v for k, v in a["message"].items() if v is not None}
+            b["message"] = {k: v for k, v in b["message"].items() if v is not None}
+            for call in a["message"].get("tool_calls", []) + b["message"].get("tool_calls", []):
+                call["id"] = "same"  # vLLM names each call anew
+            assert (a["finish_reason"], a["message"]) == (b["finish_reason"], b["message"])
+
+
+def test_errors_answer_in_openai_format_naming_the_field(renderer):
+    client, opened, _, gateway = serve(renderer, ["1", "2", "3"], max_turns=1, max_model_len=40)
+
+    async def errors():
+        caught = {}
+        cases = {
+            "n": {"n": 2},
+            "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+            "temperature": {"temperature": -1},
+            "tool_choice": {"tool_choice": {"type": "function", "function": {"name": "calc"}}},
+        }
+        for name, extra in cases.items():
+            try:
+                await client.chat.completions.create(model="policy", messages=USER, **extra)
+            except openai.BadRequestError as e:
+                caught[name] = e.body["param"]
+        long = [{"role": "user", "content": "9" * 60}]
+        try:
+            await client.chat.completions.create(model="policy", messages=long)
+        except openai.BadRequestError as e:
+            caught["long"] = e.message
+        await client.chat.completions.create(model="policy", messages=USER)
+        try:
+            await client.chat.completions.create(model="policy", messages=USER)
+        except openai.RateLimitError as e:
+            caught["turns"] = (e.message, e.response.headers["retry-after"])
+        wrong = client.with_options(api_key="not-the-key")
+        try:
+            await wrong.models.list()
+        except openai.AuthenticationError:
+            caught["key"] = True
+        models = await client.models.list()
+        gateway.close(opened)
+        try:
+            await client.models.list()
+        except openai.NotFoundError:
+            caught["ended"] = True
+        return caught, models
+
+    caught, models = run(errors())
+    assert [m.id for m in models.data] == ["policy"]
+    assert {k: caught[k] for k in ("n", "top_logprobs", "temperature", "tool_choice")} == {
+        "n": "n",
+        "top_logprobs": "top_logprobs",
+        "temperature": "temperature",
+        "tool_choice": "tool_choice",
+    }
+    assert "generator.max_model_len = 40" in caught["long"]
+    assert "task.max_turns" in caught["turns"][0] and caught["turns"][1] == "0"
+    assert caught["key"] and caught["ended"]
+
+
+def test_an_unparsable_call_is_content_and_counted(renderer):
+    client, opened, _, _ = serve(renderer, ['<tool_call>{"name": calc}</tool_call>'])
+
+    async def ask():
+        return await client.chat.completions.create(
+            model="policy", messages=USER, tools=Calculator.schemas
+        )
+
+    choice = run(ask()).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content.startswith("<tool_call>")
+    assert opened.ill_formed_tool_calls == 1 and opened.tool_calls == 1
+
+
+def test_a_group_trains_on_the_prompt_its_agents_share():
+    group = [Episode(first_ids=[1, 2, 3, 4]), Episode(first_ids=[1, 2, 5])]
+    for episode in group:
+        episode.add([9, 9], [-0.1, -0.2])
+    assert _shared_prompt(group) == [1, 2]
+    assert group[0].token_ids == [3, 4, 9, 9] and group[0].sampled_mask == [0, 0, 1, 1]
+    assert group[1].token_ids == [5, 9, 9] and group[1].logprobs == [0.0, -0.1, -0.2]
+    with pytest.raises(ConfigError, match="share no token"):
+        _shared_prompt([Episode(first_ids=[1]), Episode(first_ids=[2])])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"name": "agent"}, "needs one of task.agent"),
+        ({"name": "agent", "agent": "a:b", "agent_url": "http://x"}, "needs one of task.agent"),
+        ({"name": "dataset", "agent": "a:b"}, "task.agent = 'a:b' but task.name = 'dataset'"),
+        ({"name": "agent", "agent": "nocolon"}, "write it as 'module:function'"),
+        ({"name": "agent", "agent_url": "ftp://x"}, "must be an http:// or https:// URL"),
+    ],
+)
+def test_agent_fields_are_checked_in_one_line(flags, message, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=message):
+        TaskSection(dataset_path=str(data), **flags).validate()
+
+
+def test_an_unknown_parser_or_an_agent_that_is_not_async_is_one_line(renderer):
+    with pytest.raises(ConfigError, match="task.tool_parser = 'hermez' is not one of vLLM's"):
+        load_parsers(renderer.tokenizer, "hermez", None, "task")
+    from torchtitan_rl.tasks.agent import load_agent
+
+    with pytest.raises(ConfigError, match="is not a coroutine function"):
+        load_agent("torchtitan_rl.tasks.env:calc", None)
