@@ -75,7 +75,6 @@ def load_agent(function: str | None, url: str | None, at: str = "task") -> Agent
 
 def _http_agent(url: str) -> Agent:
     async def run(endpoint: Endpoint, row: dict) -> float | None:
-        import httpx
 
         body = {
             "base_url": endpoint.base_url,
