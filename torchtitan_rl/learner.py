@@ -464,6 +464,13 @@ def rollout_metrics(
         "env/turns": turns / samples,
         "env/tool_calls": tool_calls / samples,
         "env/tool_error_rate": tool_errors / max(tool_calls, 1.0),
+        # An agent's tool errors are the calls the gateway could not parse (its tools' own
+        # failures are the agent's business).
+        **(
+            {"agent/ill_formed_tool_calls": tool_errors / samples}
+            if any(s.name == "agent" for s in config.task.named_sources.values())
+            else {}
+        ),
         # Each reward function's own mean (task.rewards), before its weight.
         **{
             f"reward/{name}": total / count

@@ -49,12 +49,87 @@ def episodes_of(name: str, checkpoint: str, max_model_len: int):
 
 def summary(scored) -> list:
     return [
-        [s.token_ids, s.sampled_mask, float(r)]
+        [s.token_ids, s.sampled_mask, s.finish_reason, float(r)]
         for group, rewards in zip(
             scored.completions.samples, scored.rewards_PN.tolist(), strict=True
         )
         for s, r in zip(group, rewards, strict=True)
     ]
+
+
+async def sessions(generator, count: int, turns: int) -> dict:
+    """`count` concurrent streaming sessions of `turns` turns each (a chat agent, no tools) on
+    this rank's engine, stepped as continuous placement steps it: per-turn latencies, errors,
+    and the sessions whose recorded ids are not what their own responses gave."""
+    import httpx
+    import openai
+
+    from torchtitan_rl.config import TaskSection
+    from torchtitan_rl.episodes import _defaults
+    from torchtitan_rl.gateway.protocol import load_parsers
+    from torchtitan_rl.gateway.server import Gateway
+    from torchtitan_rl.generator.stream import AsyncStream, RequestStream
+    from torchtitan_rl.models import checkpoint_stop_ids
+    from torchtitan_rl.tasks.render import build_renderer
+
+    checkpoint = generator.config_checkpoint
+    stream = AsyncStream(RequestStream(generator))
+
+    async def drive():
+        while True:
+            if len(stream.stream):
+                stream.step()
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.0005)
+
+    stepping = asyncio.ensure_future(drive())
+    gateway = Gateway(stop_ids=set(checkpoint_stop_ids(checkpoint)), max_model_len=512)
+    await gateway.start()
+    task = TaskSection(name="agent", agent="x:y", dataset_path=str(REPO / "data"))
+    renderer = build_renderer(task, checkpoint, max_prompt_len=64)
+    parsers = load_parsers(renderer.tokenizer, "hermes", None, "task")
+    sample = _defaults(lambda _, *a, **k: stream.sample(*a, **k), None, 32)
+
+    async def one(i: int):
+        url, opened = gateway.open(renderer, parsers, seed=i, order=i, sample=sample, max_turns=8)
+        http = httpx.AsyncClient(timeout=None)
+        client = openai.AsyncOpenAI(base_url=url, api_key=opened.key, http_client=http)
+        messages, latencies, got = [{"role": "user", "content": f"{i}+{i}="}], [], []
+        for _ in range(turns):
+            began = time.perf_counter()
+            chunks = [
+                c
+                async for c in await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    stream=True,
+                    extra_body={"return_token_ids": True},
+                )
+            ]
+            latencies.append(time.perf_counter() - began)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            got.append([c.choices[0].model_extra.get("token_ids") for c in chunks][-1])
+            messages += [
+                {"role": "assistant", "content": content},
+                {"role": "user", "content": "again"},
+            ]
+        segment = opened.session.segments[-1]
+        sampled = [t for t, m in zip(segment.token_ids, segment.sampled_mask, strict=True) if m]
+        await http.aclose()
+        return latencies, sampled == [t for ids in got for t in ids] and len(
+            opened.session.segments
+        ) == 1
+
+    results = await asyncio.gather(*(one(i) for i in range(count)), return_exceptions=True)
+    stepping.cancel()
+    errors = [repr(r) for r in results if isinstance(r, BaseException)]
+    good = [r for r in results if not isinstance(r, BaseException)]
+    return {
+        "latencies": [x for latencies, _ in good for x in latencies],
+        "cross_talk": sum(not mine for _, mine in good),
+        "errors": errors,
+    }
 
 
 def main() -> None:
@@ -64,7 +139,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sessions", type=int, default=0)
+    parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
+    if args.sessions:
+        return concurrent(args)
 
     from torchtitan_rl import platform
     from torchtitan_rl.config import GeneratorSection, ModelSection
@@ -124,6 +203,45 @@ def main() -> None:
     )
     if profile is not None:
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(45)
+    platform.exit_process(0)
+
+
+def concurrent(args) -> None:
+    """--sessions K over the ranks of torchrun (K / ranks each, one engine and gateway per
+    rank): p50 / p99 of a turn's latency, errors, cross-talk."""
+    import torch.distributed as dist
+
+    from torchtitan_rl import platform
+    from torchtitan_rl.config import GeneratorSection, ModelSection
+    from torchtitan_rl.generator.engine import LocalGenerator
+
+    platform.init_distributed()
+    ranks = dist.get_world_size()
+    generator = LocalGenerator(
+        generator=GeneratorSection(max_model_len=512, num_kv_blocks=512),
+        model=ModelSection(name="qwen3", flavor="tiny", hf_checkpoint=args.checkpoint),
+        seed=0,
+    )
+    generator.config_checkpoint = args.checkpoint
+    mine = asyncio.run(sessions(generator, args.sessions // ranks, args.turns))
+    every = [None] * ranks
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        latencies = sorted(x for r in every for x in r["latencies"])
+        print(
+            json.dumps(
+                {
+                    "sessions": args.sessions,
+                    "ranks": ranks,
+                    "turns": len(latencies),
+                    "errors": sum(len(r["errors"]) for r in every),
+                    "cross_talk": sum(r["cross_talk"] for r in every),
+                    "p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
+                    "p99_ms": round(1000 * latencies[int(len(latencies) * 0.99)], 1),
+                }
+            )
+        )
+    platform.shutdown_distributed()
     platform.exit_process(0)
 
 

@@ -119,7 +119,7 @@ def serve_chatter_agent(port_file: str) -> None:
         async with client:
             return {"reward": await chatter_agent(client, body["model"], body["row"])}
 
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
     sock.bind(("127.0.0.1", 0))
     with open(port_file, "w") as f:
         f.write(str(sock.getsockname()[1]))

@@ -382,7 +382,7 @@ class JobConfig:
             "rows with its own keys; set task.sources.NAME.eval_dataset_path instead",
         )
         require(
-            self.eval.dataset_path is None or self.task.name in ("dataset", "env"),
+            self.eval.dataset_path is None or self.task.name in ("dataset", "env", "agent"),
             f"eval.dataset_path is set but task.name = {self.task.name!r}: evaluation reads "
             "its rows like the task's dataset; set task.name = 'dataset', or unset it",
         )

@@ -211,7 +211,7 @@ class WeightedSource(SourceSection):
             f"{at}.weight = {self.weight}: must be > 0 (remove the source to leave it out)",
         )
         require(
-            self.eval_dataset_path is None or self.name in ("dataset", "env"),
+            self.eval_dataset_path is None or self.name in ("dataset", "env", "agent"),
             f"{at}.eval_dataset_path is set but {at}.name = {self.name!r}: evaluation reads "
             f"rows like a dataset's; set {at}.name = 'dataset', or unset it",
         )

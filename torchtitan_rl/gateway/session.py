@@ -43,7 +43,7 @@ class Segment(Trace):
     finish_reason: str = "stop"
     """The last turn's (the episode's, when this segment is the one trained on)."""
     waits_for_tool: bool = False
-    """The last turn called tools that no request answered yet."""
+    """The last turn called tools (parsed or not) that no request answered yet."""
 
     @property
     def length(self) -> int:
@@ -141,10 +141,12 @@ class Session:
         except ConfigError:  # a template that renders earlier turns anew (reply_ids)
             return None
 
-    def record(self, turn: "Turn", sample: Sample, text: str, message: dict) -> None:
+    def record(
+        self, turn: "Turn", sample: Sample, text: str, message: dict, ill_formed: int = 0
+    ) -> None:
         """Record a sampled turn: the new messages' ids, then the ids `sample` gives (`text`:
         decoded, as the chat template renders it again), and `message` as the client was
-        answered."""
+        answered (`ill_formed`: its calls that did not parse, returned as text)."""
         segment = turn.segment
         if turn.new:
             self.forks += bool(self.segments)
@@ -159,7 +161,7 @@ class Session:
         segment.sent.append(message)
         segment.turn_ends.append((len(segment.sent), len(segment.token_ids)))
         segment.finish_reason = sample.finish_reason
-        segment.waits_for_tool = bool(message.get("tool_calls"))
+        segment.waits_for_tool = bool(message.get("tool_calls")) or ill_formed > 0
 
     def final(self) -> Segment | None:
         """The segment the episode trains on: the last one a request continued."""

@@ -34,13 +34,13 @@ async def calculator(client, model: str, row: dict) -> float | None:
             if "max_model_len" not in e.message:
                 raise
             return 0.0  # the conversation outgrew the model's context: cut, as environments are
-        if response.choices[0].finish_reason == "length":
-            return 0.0  # cut at max_tokens: the environment ends such an episode too
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         replies = _replies(message)
         if not replies:
-            return None
+            return None  # the answer, even one cut at max_tokens: the reward function's
+        if response.choices[0].finish_reason == "length":
+            return 0.0  # a call cut at max_tokens: the environment ends such an episode too
         messages += replies
     return 0.0
 
