@@ -7,10 +7,12 @@ same prompts and seeds, run by the `Calculator` environment and by the OpenAI-cl
 The tool demo's run shape (16 prompts x 8 episodes per step over 2 ranks: 64 episodes, a call
 then an answer, max_model_len 160): `--rounds` timed rounds each side after an untimed warm-up,
 alternating. Prints one JSON line: `env_s` and `agent_s` (median seconds of a round's episodes),
-`ratio` = agent / env (target <= 1.1), `same_tokens` (the two sides' ids, masks and rewards
-equal), `turns` (requests per round) and `per_turn_overhead_ms`. `--sessions K --stream`
-instead runs K concurrent streaming sessions of a chat agent (no tools) and reports `p50_ms`,
-`p99_ms` per turn and `cross_talk` (sessions whose recorded ids are not their own samples).
+`ratio` = agent / env, `same_tokens` (the two sides' ids, masks, finish reasons and rewards
+equal), `turns` (requests per round) and `per_turn_overhead_ms`. `--steps N` instead runs the
+demo's two RL runs (the step time ratio, target <= 1.1, and whether their rows are equal).
+`torchrun --nproc_per_node 2 scripts/bench/gateway.py --sessions K` runs K concurrent streaming
+sessions of a chat agent (no tools, 3 turns) over the ranks: `p50_ms`, `p99_ms` per turn,
+`errors` and `cross_talk` (sessions whose recorded ids are not what their answers gave).
 `--profile` prints the agent side's cProfile.
 """
 
@@ -139,11 +141,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--sessions", type=int, default=0)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
     if args.sessions:
         return concurrent(args)
+    if args.steps:
+        return steps(args)
 
     from torchtitan_rl import platform
     from torchtitan_rl.config import GeneratorSection, ModelSection
@@ -204,6 +210,64 @@ def main() -> None:
     if profile is not None:
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(45)
     platform.exit_process(0)
+
+
+def steps(args) -> None:
+    """--steps N: the demo's two RL runs (tools_rl_cpu.toml, tools_agent_rl_cpu.toml) on 2
+    ranks, N steps each, alternating over --trials: the median step time of each (its first
+    step left out), their ratio, and whether their metric rows are equal (timings and
+    env/tool_error_rate aside: an environment counts its tools' failures, the gateway only
+    the calls it could not parse)."""
+    import subprocess
+    import tempfile
+
+    configs = {"env": "tools_rl_cpu.toml", "agent": "tools_agent_rl_cpu.toml"}
+    times, rows = {name: [] for name in configs}, {}
+    for _ in range(args.trials):
+        for name, config in configs.items():
+            with tempfile.TemporaryDirectory() as folder:
+                command = [
+                    str(REPO / ".venv/bin/torchrun"),
+                    "--standalone",
+                    "--nproc_per_node",
+                    "2",
+                    "-m",
+                    "torchtitan_rl.train",
+                    "--job.config_file",
+                    f"run_configs/{config}",
+                    "--training.steps",
+                    str(args.steps),
+                    "--eval.dataset_path",
+                    "None",
+                    "--model.hf_checkpoint",
+                    args.checkpoint,
+                    "--job.dump_folder",
+                    folder,
+                ]
+                subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+                lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
+                rows[name] = [json.loads(line) for line in lines]
+            times[name] += [row["time/step_s"] for row in rows[name][1:]]
+    skip = ("time/", "throughput/", "weight_sync/gb_per_s", "env/tool_error_rate")
+    same = all(
+        mine.get(key) == value
+        for row, mine in zip(rows["env"], rows["agent"], strict=True)
+        for key, value in row.items()
+        if not key.startswith(skip)
+    )
+    env_s, agent_s = statistics.median(times["env"]), statistics.median(times["agent"])
+    print(
+        json.dumps(
+            {
+                "env_step_s": round(env_s, 3),
+                "agent_step_s": round(agent_s, 3),
+                "step_ratio": round(agent_s / env_s, 3),
+                "same_rows": same,
+                "steps": args.steps,
+                "trials": args.trials,
+            }
+        )
+    )
 
 
 def concurrent(args) -> None:

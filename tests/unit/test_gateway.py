@@ -318,3 +318,55 @@ def test_an_unknown_parser_or_an_agent_that_is_not_async_is_one_line(renderer):
 
     with pytest.raises(ConfigError, match="is not a coroutine function"):
         load_agent("torchtitan_rl.tasks.env:calc", None)
+
+
+def test_agents_rewards_failures_and_idle_timeouts_score_as_environments_do(renderer):
+    """`Episodes` running agents on a scripted policy: a returned reward, None (the task's
+    reward function scores the final answer), a reward reported on /rl/reward, an agent that
+    raises and one that goes idle past task.env_timeout_s (reward_on_error = "zero")."""
+    from torchtitan_rl.episodes import Episodes, Source
+    from torchtitan_rl.tasks.agent import Endpoint
+    from torchtitan_rl.tasks.dataset import DatasetTask
+    from torchtitan_rl.tasks.env import SingleTurn
+    from torchtitan_rl.tasks.rewards import Scorer
+    from torchtitan_rl.types import Prompt
+
+    async def agent(endpoint: Endpoint, row: dict):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app))
+        client = openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, http_client=http
+        )
+        answer = await client.chat.completions.create(model=endpoint.model, messages=USER)
+        kind = row["answer"]
+        if kind == "2":
+            return 0.25
+        if kind == "3":
+            await http.post(
+                endpoint.base_url.removesuffix("/v1") + "/rl/reward",
+                json={"reward": 0.5},
+                headers={"Authorization": f"Bearer {endpoint.api_key}"},
+            )
+        if kind == "4":
+            raise RuntimeError("the agent's tool broke")
+        if kind == "5":
+            await asyncio.sleep(60)
+        return None if answer else 0.0
+
+    gateway = Gateway(stop_ids={IM_END}, max_model_len=512)
+    parsers = load_parsers(renderer.tokenizer, "hermes", None, "task")
+    source = Source(renderer, SingleTurn, 4, agent, parsers)
+    scorer = Scorer(DatasetTask.__new__(DatasetTask), {}, "zero")
+    episodes = Episodes(
+        {"": source}, scorer, stop_ids=[IM_END], max_model_len=512, timeout_s=0.3, gateway=gateway
+    )
+    script = Script(renderer, ["7"] * 5)
+    prompts = [Prompt("max(3,7)=", answer) for answer in ("7", "2", "3", "4", "5")]
+    scored = run(
+        episodes._agents(
+            script.sample, lambda p: asyncio.gather(*p), prompts, 0, 1, None, 8
+        )
+    )
+    assert scored.rewards_PN.flatten().tolist() == [1.0, 0.25, 0.5, 0.0, 0.0]
+    assert scorer.errors == 2
+    assert [g[0].turns for g in scored.completions.samples] == [1] * 5
+    assert not gateway.sessions  # every session ended with its episode

@@ -113,14 +113,14 @@ def check_request(body, model: str, *, chat: bool) -> ChatRequest:
         request.messages = _messages(body.get("messages"))
         request.tools = _tools(body.get("tools"))
         choice = body.get("tool_choice", "auto")
-        if choice not in ("auto", "none") and not (choice == "required" and request.tools):
+        if choice not in ("auto", "none"):
             raise ApiError(
                 400,
                 f"tool_choice = {choice!r}: the gateway takes 'auto' or 'none' (the policy "
                 "chooses its calls; a forced call would sample other tokens than the policy's)",
                 "tool_choice",
             )
-        request.tool_choice = choice if choice != "required" else "auto"
+        request.tool_choice = choice
         if body.get("chat_template_kwargs"):
             raise ApiError(
                 400,
