@@ -19,6 +19,12 @@ environment answers. A step that raises or times out scores like a failing rewar
 (task.reward_on_error). An episode ends when its environment says done, or as truncated
 (finish_reason "length") when a turn hits max_tokens, task.max_turns runs out, or the next
 turn would not fit generator.max_model_len.
+
+An agent task's episodes (task.name = agent) are driven by their agents instead, through the
+gateway's sessions (torchtitan_rl/gateway), seeded as environments' turns are and, in colocated
+and disaggregated placement, batched as they are (`generator.stream.Lockstep`): an agent and an
+environment that do the same sample the same tokens. An episode is then what its session
+recorded (`_take`).
 """
 
 import asyncio
