@@ -39,6 +39,7 @@ import torch
 from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.gateway.protocol import Parsers, load_parsers
 from torchtitan_rl.gateway.server import MODEL, Gateway, Opened
+from torchtitan_rl.gateway.session import Segment
 from torchtitan_rl.generator.base import Generator
 from torchtitan_rl.generator.stream import AsyncStream, Lockstep, RequestStream
 from torchtitan_rl.models import checkpoint_stop_ids
@@ -341,6 +342,12 @@ class Episodes:
         finally:
             agent.cancel()
             self.gateway.close(opened)
+        if opened.session.final() is None:
+            # Nothing sampled to train on: the opening prompt and a stop id, none of it trained.
+            failed = failed or "the agent made no chat request to its session"
+            first_ids = source.renderer.encode([prompt])[0]
+            opened.session.segments.append(Segment(first_ids=first_ids))
+            opened.session.segments[0].add([min(self.stop_ids)])
         _take(episode, opened)
         if failed is not None:
             episode.reward = self.scorer.failed(failed, prompt, None)
@@ -483,14 +490,8 @@ def _defaults(sample, temperature: float | None, max_tokens: int):
 
 def _take(episode: Episode, opened: Opened) -> None:
     """An agent's episode as its session recorded it: the segment a request continued last."""
-    session, prompt = opened.session, episode.prompt
+    session = opened.session
     segment = session.final()
-    if segment is None:
-        raise RewardError(
-            f"task.agent: the agent of {prompt.row or repr(prompt.text)} made no request to its "
-            "session: an episode must sample at least one turn (is the agent using the client "
-            "it is given?)"
-        )
     episode.first_ids = segment.first_ids
     episode.token_ids, episode.logprobs = segment.token_ids, segment.logprobs
     episode.sampled_mask, episode.versions = segment.sampled_mask, segment.versions

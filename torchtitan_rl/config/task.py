@@ -66,7 +66,7 @@ class SourceSection:
     max_turns: int | None = None
     """Most assistant turns of an episode (task.name = env, unset: 4; agent, unset: 16); an
     environment's episode still going after it ends as truncated, an agent's further requests
-    are answered 429."""
+    are answered 400."""
     agent: str | None = None
     """The agent 'module:function' (task.name = agent): `async def function(client: openai.
     AsyncOpenAI, model: str, row: dict) -> float | None`, one call per episode (tasks/agent.py);

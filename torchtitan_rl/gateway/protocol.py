@@ -16,21 +16,15 @@ from torchtitan_rl.gateway.session import text_of
 class ApiError(Exception):
     """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after=None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.retry_after = (
-            status,
-            message,
-            param,
-            retry_after,
-        )
+        self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict:
         kind = {
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
-            429: "rate_limit_error",
         }.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
 
@@ -90,10 +84,12 @@ class ChatRequest:
     return_token_ids: bool = False
 
 
-def check_request(body, model: str, *, chat: bool) -> ChatRequest:
-    """`body` (the request's JSON) checked: a 400 ApiError naming the field otherwise."""
+def check_request(body, model: str, *, chat: bool, vocabulary: int) -> ChatRequest:
+    """`body` (the request's JSON) checked: a 400 ApiError naming the field otherwise
+    (`vocabulary`: the tokenizer's size, which a token-id prompt's ids must be under)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    body = {key: value for key, value in body.items() if value is not None}  # null: unset
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
         raise ApiError(400, f"unknown parameter {unknown[0]!r}", unknown[0])
@@ -129,7 +125,7 @@ def check_request(body, model: str, *, chat: bool) -> ChatRequest:
                 "chat_template_kwargs",
             )
     else:
-        request.prompt_ids = _token_ids(body.get("prompt"))
+        request.prompt_ids = _token_ids(body.get("prompt"), vocabulary)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     request.max_tokens = _number(limit, name, int, low=1)
@@ -142,7 +138,7 @@ def check_request(body, model: str, *, chat: bool) -> ChatRequest:
     request.top_p = _number(body.get("top_p"), "top_p", float, low=0, high=1)
     if request.top_p == 0:
         raise ApiError(400, "top_p = 0 keeps no token: use a value in (0, 1]", "top_p")
-    request.seed = _number(body.get("seed"), "seed", int, low=0)
+    request.seed = _number(body.get("seed"), "seed", int, low=0, high=2**63 - 1)
     request.logprobs = bool(body.get("logprobs", False))
     request.stream = bool(body.get("stream", False))
     options = body.get("stream_options") or {}
@@ -193,18 +189,19 @@ def _tools(tools) -> list[dict] | None:
     return tools or None
 
 
-def _token_ids(prompt) -> list[int]:
+def _token_ids(prompt, vocabulary: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
     if (
         not isinstance(prompt, list)
         or not prompt
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        or not all(0 <= t < vocabulary for t in prompt)
     ):
         raise ApiError(
             400,
-            "prompt must be a non-empty list of token ids (the gateway does not encode text "
-            "prompts: use /v1/chat/completions)",
+            f"prompt must be a non-empty list of token ids in [0, {vocabulary}) (the gateway "
+            "does not encode text prompts: use /v1/chat/completions)",
             "prompt",
         )
     return prompt
@@ -248,6 +245,19 @@ class Parsers:
                 tokenizer
             )
         self._request = ChatCompletionRequest
+        marker = getattr(self.tool, "tool_call_start_token", None)
+        self.keep_special = marker is not None and marker in tokenizer.all_special_tokens
+        """The tool parser's marker is a special token of this tokenizer: its text must keep
+        special tokens (as vLLM's parsers ask: `adjust_request`), or calls would vanish."""
+
+    def text(self, token_ids: list[int], text: str, stop_ids: set[int]) -> str:
+        """What the parsers read of a turn: `text` (decoded without special tokens), or, when
+        the tool-call marker is one, the ids decoded with them (less a final stop id)."""
+        if not self.keep_special:
+            return text
+        if token_ids and token_ids[-1] in stop_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def message(self, text: str, request: ChatRequest) -> tuple[dict, int]:
         """The assistant message of a turn's `text`, and how many of its tool calls did not
@@ -332,7 +342,7 @@ def usage(prompt_ids: list[int], token_ids: list[int]) -> dict:
 def _logprobs(token_ids: list[int], logprobs: list[float] | None, tokenizer) -> dict | None:
     if logprobs is None:
         return None
-    tokens = tokenizer.convert_ids_to_tokens(token_ids)
+    tokens = [tokenizer.decode([i]) for i in token_ids]
     return {
         "content": [
             {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}

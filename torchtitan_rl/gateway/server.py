@@ -14,8 +14,8 @@ placement (stream.AsyncStream).
 The server (FastAPI on uvicorn) runs on the event loop that runs the episodes: a request is
 read and answered between engine steps, and the agents of the process (`task.agent`) are
 coroutines on the same loop. Errors answer in OpenAI's format: 400 naming the field, 401 a
-wrong key, 404 an unknown or ended session, 429 (with Retry-After) a session whose turns ran
-out (task.max_turns). A client that disconnects aborts its request in the engine.
+wrong key, 404 an unknown or ended session, 500 anything else. A client that disconnects aborts
+its request in the engine.
 """
 
 import asyncio
@@ -33,7 +33,6 @@ from torchtitan_rl.gateway.protocol import (
     Parsers,
     check_request,
     chunk,
-    usage,
 )
 from torchtitan_rl.gateway.protocol import completion as completion_body
 from torchtitan_rl.gateway.session import Session, Turn
@@ -93,7 +92,7 @@ class Gateway:
         self.sessions: dict[str, Opened] = {}
         self.app = self._app()
         self._server = None
-        self._loop = None
+        self._loop = self._sock = None
         self._count = 0
 
     async def start(self) -> None:
@@ -122,7 +121,9 @@ class Gateway:
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose protocol says
         # TCP, and without it every answer (uvicorn writes its head and body apart) waited for
         # the client's delayed ACK: 44 ms a request, measured.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        if self._sock is not None:
+            self._sock.close()  # the server of a loop that is gone
+        sock = self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
@@ -179,8 +180,13 @@ class Gateway:
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, error: ApiError):
-            headers = None if error.retry_after is None else {"Retry-After": str(error.retry_after)}
-            return JSONResponse(error.body(), status_code=error.status, headers=headers)
+            return JSONResponse(error.body(), status_code=error.status)
+
+        @app.exception_handler(Exception)
+        async def server_error(request: Request, error: Exception):
+            # The engine's or the gateway's failure, in OpenAI's format (its SDK reads it).
+            body = ApiError(500, f"the gateway failed: {error!r}").body()
+            return JSONResponse(body, status_code=500)
 
         @app.get("/s/{name}/v1/models")
         async def models(name: str, request: Request):
@@ -216,15 +222,21 @@ class Gateway:
 
     async def _answer(self, name: str, request, *, chat: bool):
         opened = self._session(name, request.headers.get("authorization"))
-        asked = check_request(await _json(request), MODEL, chat=chat)
-        if opened.session.turns >= opened.max_turns:
+        asked = check_request(
+            await _json(request),
+            MODEL,
+            chat=chat,
+            vocabulary=len(opened.session.renderer.tokenizer),
+        )
+        if opened.session.asked >= opened.max_turns:
             raise ApiError(
-                429,
+                400,
                 f"the session's {opened.max_turns} turns (task.max_turns) are spent: end the "
                 "episode",
-                retry_after=0,
+                "messages",
             )
         turn, sampling = self._turn(opened, asked)
+        opened.session.asked += 1
         if opened.in_flight == 0:
             opened.idle_since = time.monotonic()
         opened.in_flight += 1
@@ -263,7 +275,7 @@ class Gateway:
                 "messages" if asked.messages is not None else "prompt",
             )
         sampling = {
-            "seed": turn_seed(opened.seed, session.turns) if asked.seed is None else asked.seed,
+            "seed": turn_seed(opened.seed, session.asked) if asked.seed is None else asked.seed,
             "max_tokens": asked.max_tokens,
             "room": room,
             "temperature": asked.temperature,
@@ -282,17 +294,17 @@ class Gateway:
         text = renderer.decode(sample.token_ids)
         finish = sample.finish_reason
         if chat:
-            message, ill_formed = opened.parsers.message(text, asked)
+            read = _cut(opened.parsers.text(sample.token_ids, text, self.stop_ids), asked.stop)
+            message, ill_formed = opened.parsers.message(read, asked)
             opened.ill_formed_tool_calls += ill_formed
             opened.tool_calls += len(message.get("tool_calls", ())) + ill_formed
             if message.get("tool_calls") and finish == "stop":
                 finish = "tool_calls"
             opened.session.record(turn, sample, text, message, ill_formed)
         else:
-            message = {}
-            opened.session.turns += 1  # a token-id completion is sampled, not recorded
+            message = {}  # a token-id completion is sampled, not recorded
         return completion_body(
-            f"chatcmpl-{opened.session.turns}" if chat else f"cmpl-{opened.session.turns}",
+            f"chatcmpl-{opened.session.asked}" if chat else f"cmpl-{opened.session.asked}",
             MODEL,
             chat=chat,
             message=message,
@@ -309,7 +321,7 @@ class Gateway:
         """The server-sent events of a streamed chat answer: the text as it is sampled (with
         tools or a reasoning parser, the parsed message once the turn is done), then the
         finish, the usage (stream_options.include_usage) and [DONE]."""
-        name = f"chatcmpl-{opened.session.turns + 1}"
+        name = f"chatcmpl-{opened.session.asked}"
         parsers = opened.parsers
         plain = parsers.reasoning is None and not (asked.tools and parsers.tool)
         try:
@@ -322,35 +334,52 @@ class Gateway:
                     getter.cancel()
                     continue
                 ids += getter.result()
-                text = opened.session.renderer.decode(ids)
+                # A token that ends inside a character decodes to U+FFFD: held back until the
+                # character is whole.
+                text = opened.session.renderer.decode(ids).rstrip("\ufffd")
                 if plain and text.startswith(sent) and len(text) > len(sent):
                     yield chunk(name, MODEL, {"content": text[len(sent) :]}, None)
                     sent = text
-            body = self._record(opened, turn, asked, task.result(), chat=True)
+            try:
+                body = self._record(opened, turn, asked, task.result(), chat=True)
+            except Exception as e:  # the engine's failure, after the 200 went out
+                error = ApiError(500, f"the gateway failed: {e!r}").body()
+                yield b"data: " + json.dumps(error).encode() + b"\n\n"
+                return
             message, choice = body["choices"][0]["message"], body["choices"][0]
             delta = {k: v for k, v in message.items() if k not in ("role", "content")}
             rest = message.get("content") or ""
-            if plain:
+            if plain and rest.startswith(sent):
                 rest = rest[len(sent) :]
             if rest:
                 delta["content"] = rest
             if "tool_calls" in delta:
                 delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
-            extra = {"token_ids": choice["token_ids"]} if asked.return_token_ids else {}
+            extra = {"logprobs": choice["logprobs"]}
+            if asked.return_token_ids:
+                extra["token_ids"] = choice["token_ids"]
             yield chunk(name, MODEL, delta, choice["finish_reason"], **extra)
             if asked.include_usage:
                 final = {
                     "id": name,
                     "object": "chat.completion.chunk",
+                    "created": body["created"],
                     "model": MODEL,
                     "choices": [],
+                    "usage": body["usage"],
                 }
-                final["usage"] = usage(turn.prompt_ids, task.result().token_ids)
                 yield b"data: " + json.dumps(final).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             if not task.done():
                 task.cancel()  # the client went away: its request leaves the engine
+
+
+def _cut(text: str, stops: list[str]) -> str:
+    """`text` before the first of the client's stop strings (OpenAI leaves them out; the
+    trained ids keep them, as sampled)."""
+    ends = [text.find(stop) for stop in stops if stop in text]
+    return text[: min(ends)] if ends else text
 
 
 def _idle(opened: Opened) -> None:
@@ -381,7 +410,8 @@ async def _unless_disconnected(task: asyncio.Future, request) -> Sample:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if not task.done():
-        task.cancel()
+        if not task.done():
+            task.cancel()  # the client went away (or the server stops): free the engine
+    if task.cancelled():
         raise ApiError(499, "the client disconnected")
     return task.result()

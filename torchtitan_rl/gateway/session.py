@@ -94,6 +94,11 @@ class Turn:
     messages: list[dict]
     new: bool
     """The segment is new (a first request, a fork, a new history): recorded as a segment."""
+    extends: int = -1
+    """The turn of `segment` the request extends (-1: none)."""
+    length: int = 0
+    """`segment`'s ids when the request was made: another request of the session that
+    recorded meanwhile (concurrent branches) makes this one a fork."""
 
 
 class Session:
@@ -103,7 +108,10 @@ class Session:
         self.renderer, self.stop_ids = renderer, stop_ids
         self.segments: list[Segment] = []
         self.turns = 0
-        """Requests answered: the next one's turn number (its seed, `Episodes` seeding)."""
+        """Turns recorded."""
+        self.asked = 0
+        """Requests made: the next one's turn number (its seed, as `Episodes` seeds an
+        environment's turns)."""
         self.forks = 0
         """Segments after the first: requests that extended an earlier turn (a fork), or no
         recorded turn (a history the client changed)."""
@@ -121,7 +129,8 @@ class Session:
             delta = self._delta(base, messages)
             if delta is None:
                 break
-            return Turn(base, base.first_ids + base.token_ids + delta, delta, messages, not last)
+            prompt_ids = base.first_ids + base.token_ids + delta
+            return Turn(base, prompt_ids, delta, messages, not last, turn, len(base.token_ids))
         text = self.renderer.chat(_for_template(messages), tools, generation_prompt=True)
         first_ids = self.renderer.tokenizer.encode(text, add_special_tokens=False)
         segment = Segment(first_ids=first_ids, tools=tools)
@@ -148,7 +157,9 @@ class Session:
         decoded, as the chat template renders it again), and `message` as the client was
         answered (`ill_formed`: its calls that did not parse, returned as text)."""
         segment = turn.segment
-        if turn.new:
+        if not turn.new and len(segment.token_ids) != turn.length:
+            segment = segment.fork(turn.extends)  # a concurrent request of the session recorded
+        if turn.new or segment is not turn.segment:
             self.forks += bool(self.segments)
             self.segments.append(segment)
         self.turns += 1

@@ -19,6 +19,7 @@ another episode's.
 """
 
 import asyncio
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,13 +40,17 @@ class Live:
     """The policy version that sampled each token."""
 
 
+_numbers = itertools.count()
+"""Request numbers, unique in the process: a stream's requests never share an id with another
+stream's still in the engine."""
+
+
 class RequestStream:
     """Requests of one sample each (n = 1) on `engine`, stepped one engine step at a time."""
 
     def __init__(self, engine: Generator):
         self.engine = engine
         self.live: dict[str, Live] = {}
-        self._next = 0
 
     def submit(
         self,
@@ -61,8 +66,7 @@ class RequestStream:
         """Add a request for one sample of `prompt_token_ids`; `step` returns it under `key`,
         and gives `listener` each step's new tokens. `sampling`: the engine's other overrides
         (top_p, stop)."""
-        request_id = f"stream-{self._next}"
-        self._next += 1
+        request_id = f"stream-{next(_numbers)}"
         self.engine.submit(
             request_id,
             prompt_token_ids,
@@ -189,9 +193,19 @@ class Lockstep:
             raise
 
     async def run(self, parties: list[asyncio.Future]) -> None:
-        """Drive the engine until every party is done."""
+        """Drive the engine until every party is done; then drop what they left asked or in
+        flight (an agent server may answer before its last request did)."""
         for party in parties:
             party.add_done_callback(lambda _: self.changed.set())
+        try:
+            await self._run(parties)
+        finally:
+            for *_, future in self.asked:
+                future.cancel()
+            self.asked = []
+            self.stream.abort({live.key for live in self.stream.live.values()})
+
+    async def _run(self, parties: list[asyncio.Future]) -> None:
         while not all(p.done() for p in parties):
             if len(self.stream):
                 for future, sample in self.stream.step():
