@@ -147,6 +147,7 @@ def env_run(tmp_path_factory):
     return folder / "run", record
 
 
+@pytest.mark.shares("env_run")
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_multi_turn_run_is_bitwise_on_policy_with_a_user_env_and_hooks(
     placement, tmp_path, request
