@@ -11,12 +11,15 @@ KV kept. The prefix cache: a 150-token prompt (more than a 128-token block) fini
 version, its blocks still cached (a request in flight stops the reset), is sampled again after
 an update. Also: an evaluation's batched generate while stream requests are in flight, an
 abort, and a stream's samples at one version against a batched generate's with the same seeds.
-Saves a dict of figures to OUT_FILE for tests/integration/test_continuous.py.
+Then the agents' gateway's checks on the same engine (helpers/gateway_checks.py). Saves a dict
+of figures to OUT_FILE for tests/integration/test_continuous.py and test_gateway.py.
 """
 
+import asyncio
 import sys
 
 import torch
+from helpers.gateway_checks import gateway_checks
 from helpers.launch import REPO
 
 from torchtitan_rl import batch_invariant, platform
@@ -174,6 +177,8 @@ def main() -> None:
     stream.step()
     stream.abort({"aborted"})
     results["after_abort"] = (len(stream), generator.engine.has_unfinished_requests())
+    # The agents' gateway on this engine, over HTTP (tests/integration/test_gateway.py).
+    results["gateway"] = asyncio.run(gateway_checks(generator, max_model_len=256))
     torch.save(results, out)
     platform.shutdown_distributed()
 

@@ -136,3 +136,14 @@ def engine_plain_llama3(engines_plain) -> list[dict]:
 def engine_plain_gpt_oss(engines_plain) -> list[dict]:
     """The tiny gpt-oss in a plain process, the generator's and the weight sync's checks."""
     return engines_plain["gpt_oss"]
+
+
+@pytest.fixture(scope="session")
+def stream_world(tmp_path_factory) -> dict:
+    """tests/dist/stream_run.py: the engine as a request stream with weights in flight
+    (test_continuous.py), then the agents' gateway on it (test_gateway.py)."""
+    import torch
+
+    out = tmp_path_factory.mktemp("stream") / "stream.pt"
+    run_dist("stream_run.py", str(out), nproc=0)
+    return torch.load(out, weights_only=False)

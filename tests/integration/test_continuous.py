@@ -10,7 +10,7 @@ process, batch-invariant); the runs are real torchrun worlds of 2 ranks on the t
 import json
 
 import pytest
-from helpers.launch import HELPERS, metric_rows, run_dist, run_train
+from helpers.launch import HELPERS, metric_rows, run_train
 
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.loop import PLACEMENT_METRICS
@@ -18,12 +18,8 @@ from torchtitan_rl.tasks import build_task
 
 
 @pytest.fixture(scope="module")
-def stream(tmp_path_factory) -> dict:
-    import torch
-
-    out = tmp_path_factory.mktemp("stream") / "stream.pt"
-    run_dist("stream_run.py", str(out), nproc=0)
-    return torch.load(out, weights_only=False)
+def stream(stream_world) -> dict:
+    return stream_world
 
 
 def test_a_token_sampled_under_version_v_has_version_vs_logprob_when_kv_is_recomputed(stream):

@@ -1,8 +1,8 @@
 """The agents' gateway on the real vLLM engine with the real `openai` client over HTTP
-(tests/dist/gateway_run.py), and an agent server outside the process driving a continuous run
-(task.agent_url). The scripted-policy checks (tool calls, reasoning, forks, errors):
-tests/unit/test_gateway.py; an agent against the environment, token for token:
-tests/integration/test_envs.py.
+(tests/helpers/gateway_checks.py, run on tests/dist/stream_run.py's engine), and an agent
+server outside the process driving a continuous run (task.agent_url). The scripted-policy
+checks (tool calls, reasoning, forks, errors): tests/unit/test_gateway.py; an agent against
+the environment, token for token: tests/integration/test_envs.py.
 
     .venv/bin/python -m pytest tests/integration/test_gateway.py
 """
@@ -13,14 +13,12 @@ import sys
 import time
 
 import pytest
-from helpers.launch import HELPERS, REPO, metric_rows, run_dist, run_train
+from helpers.launch import HELPERS, REPO, metric_rows, run_train
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gateway") / "gateway.json"
-    run_dist("gateway_run.py", str(out), nproc=0)
-    return json.loads(out.read_text())
+def real(stream_world):
+    return stream_world["gateway"]
 
 
 def test_recorded_ids_are_the_engines_sampled_ids_and_usage_counts_them(real):
@@ -63,13 +61,13 @@ def test_a_disconnect_aborts_and_a_version_bump_tags_the_tokens_after_it(real):
         "in_flight_after": 0,
         "engine_unfinished": False,
     }
-    versions = real["versions"]
+    versions = real["versions"]  # from the version at the turn's start
     assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions
 
 
 def test_a_prompt_over_max_model_len_is_a_400_naming_the_field(real):
     status, message = real["too_long"]
-    assert status == 400 and "generator.max_model_len = 128" in message
+    assert status == 400 and "generator.max_model_len = 256" in message
 
 
 def test_an_agent_server_drives_a_continuous_run(tmp_path):

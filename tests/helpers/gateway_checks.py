@@ -1,25 +1,20 @@
-"""The gateway on the real vLLM engine (tiny Qwen3, random weights) with the real `openai`
-client over HTTP: what tests/integration/test_gateway.py checks, written as JSON.
-
-    .venv/bin/python tests/dist/gateway_run.py /tmp/gateway.json
+"""The gateway on the real vLLM engine with the real `openai` client over HTTP: what
+tests/integration/test_gateway.py checks, run by tests/dist/stream_run.py on its engine (one
+engine start for both).
 
 The engine is stepped as continuous placement steps it (an AsyncStream, a step whenever a
 request is in flight). A random model rarely samples <|im_end|>: turns end at max_tokens.
 """
 
 import asyncio
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 from helpers.launch import REPO
 
-from torchtitan_rl import platform
-from torchtitan_rl.config import GeneratorSection, ModelSection, TaskSection
+from torchtitan_rl.config import TaskSection
 from torchtitan_rl.episodes import _defaults
 from torchtitan_rl.gateway.protocol import load_parsers
 from torchtitan_rl.gateway.server import Gateway
@@ -41,10 +36,12 @@ async def drive(stream: AsyncStream) -> None:
             await asyncio.sleep(0.001)
 
 
-async def checks(generator: LocalGenerator) -> dict:
+async def gateway_checks(generator: LocalGenerator, max_model_len: int) -> dict:
+    """The checks, on `generator` (tiny Qwen3, generator.max_model_len = `max_model_len`, no
+    stop strings), as a dict of what they saw."""
     stream = AsyncStream(RequestStream(generator))
     stepping = asyncio.ensure_future(drive(stream))
-    gateway = Gateway(stop_ids=set(checkpoint_stop_ids(TINY)), max_model_len=128)
+    gateway = Gateway(stop_ids=set(checkpoint_stop_ids(TINY)), max_model_len=max_model_len)
     await gateway.start()
     task = TaskSection(name="agent", agent="x:y", dataset_path=str(REPO / "data"))
     renderer = build_renderer(task, TINY, max_prompt_len=64)
@@ -172,23 +169,24 @@ async def checks(generator: LocalGenerator) -> dict:
     }
 
     client, opened = session(seed=11)
+    version = generator.policy_version
 
     async def bump():
         while not any(live.token_ids for live in stream.stream.live.values()):
             await asyncio.sleep(0)
-        generator.policy_version = 1  # what a weight update between engine steps sets
+        generator.policy_version = version + 1  # what a weight update between steps sets
 
     bumping = asyncio.ensure_future(bump())
     await client.chat.completions.create(model="policy", messages=user, max_tokens=12)
     await bumping
-    generator.policy_version = 0
-    out["versions"] = opened.session.segments[0].versions
+    generator.policy_version = version
+    out["versions"] = [v - version for v in opened.session.segments[0].versions]
 
     # A prompt over generator.max_model_len: 400 naming the field, before the engine.
     client, _ = session(seed=1)
     try:
         await client.chat.completions.create(
-            model="policy", messages=[{"role": "user", "content": "9" * 200}]
+            model="policy", messages=[{"role": "user", "content": "9" * (max_model_len + 50)}]
         )
     except openai.BadRequestError as e:
         out["too_long"] = [e.status_code, e.message]
@@ -202,17 +200,3 @@ def url_of(gateway: Gateway) -> str:
 
 def name_of(gateway: Gateway, opened) -> str:
     return next(name for name, o in gateway.sessions.items() if o is opened)
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    platform.init_distributed()
-    section = GeneratorSection(max_model_len=128, kv_cache_space_gib=1)
-    generator = LocalGenerator(generator=section, model=ModelSection(hf_checkpoint=TINY), seed=0)
-    out.write_text(json.dumps(asyncio.run(checks(generator))))
-    platform.shutdown_distributed()
-
-
-if __name__ == "__main__":
-    main()
-    platform.exit_process(0)  # also skips vLLM's slow teardown
