@@ -25,6 +25,7 @@ class ApiError(Exception):
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
+            503: "service_unavailable_error",
         }.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
 

@@ -249,7 +249,12 @@ class Gateway:
             return self._streaming(
                 self._stream(opened, turn, asked, task, queue), media_type="text/event-stream"
             )
-        sample = await _unless_disconnected(task, request)
+        try:
+            sample = await _unless_disconnected(task, request)
+        except asyncio.CancelledError:
+            # The event loop ends with the run (continuous placement drops the groups in
+            # flight): answer rather than leave uvicorn a cancelled handler to log.
+            raise ApiError(503, "the run is ending: this episode was dropped") from None
         return self._json_response(self._record(opened, turn, asked, sample, chat))
 
     def _turn(self, opened: Opened, asked: ChatRequest) -> tuple[Turn, dict]:
@@ -370,6 +375,8 @@ class Gateway:
                 }
                 yield b"data: " + json.dumps(final).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            return  # the client went away, or the run ends: the stream just stops
         finally:
             if not task.done():
                 task.cancel()  # the client went away: its request leaves the engine
