@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -143,6 +144,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument(
+        "--chatter",
+        default=None,
+        help="with --steps: instead of the demo, a 3-turn chat on the rows of data/arith "
+        "(tests/helpers/user_envs.py: Chatter against chatter_agent) on this checkpoint, "
+        "e.g. assets/debug_qwen3 (qwen3 debugmodel)",
+    )
     parser.add_argument("--sessions", type=int, default=0)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
@@ -221,10 +229,27 @@ def steps(args) -> None:
     import subprocess
     import tempfile
 
-    configs = {"env": "tools_rl_cpu.toml", "agent": "tools_agent_rl_cpu.toml"}
+    configs = {
+        "env": ["--job.config_file", "run_configs/tools_rl_cpu.toml"],
+        "agent": ["--job.config_file", "run_configs/tools_agent_rl_cpu.toml"],
+    }
+    checkpoint, env = args.checkpoint, None
+    if args.chatter is not None:
+        recipe = json.loads((Path(args.chatter) / "torchtitan.json").read_text())
+        chatter = [
+            *("--job.config_file", "run_configs/debug_cpu.toml", "--model.name", recipe["name"]),
+            *("--model.flavor", recipe["flavor"], "--training.prompts_per_step", "16"),
+            *("--task.dataset_path", "data/arith/train.jsonl", "--task.max_turns", "3"),
+            *("--generator.sampling.max_tokens", "6", "--generator.sampling.stop", *"0123456789"),
+        ]
+        configs = {
+            "env": [*chatter, "--task.name", "env", "--task.env", "user_envs:Chatter"],
+            "agent": [*chatter, "--task.name", "agent", "--task.agent", "user_envs:chatter_agent"],
+        }
+        checkpoint, env = args.chatter, {**os.environ, "PYTHONPATH": str(REPO / "tests/helpers")}
     times, rows = {name: [] for name in configs}, {}
     for _ in range(args.trials):
-        for name, config in configs.items():
+        for name, flags in configs.items():
             with tempfile.TemporaryDirectory() as folder:
                 command = [
                     str(REPO / ".venv/bin/torchrun"),
@@ -233,18 +258,17 @@ def steps(args) -> None:
                     "2",
                     "-m",
                     "torchtitan_rl.train",
-                    "--job.config_file",
-                    f"run_configs/{config}",
+                    *flags,
                     "--training.steps",
                     str(args.steps),
                     "--eval.dataset_path",
                     "None",
                     "--model.hf_checkpoint",
-                    args.checkpoint,
+                    checkpoint,
                     "--job.dump_folder",
                     folder,
                 ]
-                subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+                subprocess.run(command, cwd=REPO, check=True, capture_output=True, env=env)
                 lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
                 rows[name] = [json.loads(line) for line in lines]
             times[name] += [row["time/step_s"] for row in rows[name][1:]]
