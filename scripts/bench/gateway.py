@@ -9,7 +9,8 @@ then an answer, max_model_len 160): `--rounds` timed rounds each side after an u
 alternating. Prints one JSON line: `env_s` and `agent_s` (median seconds of a round's episodes),
 `ratio` = agent / env, `same_tokens` (the two sides' ids, masks, finish reasons and rewards
 equal), `turns` (requests per round) and `per_turn_overhead_ms`. `--steps N` instead runs the
-demo's two RL runs (the step time ratio, target <= 1.1, and whether their rows are equal).
+demo's two RL runs (the step time ratio, target <= 1.1, and whether their rows are equal);
+with `--chatter CHECKPOINT` a 3-turn chat on that checkpoint instead (e.g. assets/debug_qwen3).
 `torchrun --nproc_per_node 2 scripts/bench/gateway.py --sessions K` runs K concurrent streaming
 sessions of a chat agent (no tools, 3 turns) over the ranks: `p50_ms`, `p99_ms` per turn,
 `errors` and `cross_talk` (sessions whose recorded ids are not what their answers gave).
