@@ -88,7 +88,6 @@ class Episode(Trace):
     """An agent's episode: how it ended."""
     by_reward_fn: bool = False
     """An agent's episode whose reward the task's reward function gives (the agent gave none)."""
-    forks: int = 0
 
     def sample(self, finish_reason: str, first_prompt_length: int) -> Sample:
         return Sample(
@@ -345,9 +344,9 @@ class Episodes:
         if opened.session.final() is None:
             # Nothing sampled to train on: the opening prompt and a stop id, none of it trained.
             failed = failed or "the agent made no chat request to its session"
-            first_ids = source.renderer.encode([prompt])[0]
-            opened.session.segments.append(Segment(first_ids=first_ids))
-            opened.session.segments[0].add([min(self.stop_ids)])
+            segment = Segment(first_ids=source.renderer.encode([prompt])[0])
+            segment.add([min(self.stop_ids)])
+            opened.session.segments.append(segment)
         _take(episode, opened)
         if failed is not None:
             episode.reward = self.scorer.failed(failed, prompt, None)
@@ -497,7 +496,7 @@ def _take(episode: Episode, opened: Opened) -> None:
     episode.sampled_mask, episode.versions = segment.sampled_mask, segment.versions
     episode.routed = segment.routed
     episode.messages, episode.tools = segment.sent, segment.tools
-    episode.turns, episode.forks = session.turns, session.forks
+    episode.turns = session.turns
     episode.tool_calls, episode.tool_errors = opened.tool_calls, opened.ill_formed_tool_calls
     # A last turn that called tools no request answered: the episode was cut, as an
     # environment's episode is when its turns run out.
@@ -522,15 +521,12 @@ def _shared_prompt(group: list[Episode]) -> list[int]:
         )
     for episode in group:
         rest = episode.first_ids[len(shared) :]
-        if rest:
-            trace = Trace()
-            trace.add(rest)
-            trace.versions = None if episode.versions is None else [-1] * len(rest)
+        if rest:  # the prompt's, not sampled
             episode.token_ids = rest + episode.token_ids
-            episode.logprobs = trace.logprobs + episode.logprobs
-            episode.sampled_mask = trace.sampled_mask + episode.sampled_mask
+            episode.logprobs = [0.0] * len(rest) + episode.logprobs
+            episode.sampled_mask = [0] * len(rest) + episode.sampled_mask
             if episode.versions is not None:
-                episode.versions = trace.versions + episode.versions
+                episode.versions = [-1] * len(rest) + episode.versions
     return list(shared)
 
 

@@ -146,7 +146,7 @@ async def gateway_checks(generator: LocalGenerator, max_model_len: int) -> dict:
     body = {"model": "policy", "messages": user, "stream": True, "max_tokens": 100}
     request = raw.build_request(
         "POST",
-        f"{url_of(gateway)}/s/{name_of(gateway, opened)}/v1/chat/completions",
+        f"{url_of(gateway)}/s/{opened.name}/v1/chat/completions",
         json=body,
         headers={"Authorization": f"Bearer {opened.key}"},
     )
@@ -196,7 +196,3 @@ async def gateway_checks(generator: LocalGenerator, max_model_len: int) -> dict:
 
 def url_of(gateway: Gateway) -> str:
     return f"http://{gateway.host}:{gateway.port}"
-
-
-def name_of(gateway: Gateway, opened) -> str:
-    return next(name for name, o in gateway.sessions.items() if o is opened)

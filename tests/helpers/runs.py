@@ -14,6 +14,12 @@ REFERENCE = (
     *("--metrics.enable_tensorboard", "true", "--metrics.rollout_log_interval", "1"),
 )
 WANDB = ("--metrics.enable_wandb", "true")
+# Multi-turn episodes a random model plays (user_envs.Chatter, or user_envs.chatter_agent through
+# the gateway): 3 turns on the arithmetic rows, each ended by a digit or 6 tokens.
+CHATTER = (
+    *("--task.dataset_path", "data/arith/train.jsonl", "--task.max_turns", "3"),
+    *("--generator.sampling.max_tokens", "6", "--generator.sampling.stop", *"0123456789"),
+)
 # The real wandb package, writing locally: nothing here can reach W&B's servers.
 WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 # What the reference run's generator, holding the final weights, completes greedily.

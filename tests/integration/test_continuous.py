@@ -10,6 +10,7 @@ process, batch-invariant); the runs are real torchrun worlds of 2 ranks on the t
 import json
 
 import pytest
+from helpers import runs
 from helpers.launch import HELPERS, metric_rows, run_train
 
 from torchtitan_rl.config import parse_args
@@ -68,8 +69,7 @@ CONTINUOUS = (
     "--training.prompts_per_step",
     "8",
     *("--task.name", "env", "--task.env", "user_envs:Chatter"),
-    *("--task.dataset_path", "data/arith/train.jsonl", "--task.max_turns", "3"),
-    *("--generator.sampling.max_tokens", "6", "--generator.sampling.stop", *"0123456789"),
+    *runs.CHATTER,
     *("--checkpoint.enable", "true", "--checkpoint.interval", "3"),
 )
 

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from helpers import runs
 from helpers.launch import HELPERS, REPO, metric_rows, run_train
 
 
@@ -102,14 +103,7 @@ def test_an_agent_server_drives_a_continuous_run(tmp_path):
             "agent",
             "--task.agent_url",
             f"http://127.0.0.1:{port_file.read_text()}/",
-            "--task.dataset_path",
-            "data/arith/train.jsonl",
-            "--task.max_turns",
-            "3",
-            "--generator.sampling.max_tokens",
-            "6",
-            "--generator.sampling.stop",
-            *list("0123456789"),
+            *runs.CHATTER,
             "--metrics.rollout_log_interval",
             "1",
             "--job.dump_folder",

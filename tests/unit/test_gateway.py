@@ -407,3 +407,44 @@ def test_concurrent_branches_of_a_session_fork_and_client_stops_leave_the_answer
     ]
     seeds = [options["seed"] for _, options in script.requests]
     assert len(set(seeds)) == 3  # each request its own seed
+
+
+def test_the_gateway_serves_where_its_config_says_with_the_parsers_it_names(tmp_path):
+    import socket
+
+    from torchtitan_rl.config import JobConfig
+    from torchtitan_rl.episodes import open_task
+
+    free = socket.socket()
+    free.bind(("127.0.0.2", 0))
+    port = free.getsockname()[1]
+    free.close()
+    config = JobConfig()
+    config.model.hf_checkpoint = "assets/tiny_qwen3"
+    task = config.task
+    task.name, task.agent = "agent", "user_envs:chatter_agent"
+    task.dataset_path, task.gateway_host, task.gateway_port = (
+        "data/arith/train.jsonl",
+        "127.0.0.2",
+        port,
+    )
+    opened = open_task(config)
+    gateway = opened.episodes.gateway
+    assert opened.sources[""].parsers.tool is not None  # hermes, task.tool_parser's default
+    assert opened.sources[""].parsers.reasoning is None
+
+    async def serve():
+        await gateway.start()
+        url, _ = gateway.open(None, None, seed=0, order=0, sample=None, max_turns=1)
+        _, writer = await asyncio.open_connection("127.0.0.2", port)  # it listens there
+        writer.close()
+        return url
+
+    assert run(serve()).startswith(f"http://127.0.0.2:{port}/s/")
+    # task.tool_parser / task.reasoning_parser choose vLLM's parsers (none: calls stay text).
+    task.tool_parser, task.reasoning_parser = "none", "qwen3"
+    parsers = open_task(config).sources[""].parsers
+    assert parsers.tool is None and parsers.reasoning is not None
+    task.gateway_port = 70000
+    with pytest.raises(ConfigError, match="task.gateway_port = 70000: must be a TCP port"):
+        task.validate()

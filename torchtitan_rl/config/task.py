@@ -268,6 +268,11 @@ class TaskSection(SourceSection):
             self.env_timeout_s >= 0,
             f"task.env_timeout_s = {self.env_timeout_s}: must be >= 0 (0: no limit)",
         )
+        require(
+            0 <= self.gateway_port <= 65535,
+            f"task.gateway_port = {self.gateway_port}: must be a TCP port, 0 to 65535 (0: any "
+            "free one)",
+        )
         if not self.sources:
             SourceSection.validate(self, "task")
             return

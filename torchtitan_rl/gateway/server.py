@@ -49,6 +49,8 @@ Sampler = Callable[..., Awaitable[Sample]]
 class Opened:
     """A session open on the gateway: one episode's."""
 
+    name: str
+    """Its path, /s/{name}/v1."""
     session: Session
     parsers: Parsers
     key: str
@@ -61,7 +63,6 @@ class Opened:
     max_turns: int
     reward: float | None = None
     """What the agent reported on /rl/reward."""
-    ended: bool = False
     ill_formed_tool_calls: int = 0
     tool_calls: int = 0
     in_flight: int = 0
@@ -148,6 +149,7 @@ class Gateway:
         self._count += 1
         name = f"{self._count}-{secrets.token_hex(4)}"
         opened = Opened(
+            name,
             Session(renderer, self.stop_ids),
             parsers,
             key=secrets.token_hex(16),
@@ -161,8 +163,7 @@ class Gateway:
 
     def close(self, opened: Opened) -> None:
         """End a session: its URL answers 404 from now on."""
-        opened.ended = True
-        self.sessions = {k: v for k, v in self.sessions.items() if v is not opened}
+        self.sessions.pop(opened.name, None)
 
     def _session(self, name: str, authorization: str | None) -> Opened:
         opened = self.sessions.get(name)
