@@ -83,6 +83,8 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
     layer = model_config.layers[0]
     attention = layer.attention
     rope = attention.rope
+    if name == "deepseek_v3":
+        return _deepseek_v3_config(model_config, eos_id, pad_id)
     n_heads, n_kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
     config = {
         "vocab_size": model_config.vocab_size,
@@ -186,6 +188,71 @@ def _gpt_oss_config(model_config, config: dict) -> dict:
     }
 
 
+def _deepseek_v3_config(model_config, eos_id: int, pad_id: int) -> dict:
+    """DeepSeek-V3's config.json (as the released DeepSeek-V3's): multi-head latent attention,
+    YaRN RoPE on interleaved pairs with its attention scale (torchtitan's `mscale` is HF's
+    `mscale_all_dim`; `mscale` equal to it keeps the rotation a pure rotation, as torchtitan's),
+    dense layers first, then sigmoid routing ("noaux_tc": top-k of the scores plus the
+    correction bias, within the `topk_group` best of `n_group` groups) beside shared experts."""
+    attention = model_config.layers[0].attention
+    rope = attention.rope
+    moe_layers = [layer for layer in model_config.layers if layer.moe is not None]
+    moe = moe_layers[0].moe
+    router, experts = moe.router, moe.routed_experts.inner_experts
+    dense = model_config.layers[0].feed_forward
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.dim,
+        "intermediate_size": dense.w1.out_features,
+        "moe_intermediate_size": experts.hidden_dim,
+        "num_hidden_layers": len(model_config.layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_heads,
+        "q_lora_rank": attention.q_lora_rank or None,
+        "kv_lora_rank": attention.kv_lora_rank,
+        "qk_nope_head_dim": attention.qk_nope_head_dim,
+        "qk_rope_head_dim": attention.qk_rope_head_dim,
+        "v_head_dim": attention.v_head_dim,
+        "n_shared_experts": moe.shared_experts.w1.out_features // experts.hidden_dim,
+        "n_routed_experts": router.num_experts,
+        "num_experts_per_tok": router.top_k,
+        "routed_scaling_factor": router.route_scale,
+        "norm_topk_prob": router.route_norm,
+        "scoring_func": router.score_func,
+        "topk_method": "noaux_tc",
+        "n_group": router.num_expert_groups or 1,
+        "topk_group": router.num_limited_groups or 1,
+        "first_k_dense_replace": len(model_config.layers) - len(moe_layers),
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": rope.max_seq_len,
+        "rms_norm_eps": model_config.norm.eps,
+        "rope_theta": float(rope.theta),
+        "rope_scaling": {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": float(rope.rope_factor),
+            "original_max_position_embeddings": rope.original_seq_len,
+            "beta_fast": float(rope.beta_fast),
+            "beta_slow": float(rope.beta_slow),
+            "mscale": float(attention.mscale),
+            "mscale_all_dim": float(attention.mscale),
+        },
+        "rope_interleave": True,
+        "tie_word_embeddings": model_config.enable_weight_tying,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "use_cache": True,
+    }
+
+
 def _ffn_width(layer) -> int:
     """A layer's MLP width; an MoE layer's, each expert's (HF's dense `intermediate_size` is
     then unused, as every Qwen3-MoE layer is sparse)."""
@@ -243,6 +310,10 @@ def write_checkpoint(
     torch.manual_seed(seed)
     model = spec.model.build()
     model.init_states()
+    if name == "deepseek_v3":  # a correction bias that routes, as a trained checkpoint's
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("moe.expert_bias_E"):
+                buffer.normal_(0.0, 0.05)
     if mean_tokens:
         p_stop = raise_stop_logit(model, eos_id, mean_tokens, seed)
         print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")
@@ -275,7 +346,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="qwen3", choices=["qwen3", "llama3", "gpt_oss"])
+    parser.add_argument(
+        "--model", default="qwen3", choices=["qwen3", "llama3", "gpt_oss", "deepseek_v3"]
+    )
     parser.add_argument(
         "--flavor",
         default="tiny",

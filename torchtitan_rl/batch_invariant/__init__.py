@@ -143,9 +143,10 @@ def check_kernels(model_config, dtype: str) -> None:
         return
     from torchtitan_rl.config import ConfigError
 
-    attention = model_config.layers[0].attention
-    heads = attention.n_heads
-    head_dim = attention.head_dim or model_config.dim // heads
+    from torchtitan_rl.models import attention_shape
+
+    shape = attention_shape(model_config.layers[0].attention, model_config.dim)
+    heads, head_dim = shape.heads, shape.head_dim
     # A colocated process builds the policy, the reference and the generator: check each
     # shape, dtype and thread count once.
     key = (model_config.dim, heads, head_dim, dtype, torch.get_num_threads())

@@ -68,7 +68,8 @@ def attention(
     window: int | None = None,
     with_lse: bool = False,
 ):
-    """Causal attention of B sequences' L queries over their S keys (positions 0..S-1).
+    """Causal attention of B sequences' L queries over their S keys (positions 0..S-1); the
+    values may have their own head dim (multi-head latent attention's).
 
     Query l of sequence b sits at position positions_BL[b, l] and sees keys 0..that position,
     or with `window` the last `window` of them (itself included; gpt-oss's sliding layers).
@@ -86,9 +87,10 @@ def attention(
     pad = tiles * ROW_TILE - L
     batch = B * tiles * K
 
-    def keys(x_BSKH):  # [B, S, K, H] -> [B * tiles * K, padded, H], zero keys past S
-        x_BKPH = F.pad(x_BSKH.float(), (0, 0, 0, 0, 0, padded - S)).permute(0, 2, 1, 3)
-        return x_BKPH.unsqueeze(1).expand(B, tiles, K, padded, H).reshape(batch, padded, H)
+    def keys(x_BSKX):  # [B, S, K, X] -> [B * tiles * K, padded, X], zero keys past S
+        X = x_BSKX.shape[-1]  # H, or the value head dim (MLA's differs from H)
+        x_BKPX = F.pad(x_BSKX.float(), (0, 0, 0, 0, 0, padded - S)).permute(0, 2, 1, 3)
+        return x_BKPX.unsqueeze(1).expand(B, tiles, K, padded, X).reshape(batch, padded, X)
 
     def per_query(x_bM):  # [B * tiles * K, G * ROW_TILE, ...] -> [B, L, N, ...]
         x = x_bM.view(B, tiles, K, G, ROW_TILE, *x_bM.shape[2:])

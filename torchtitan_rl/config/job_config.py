@@ -158,7 +158,7 @@ class JobConfig:
         )
 
     def _validate_heads(self) -> None:
-        from torchtitan_rl.models import model_spec
+        from torchtitan_rl.models import attention_shape, model_spec
 
         degrees = {
             "parallelism.tp": self.parallelism.tp,
@@ -168,8 +168,9 @@ class JobConfig:
         }
         if set(degrees.values()) == {1}:
             return
-        attention = model_spec(self.model.name, self.model.flavor).model.layers[0].attention
-        heads, kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
+        config = model_spec(self.model.name, self.model.flavor).model
+        shape = attention_shape(config.layers[0].attention, config.dim)
+        heads, kv_heads = shape.heads, shape.kv_heads
         for field_name, tp in degrees.items():
             require(
                 heads % tp == 0 and kv_heads % tp == 0,

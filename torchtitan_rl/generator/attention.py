@@ -29,9 +29,12 @@ def paged_attend(
     scale: float,
     window: int | None,
     with_lse: bool,
+    v_head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant attention of vLLM's flat batch over the layer's paged KV cache:
-    (out [L, N, H], logsumexp [L, N] fp32, empty without `with_lse`).
+    (out [L, N, v_head_dim], logsumexp [L, N] fp32, empty without `with_lse`). Values narrower
+    than H (multi-head latent attention's) arrive padded to H, as the cache stores them, and
+    are read back unpadded, so the routine sees the trainer's shapes.
 
     This step's keys/values are written to the cache first (samples of one prompt share its
     prefill blocks within the same step), then each sequence's keys/values are read back in
@@ -40,7 +43,7 @@ def paged_attend(
     attention op): the cache is reached through the forward context, not an argument.
     """
     L, N, H = q_LNH.shape
-    out_LNH = torch.zeros_like(q_LNH)
+    out_LNH = q_LNH.new_zeros(L, N, v_head_dim)
     lse_LN = q_LNH.new_zeros((L, N) if with_lse else (0,), dtype=torch.float32)
     metadata, layer = _layer_context(layer_name)
     if metadata is None:  # a dummy run: nothing to attend to
@@ -74,7 +77,8 @@ def paged_attend(
             # exact zeros here as there.
             kv_2SKH[:, : max(0, first_position - window + 1)] = 0
         positions_1L = torch.arange(first_position, length, device=q_LNH.device)[None]
-        args = (q_LNH[None, first:last], kv_2SKH[0][None], kv_2SKH[1][None], positions_1L)
+        v_SKH = kv_2SKH[1][..., :v_head_dim]
+        args = (q_LNH[None, first:last], kv_2SKH[0][None], v_SKH[None], positions_1L)
         if with_lse:
             out, lse = ops.attention(*args, scale, window, with_lse=True)
             lse_LN[first:last] = lse[0]
@@ -85,9 +89,9 @@ def paged_attend(
 
 
 @paged_attend.register_fake
-def _(q_LNH, k_LKH, v_LKH, layer_name, scale, window, with_lse):
+def _(q_LNH, k_LKH, v_LKH, layer_name, scale, window, with_lse, v_head_dim):
     L, N, _ = q_LNH.shape
-    return torch.empty_like(q_LNH), q_LNH.new_empty(
+    return q_LNH.new_empty(L, N, v_head_dim), q_LNH.new_empty(
         (L, N) if with_lse else (0,), dtype=torch.float32
     )
 
@@ -119,6 +123,11 @@ class PagedAttention(nn.Module):
     gpt-oss's per-layer sliding `window` and attention `sinks` (the torchtitan layer's own
     parameter, so weight sync reaches it) passed to vLLM's kernel, which applies both.
 
+    Values narrower than the keys (`v_head_dim` < `head_dim`: DeepSeek-V3's multi-head latent
+    attention, its keys and values decompressed per head) are padded with zeros to the key
+    width, which vLLM's CPU kernel needs, and the output's padding is dropped, as vLLM's own
+    DeepSeek attention does without its MLA kernel.
+
     With `batch_invariant`, vLLM's Attention keeps the paged KV cache (its allocation, block
     tables, prefix caching) but the attention itself is `paged_attend`, the trainer's routine,
     and torchtitan's `out_transform` (gpt-oss's sink rescale) applies to its output here.
@@ -136,10 +145,12 @@ class PagedAttention(nn.Module):
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         batch_invariant: bool = False,
+        v_head_dim: int | None = None,
     ):
         super().__init__()
         self.batch_invariant = batch_invariant
         self.window = window
+        self.v_head_dim = v_head_dim or head_dim
         self.tokens: int | None = None
         """Under TP (eager), the real rows of this forward's batch (set by the wrapper, which
         pads it)."""
@@ -168,6 +179,8 @@ class PagedAttention(nn.Module):
             out_BLNH = nn.functional.pad(out_BLNH, (0, 0, 0, 0, 0, pad))
             return DTensor.from_local(out_BLNH, q_BLNH.device_mesh, q_BLNH.placements)
         B, L, N, H = q_BLNH.shape  # B == 1: vLLM's flat token batch
+        if self.v_head_dim < H:
+            v_BLNH = nn.functional.pad(v_BLNH, (0, H - self.v_head_dim))
         if self.batch_invariant:
             out_LNH, lse_LN = paged_attend(
                 q_BLNH[0],
@@ -177,9 +190,10 @@ class PagedAttention(nn.Module):
                 self.attn.impl.scale,
                 self.window,
                 out_transform is not None,
+                self.v_head_dim,
             )
             if out_transform is not None:
                 out_LNH = out_transform(out_LNH[None], lse_LN[None])[0]
             return out_LNH[None]
         out_LD = self.attn(q_BLNH.reshape(L, N * H), k_BLNH.reshape(L, -1), v_BLNH.reshape(L, -1))
-        return out_LD.view(B, L, N, H)
+        return out_LD.view(B, L, N, H)[..., : self.v_head_dim]

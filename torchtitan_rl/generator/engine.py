@@ -29,7 +29,7 @@ from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection, re
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.generator.routing import RoutingLog
-from torchtitan_rl.models import checkpoint_stop_ids, model_spec
+from torchtitan_rl.models import attention_shape, checkpoint_stop_ids, model_spec
 from torchtitan_rl.tasks.render import read_tokenizer_json
 from torchtitan_rl.trainer.model import read_hf_shapes
 from torchtitan_rl.types import Completions, Delta, Sample
@@ -170,10 +170,10 @@ def kv_block_bytes(model: ModelSection, generator: GeneratorSection) -> int:
     config = model_spec(model.name, model.flavor).model
     pages, kinds = set(), collections.Counter()
     for layer in config.layers:
-        attention = layer.attention
-        head_dim = attention.head_dim or config.dim // attention.n_heads
-        pages.add(2 * (attention.n_kv_heads // tp) * head_dim)
-        kinds[getattr(attention, "sliding_window_size", None)] += 1
+        shape = attention_shape(layer.attention, config.dim)
+        # Values are padded to the key width (PagedAttention): K and V pages are alike.
+        pages.add(2 * (shape.kv_heads // tp) * shape.head_dim)
+        kinds[getattr(layer.attention, "sliding_window_size", None)] += 1
     (per_token,) = pages  # one page size for every layer, as vLLM's grouping assumes
     group = min(kinds.values())
     if max(kinds.values()) < 1.5 * group:
@@ -252,6 +252,7 @@ class LocalGenerator:
             "torchtitan_packed_gemm": generator.cpu_packed_gemm,
             "torchtitan_batch_invariant": batch_invariant.uses_own_kernels(),
             "torchtitan_expert_parallel": generator.parallelism.expert_parallel,
+            **_decompressed_attention(model),
         }
         args = EngineArgs(
             model=model.hf_checkpoint,
@@ -623,6 +624,25 @@ def compiles(generator: GeneratorSection, model: ModelSection) -> bool:
             "set it to true"
         )
     return can and not generator.enforce_eager
+
+
+def _decompressed_attention(model: ModelSection) -> dict:
+    """hf_overrides for a model with multi-head latent attention (DeepSeek-V3's config.json
+    names a `kv_lora_rank`): the wrapper attends over keys and values decompressed per head
+    (PagedAttention), so vLLM must size and lay out a plain per-head KV cache, not its MLA
+    latent cache (whose CPU block size, 16, its CPU attention cannot use). vLLM takes a model
+    for MLA by its `model_type` (and VLLM_MLA_DISABLE, which it caches once an engine has
+    started): the wrapper's is its own."""
+    config = model_spec(model.name, model.flavor).model
+    attention = config.layers[0].attention
+    if not hasattr(attention, "kv_lora_rank"):
+        return {}
+    shape = attention_shape(attention, config.dim)
+    return {
+        "model_type": "torchtitan",
+        "head_dim": shape.head_dim,
+        "num_key_value_heads": shape.kv_heads,
+    }
 
 
 def _is_moe(model: ModelSection) -> bool:

@@ -24,7 +24,6 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-from torchtitan.config.configs import CompileConfig, TrainingConfig
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 
@@ -38,7 +37,7 @@ from torchtitan_rl.generator.packed import (
     onednn_available,
 )
 from torchtitan_rl.generator.routing import RoutingLog
-from torchtitan_rl.models import model_spec, weights
+from torchtitan_rl.models import attention_shape, model_spec, weights
 from torchtitan_rl.models.moe import routers
 from torchtitan_rl.trainer.model import hf_shapes
 
@@ -106,19 +105,21 @@ class TorchTitanForCausalLM(nn.Module):
         """With local shards, each sharded weight's DTensor layout, by FQN."""
         if self.tp > 1:
             ep = self.tp if getattr(hf_config, "torchtitan_expert_parallel", False) else 1
-            self.dims, self.parallelism = _tp_layout(self.spec, self.tp, ep)
+            self.dims = _tp_layout(self.spec, self.tp, ep)
         model = self.spec.model.build()
         invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         layer_configs = self.spec.model.layers
         for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
             attention = layer.attention
+            shape = attention_shape(attention, self.spec.model.dim)
             layer.attention.inner_attention = PagedAttention(
-                n_heads=attention.n_heads // self.tp,
-                n_kv_heads=attention.n_kv_heads // self.tp,
-                head_dim=attention.head_dim,
-                # gpt-oss folds YaRN's attention factor into its softmax scale (its RoPE, which
-                # this wrapper runs, does not apply it).
-                scale=getattr(attention, "softmax_scale", attention.head_dim**-0.5),
+                n_heads=shape.heads // self.tp,
+                n_kv_heads=shape.kv_heads // self.tp,
+                head_dim=shape.head_dim,
+                v_head_dim=shape.v_head_dim,
+                # gpt-oss and DeepSeek-V3 fold YaRN's attention factor into their softmax scale
+                # (their RoPE, which this wrapper runs, does not apply it).
+                scale=getattr(attention, "softmax_scale", shape.head_dim**-0.5),
                 prefix=f"{prefix}layers.{index}.attention.inner_attention",
                 cache_config=vllm_config.cache_config,
                 window=getattr(config.attention, "sliding_window_size", None),
@@ -126,17 +127,10 @@ class TorchTitanForCausalLM(nn.Module):
                 batch_invariant=invariant,
             )
         if self.tp > 1:
-            # The spec's own TP plan, as the trainer applies it, without data parallelism.
-            model = self.spec.parallelize_fn(
-                model,
-                parallel_dims=self.dims,
-                training=TrainingConfig(),
-                parallelism=self.parallelism,
-                compile_config=CompileConfig(enable=False),
-                ac_config=None,
-                dump_folder="",
-                skip_dp=True,
-            )
+            # The spec's own TP/EP plan (its modules' sharding configs, filled in as the
+            # trainer's are), without data parallelism: the core of every family's
+            # parallelize_fn (not all of them can skip FSDP: DeepSeek-V3's cannot).
+            model.parallelize(self.dims)
             # vLLM's attention reads the sinks of the rank's heads: the local shard of each
             # layer's sinks parameter, so that weight sync's in-place writes reach it.
             for layer in model.layers.values():
@@ -172,8 +166,9 @@ class TorchTitanForCausalLM(nn.Module):
     def _replicated(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Under TP, each whole checkpoint tensor as a Replicate DTensor where its parameter is
         a DTensor: torchtitan's fused-QKV load hook then concatenates DTensors, and `copy_`
-        keeps each rank's shard of the result."""
-        params = dict(self.model.named_parameters())
+        keeps each rank's shard of the result. Buffers too (DeepSeek-V3's checkpoints hold
+        the routers' correction bias, a DTensor buffer under TP)."""
+        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         out = {}
         for name, tensor in state.items():
             fused = re.sub(r"\.w[qkv]\.", ".wqkv.", name)
@@ -328,9 +323,9 @@ def _local_heads(sinks: torch.Tensor | None, tp: int) -> torch.Tensor | None:
 
 
 def _tp_layout(spec, tp: int, ep: int):
-    """torchtitan's view of a generator sharded `tp` ways (its TP groups are consecutive
-    ranks, as vLLM's), its experts `ep` ways (1, or tp: whole experts over the TP ranks), with
-    the spec's sharding plan filled in as the trainer's is."""
+    """torchtitan's `ParallelDims` of a generator sharded `tp` ways (its TP groups are
+    consecutive ranks, as vLLM's), its experts `ep` ways (1, or tp: whole experts over the TP
+    ranks), with the spec's sharding plan filled in as the trainer's is."""
     import torch.distributed as dist
 
     from torchtitan_rl.config import ParallelismSection
@@ -339,7 +334,7 @@ def _tp_layout(spec, tp: int, ep: int):
     world = dist.get_world_size()
     dims, parallelism = layout(ParallelismSection(dp_shard=world // tp, tp=tp, ep=ep), world)
     fill_sharding_plan(spec, parallelism)
-    return dims, parallelism
+    return dims
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

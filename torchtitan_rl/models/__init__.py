@@ -10,6 +10,7 @@ refused: families.py. Mixture-of-experts layers build this project's `Experts` a
 """
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,6 +57,29 @@ def _config(name: str, flavor: str, attn_backend: str = "flex"):
     # moe_comm_backend).
     module = importlib.import_module(f"torchtitan.models.{name}")
     return module.model_registry(flavor, attn_backend=attn_backend).model
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """What the inner attention of a layer computes over: `heads` query heads of `head_dim`
+    over `kv_heads` key/value heads, values of `v_head_dim`."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+def attention_shape(attention, dim: int) -> AttentionShape:
+    """The inner attention's shape of a layer's attention (its config or the built module).
+    Multi-head latent attention (DeepSeek-V3's: a `kv_lora_rank`) hands it keys and values
+    decompressed per head: q/k heads of the no-RoPE plus the RoPE dims, v heads their own."""
+    if hasattr(attention, "kv_lora_rank"):
+        qk = attention.qk_nope_head_dim + attention.qk_rope_head_dim
+        return AttentionShape(attention.n_heads, attention.n_heads, qk, attention.v_head_dim)
+    head_dim = attention.head_dim or dim // attention.n_heads
+    kv_heads = attention.n_kv_heads or attention.n_heads
+    return AttentionShape(attention.n_heads, kv_heads, head_dim, head_dim)
 
 
 def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:

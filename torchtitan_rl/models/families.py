@@ -33,7 +33,6 @@ FAMILIES = {
             "deepseek_v3",
             "deepseekv3_configs",
             ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
-            refused="its multi-head latent attention (MLA) is not in the generator's attention",
         ),
         Family(
             "kimi_k2_7",

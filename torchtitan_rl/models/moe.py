@@ -162,8 +162,8 @@ class Router(TokenChoiceTopKRouter):
         self.compared = self.mismatched = 0
 
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
-        if self.num_expert_groups is not None or self._debug_force_load_balance:
-            raise NotImplementedError("group-limited and forced routing are not supported")
+        if self._debug_force_load_balance:
+            raise NotImplementedError("forced (round-robin) routing is not supported")
         weight, bias = self.gate.weight.float(), self.gate.bias  # gpt-oss's gate has a bias
         bias = None if bias is None else bias.float()
         if self.batch_invariant:
@@ -175,6 +175,10 @@ class Router(TokenChoiceTopKRouter):
         else:
             scores_BLE = F.softmax(logits_BLE, dim=-1)
         choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
+        if self.num_expert_groups is not None:
+            # DeepSeek's group-limited routing (torchtitan's): experts outside each token's
+            # `num_limited_groups` best groups (by their two best choice scores) are not chosen.
+            choice_BLE = self._get_node_limited_routing_scores(choice_BLE)
         expert_ids_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=True)[1]
         if self.expected is not None:
             expert_ids_BLK = self._against_expected(expert_ids_BLK)

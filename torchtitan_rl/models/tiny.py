@@ -196,9 +196,88 @@ def gpt_oss_tiny(attn_backend: str):
     )
 
 
+DEEPSEEK_ROPE_ORIGINAL = 32
+"""The tiny DeepSeek-V3's YaRN original context (DeepSeek-V3's is 4096): shorter than the
+tests' sequences, so their positions reach the scaled frequencies."""
+
+
+def deepseek_v3_tiny(attn_backend: str, groups: tuple[int, int] | None = None):
+    """DeepSeek-V3 at the tiny size: multi-head latent attention (a query LoRA of rank 32, a
+    KV latent of rank 64, q/k heads of 32 + 32 RoPE dims, v heads of 32), YaRN RoPE (factor 40)
+    folded into the softmax scale, a dense first layer, then 8 routed experts of width 64
+    (top 2, sigmoid scores with the correction bias, renormalized and scaled by 2.5) beside one
+    shared expert. `groups` = (n_group, topk_group): DeepSeek-V3's group-limited routing (one
+    group, as HF's class implements for V3 checkpoints, when None)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        _build_dsv3_layers,
+        _output_linear_init,
+    )
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    n_group, topk_group = groups or (None, None)
+    rope_dim = 32
+    layers = _build_dsv3_layers(
+        n_layers=2,
+        n_dense_layers=1,
+        dim=DIM,
+        n_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=32,
+        mscale=1.0,
+        dense_hidden_dim=256,
+        moe_hidden_dim=64,
+        num_experts=8,
+        num_shared_experts=1,
+        router_top_k=2,
+        router_score_func="sigmoid",
+        router_num_expert_groups=n_group,
+        router_num_limited_groups=topk_group,
+        router_route_scale=2.5,
+        router_route_norm=True,
+        attn_backend=attn_backend,
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(
+            dim=rope_dim,
+            max_seq_len=40 * DEEPSEEK_ROPE_ORIGINAL,
+            theta=10000.0,
+            scaling="yarn",
+            rope_factor=40.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_seq_len=DEEPSEEK_ROPE_ORIGINAL,
+        ),
+    )
+    return DeepSeekV3Model.Config(
+        vocab_size=VOCAB_SIZE,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=_EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB_SIZE, param_init=_output_linear_init(DIM)
+        ),
+        layers=layers,
+    )
+
+
+def deepseek_v3_tiny_grouped(attn_backend: str):
+    """`tiny` with group-limited routing: 4 groups of 2 experts, each token's experts from its
+    2 best groups (DeepSeek-V3: 8 groups, 4 kept)."""
+    return deepseek_v3_tiny(attn_backend, groups=(4, 2))
+
+
 # {model name: {flavor: config factory(attn_backend)}}
 EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "qwen3": {"tiny": qwen3_tiny, "tiny_moe": qwen3_tiny_moe},
     "llama3": {"tiny": llama3_tiny},
     "gpt_oss": {"tiny": gpt_oss_tiny},
+    "deepseek_v3": {"tiny": deepseek_v3_tiny, "tiny_grouped": deepseek_v3_tiny_grouped},
 }
