@@ -142,7 +142,6 @@ def check_kernels(model_config, dtype: str) -> None:
     if not uses_own_kernels():
         return
     from torchtitan_rl.config import ConfigError
-
     from torchtitan_rl.models import attention_shape
 
     shape = attention_shape(model_config.layers[0].attention, model_config.dim)
