@@ -39,6 +39,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from torchtitan_rl import platform
 from torchtitan_rl.models import model_spec
 
+# DeepSeek-V3's architecture: Kimi K2's text tower is HF's DeepseekV3ForCausalLM too.
+MLA_FAMILIES = ("deepseek_v3", "kimi_k2_7")
 PAD, EOS, UNK = "<|pad|>", "<|eos|>", "<|unk|>"
 # Qwen3's chat markers: the template below wraps each message in them, and a chat completion
 # ends with IM_END (a stop id in generation_config.json, as in Qwen3's).
@@ -83,7 +85,7 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
     layer = model_config.layers[0]
     attention = layer.attention
     rope = attention.rope
-    if name == "deepseek_v3":
+    if name in MLA_FAMILIES:
         return _deepseek_v3_config(model_config, eos_id, pad_id)
     n_heads, n_kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
     config = {
@@ -283,7 +285,7 @@ def raise_stop_logit(model, stop_id: int, mean_tokens: int, seed: int) -> float:
         target = math.log(1.0 / mean_tokens)
         for _ in range(4):  # Newton-like steps on log p(stop): it moves by h_d per unit of weight
             model._skip_lm_head = True
-            hidden_BTD = model(tokens_BT, positions_BT, None)
+            hidden_BTD = model(tokens_BT, positions=positions_BT)
             model._skip_lm_head = False
             logp_stop = F.log_softmax(F.linear(hidden_BTD, head), -1)[..., stop_id]
             p_stop = float(logp_stop.exp().mean())
@@ -310,7 +312,7 @@ def write_checkpoint(
     torch.manual_seed(seed)
     model = spec.model.build()
     model.init_states()
-    if name == "deepseek_v3":  # a correction bias that routes, as a trained checkpoint's
+    if name in MLA_FAMILIES:  # a correction bias that routes, as a trained checkpoint's
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("moe.expert_bias_E"):
                 buffer.normal_(0.0, 0.05)
@@ -347,7 +349,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--model", default="qwen3", choices=["qwen3", "llama3", "gpt_oss", "deepseek_v3"]
+        "--model", default="qwen3", choices=["qwen3", "llama3", "gpt_oss", *MLA_FAMILIES]
     )
     parser.add_argument(
         "--flavor",

@@ -209,7 +209,7 @@ def optimizer_implementation() -> str:
 
 def use_platform_attention(model_config, dtype: str = "float32") -> None:
     """Make every layer's inner attention `DocumentCausalAttention`, in place, on CPU and CUDA:
-    torchtitan's SDPA over right-padded rows (`model(tokens, positions, None)`), and
+    torchtitan's SDPA over right-padded rows (`model(tokens, positions=positions)`), and
     `packed_attention_kernel(dtype)` over packed rows (`attention_masks` = `Documents`).
 
     torchtitan's default FlexAttention needs a BlockMask built per batch and has no CPU

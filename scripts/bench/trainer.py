@@ -71,7 +71,7 @@ def pg_loss(logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
 def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float) -> None:
     tokens_BT = tokens_BT.to(platform.device())  # (the trainer's own step moves its batch)
     positions_BT = torch.arange(tokens_BT.shape[1], device=tokens_BT.device).expand_as(tokens_BT)
-    logits_BTV = trainer.model(tokens_BT, positions_BT, None)
+    logits_BTV = trainer.model(tokens_BT, positions=positions_BT)
     loss = cross_entropy_loss(logits_BTV[:, :-1], tokens_BT[:, 1:]) / tokens_BT[:, 1:].numel()
     loss.backward()
     dist_utils.clip_grad_norm_(

@@ -80,7 +80,7 @@ def trainer_logprobs(trainer: PolicyTrainer, prompt: list[int], tokens: list[int
     logprobs_BT, _ = trainer.logprobs(tokens_BT)
     positions_BT = torch.arange(tokens_BT.shape[1])[None]
     with torch.no_grad():
-        logits_BTV = trainer.model(tokens_BT, positions_BT, None)
+        logits_BTV = trainer.model(tokens_BT, positions=positions_BT)
     argmax_T = logits_BTV[0, len(prompt) - 1 : -1].argmax(-1)
     return logprobs_BT[0, len(prompt) :], argmax_T
 

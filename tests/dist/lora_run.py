@@ -55,7 +55,7 @@ class PlainCopy:
     @torch.no_grad()
     def logprobs(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         positions_BT = torch.arange(tokens_BT.shape[1]).expand_as(tokens_BT)
-        logits_BTV = self.model(tokens_BT, positions_BT, None)
+        logits_BTV = self.model(tokens_BT, positions=positions_BT)
         return token_logprobs(logits_BTV, tokens_BT, 1.0, with_entropy=True)[0]
 
 

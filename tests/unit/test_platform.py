@@ -42,7 +42,7 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
     model.init_states()
     tokens_BT = torch.randint(0, 64, (2, 12))
     positions_BT = torch.arange(12).expand(2, 12)
-    logits_BTV = model(tokens_BT, positions_BT, None)
+    logits_BTV = model(tokens_BT, positions=positions_BT)
     logits_BTV.float().logsumexp(-1).mean().backward()
     assert logits_BTV.shape == (2, 12, 68)
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
@@ -51,7 +51,7 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
     changed_BT = tokens_BT.clone()
     changed_BT[:, 8] = (changed_BT[:, 8] + 1) % 64
     with torch.no_grad():
-        again = model(changed_BT, positions_BT, None)
+        again = model(changed_BT, positions=positions_BT)
     torch.testing.assert_close(again[:, :8], logits_BTV[:, :8].detach(), rtol=0, atol=0)
     assert not torch.equal(again[:, 8:], logits_BTV[:, 8:].detach())
 

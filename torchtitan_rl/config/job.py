@@ -69,10 +69,12 @@ class JobSection:
 @dataclass(kw_only=True, slots=True)
 class ModelSection:
     name: str = "qwen3"
-    """torchtitan model family (a module under torchtitan.models): qwen3, llama3 or gpt_oss."""
+    """torchtitan model family (a module under torchtitan.models): qwen3, llama3, gpt_oss,
+    deepseek_v3 or kimi_k2_7."""
     flavor: str = "tiny"
     """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b
-    (gpt_oss); `tiny` and `tiny_moe` are this project's CPU models."""
+    (gpt_oss), 671B (deepseek_v3), moonlight-16B-A3B (kimi_k2_7); `tiny`, `tiny_moe` and
+    `tiny_grouped` are this project's CPU models."""
     hf_checkpoint: str | None = None
     """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
     tokenizer_path: str | None = None
@@ -86,7 +88,7 @@ class ModelSection:
         return self.tokenizer_path or self.hf_checkpoint
 
     def validate(self) -> None:
-        from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS, flavors
+        from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS, flavors, refused_parts
 
         family = FAMILIES.get(self.name)
         require(
@@ -104,6 +106,12 @@ class ModelSection:
             self.flavor in known,
             f"model.flavor = {self.flavor!r} is not a {self.name} flavor: "
             f"use one of {', '.join(known)}",
+        )
+        refused = refused_parts(self.name, self.flavor)
+        require(
+            not refused,
+            f"model.flavor = {self.flavor!r} {refused}: use a text-only flavor "
+            f"({', '.join(f for f in known if not refused_parts(self.name, f))})",
         )
         for name in ("hf_checkpoint", "tokenizer_path"):
             path = getattr(self, name)

@@ -39,6 +39,17 @@ def expert_counts(name: str, flavor: str) -> set[int]:
     return {layer.moe.num_experts for layer in layers if getattr(layer, "moe", None) is not None}
 
 
+def refused_parts(name: str, flavor: str) -> str:
+    """Why `name`/`flavor` cannot run though its family can ('' where it can): a vision tower
+    (Kimi K2.5's flavors but moonlight-16B-A3B), multi-token-prediction layers."""
+    config = _config(name, flavor)
+    if getattr(config, "vision_encoder", None) is not None:
+        return "builds a vision tower (image and video inputs), which this project does not run"
+    if getattr(config, "mtp_layers", None):
+        return "has multi-token-prediction layers, which this project does not train"
+    return ""
+
+
 def is_mixture_of_experts(name: str, flavor: str) -> bool:
     """Whether any layer of `name`/`flavor` routes tokens to experts."""
     return bool(expert_counts(name, flavor))

@@ -38,7 +38,6 @@ FAMILIES = {
             "kimi_k2_7",
             "kimi_k2_5_configs",
             ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
-            refused="its multi-head latent attention (MLA) is not in the generator's attention",
         ),
         Family(
             "qwen3_5",

@@ -208,18 +208,30 @@ def deepseek_v3_tiny(attn_backend: str, groups: tuple[int, int] | None = None):
     (top 2, sigmoid scores with the correction bias, renormalized and scaled by 2.5) beside one
     shared expert. `groups` = (n_group, topk_group): DeepSeek-V3's group-limited routing (one
     group, as HF's class implements for V3 checkpoints, when None)."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.deepseek_v3 import (
-        _EMBEDDING_INIT,
-        _NORM_INIT,
-        _build_dsv3_layers,
-        _output_linear_init,
-    )
+    from torchtitan.models.deepseek_v3 import _build_dsv3_layers
     from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    return _mla(attn_backend, DeepSeekV3Model.Config, _build_dsv3_layers, groups, 10000.0, 2.5)
+
+
+def kimi_k2_7_tiny(attn_backend: str):
+    """Kimi K2's text tower at the tiny size: DeepSeek-V3's `tiny` with Kimi's RoPE base
+    (50000) and routed scale (2.827), one routing group, and no vision tower."""
+    from torchtitan.models.kimi_k2_7 import _build_kimi_layers
+    from torchtitan.models.kimi_k2_7.model import KimiK25Model
+
+    return _mla(attn_backend, KimiK25Model.Config, _build_kimi_layers, None, 50000.0, 2.827)
+
+
+def _mla(attn_backend, model_config, build_layers, groups, theta: float, route_scale: float):
+    """A tiny DeepSeek-V3-architecture config (deepseek_v3_tiny's sizes) of `model_config`'s
+    class, its layers from the family's `build_layers`."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
 
     n_group, topk_group = groups or (None, None)
     rope_dim = 32
-    layers = _build_dsv3_layers(
+    layers = build_layers(
         n_layers=2,
         n_dense_layers=1,
         dim=DIM,
@@ -238,7 +250,7 @@ def deepseek_v3_tiny(attn_backend: str, groups: tuple[int, int] | None = None):
         router_score_func="sigmoid",
         router_num_expert_groups=n_group,
         router_num_limited_groups=topk_group,
-        router_route_scale=2.5,
+        router_route_scale=route_scale,
         router_route_norm=True,
         attn_backend=attn_backend,
         moe_comm_backend="standard",
@@ -246,7 +258,7 @@ def deepseek_v3_tiny(attn_backend: str, groups: tuple[int, int] | None = None):
         rope=ComplexRoPE.Config(
             dim=rope_dim,
             max_seq_len=40 * DEEPSEEK_ROPE_ORIGINAL,
-            theta=10000.0,
+            theta=theta,
             scaling="yarn",
             rope_factor=40.0,
             beta_fast=32.0,
@@ -254,7 +266,7 @@ def deepseek_v3_tiny(attn_backend: str, groups: tuple[int, int] | None = None):
             original_seq_len=DEEPSEEK_ROPE_ORIGINAL,
         ),
     )
-    return DeepSeekV3Model.Config(
+    return model_config(
         vocab_size=VOCAB_SIZE,
         dim=DIM,
         tok_embeddings=Embedding.Config(
@@ -280,4 +292,5 @@ EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "llama3": {"tiny": llama3_tiny},
     "gpt_oss": {"tiny": gpt_oss_tiny},
     "deepseek_v3": {"tiny": deepseek_v3_tiny, "tiny_grouped": deepseek_v3_tiny_grouped},
+    "kimi_k2_7": {"tiny": kimi_k2_7_tiny},
 }

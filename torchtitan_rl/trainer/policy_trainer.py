@@ -255,7 +255,7 @@ class PolicyTrainer:
         """Padded path: full logits of right-padded rows, then logprobs and entropies [B, T]."""
         self._expect(routed_BTMK)
         positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
-        logits_BTV = self.model(tokens_BT, positions_BT, None)
+        logits_BTV = self.model(tokens_BT, positions=positions_BT)
         if isinstance(logits_BTV, DTensor):
             # Under TP the lm_head output is sharded over the vocabulary: gather it (its
             # backward slices this rank's share of the gradient back out).
@@ -274,7 +274,9 @@ class PolicyTrainer:
         self._expect(row.routed_1LMK)
         self.model._skip_lm_head = True  # the decoder returns normed hidden states
         try:
-            hidden_1LD = self.model(row.tokens_1L, row.positions_1L, row.docs)
+            hidden_1LD = self.model(
+                row.tokens_1L, positions=row.positions_1L, attention_masks=row.docs
+            )
         finally:
             self.model._skip_lm_head = False
         if isinstance(hidden_1LD, DTensor):
@@ -379,7 +381,7 @@ class PolicyTrainer:
             width = max(len(r) for r in rows)
             tokens_BT = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
             positions_BT = torch.arange(width, device=self.device).expand_as(tokens_BT)
-            logits_BTV = self.model(tokens_BT, positions_BT, None)
+            logits_BTV = self.model(tokens_BT, positions=positions_BT)
             if isinstance(logits_BTV, DTensor):
                 logits_BTV = logits_BTV.full_tensor()
             last_B = torch.tensor([len(r) - 1 for r in rows], device=self.device)
