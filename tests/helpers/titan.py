@@ -19,4 +19,4 @@ def torchtitan_logits(
     load_hf_weights(model, spec, checkpoint)
     tokens_BT = torch.tensor([ids])
     with torch.no_grad():
-        return model(tokens_BT, torch.arange(len(ids))[None], None)[0]
+        return model(tokens_BT, positions=torch.arange(len(ids))[None])[0]

@@ -14,6 +14,9 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# DeepSeek-V3 (and Kimi) without MLA: K/V decompressed per head. vLLM's CPU MLA kernel reads only
+# a 576-wide latent (DeepSeek-V3's 512 + 64), not the tiny checkpoints' 96.
+os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 
 
 def greedy(path: str, prompt: str, max_tokens: int) -> dict:

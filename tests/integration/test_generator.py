@@ -110,6 +110,28 @@ def test_gpt_oss_in_a_plain_process(engine_plain_gpt_oss):
     assert sync["diff_stale_cache"] > 1e-2
 
 
+def test_deepseek_v3_in_a_plain_process(engines_plain):
+    """DeepSeek-V3's multi-head latent attention in vLLM's CPU kernel: keys and values
+    decompressed per head (q/k 64 wide, v 32 padded to 64), its YaRN scale on the softmax, the
+    150-token prompt across a 128-token KV block and the 32-token original context, against
+    the trainer's attention; shared experts, sigmoid routing with the correction bias. Weight
+    sync reaches every parameter and the routers' bias, in place."""
+    (deepseek,) = engines_plain["deepseek_v3"]
+    run, sync = deepseek["generator"], deepseek["weight_sync"]
+    assert max(run["logprob_diffs"]) <= 1e-5, run["logprob_diffs"]
+    assert max(run["lengths"]) > 1 and all(run["greedy_match"])
+    bias = {"layers.1.moe.expert_bias_E"}
+    assert run["generator_params"].keys() - bias == run["trainer_params"].keys()
+    # A KV block: 2 layers x 128 tokens x (K, V) x 4 heads x 64 (V padded) x fp32.
+    assert deepseek["kv_block_bytes"] == 2 * 128 * 2 * 4 * 64 * 4
+    assert run["generator_params"]["layers.0.attention.wkv_a.weight"] == (64 + 32, 128)
+    assert run["generator_params"]["layers.1.moe.shared_experts.w1.weight"] == (64, 128)
+    assert sync["stale_params_before_sync"] == sync["num_params"] == 31
+    assert sync["mismatched_after_sync"] == []
+    assert max(sync["diff_before_step"], sync["diff_long"], sync["diff_short"]) <= 1e-5
+    assert sync["diff_stale_cache"] > 1e-2
+
+
 def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines_two_ranks):
     """generator TP = 2 (tensor_parallel_degree): one vLLM engine over the 2 torchrun ranks
     (external launcher, gloo), the torchtitan model sharded by its spec's own TP plan
@@ -140,9 +162,10 @@ def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines
 def test_the_kv_cache_cap_reckons_blocks_as_vllm_allocates_them(engines_two_ranks, engines_plain):
     # Unset num_kv_blocks: vLLM fills kv_cache_space_gib (1 GiB) with whole blocks, each the
     # size generator.num_kv_blocks is capped by (engine.kv_block_bytes): dense, one tensor
-    # parallel rank's heads, sliding-window layers (gpt-oss).
+    # parallel rank's heads, sliding-window layers (gpt-oss), latent attention's keys and
+    # values decompressed per head (DeepSeek-V3).
     worlds = {**engines_two_ranks, **engines_plain}
-    for name in ("qwen3", "qwen3@tp2", "llama3", "gpt_oss"):
+    for name in ("qwen3", "qwen3@tp2", "llama3", "gpt_oss", "deepseek_v3"):
         for rank in worlds[name]:
             block = rank["kv_block_bytes"]
             assert rank["kv_cache_bytes"] == 2**30 // block * block, name
@@ -157,7 +180,7 @@ def test_the_compiled_engine_gives_the_eager_engines_tokens(engines_plain):
     hit: the same sampled and greedy tokens, logprobs within 2e-6 (fp32; gpt-oss 1e-5), and MoE
     routing (Qwen3-MoE's, gpt-oss's), written in place inside the graph, the same token for
     token."""
-    for engines, name in enumerate(("qwen3", "llama3", "gpt_oss", "moe"), start=1):
+    for engines, name in enumerate(("qwen3", "llama3", "gpt_oss", "moe", "deepseek_v3"), start=1):
         run = engines_plain[name][0]["compiled"]
         compiled, eager = run["compiled"], run["eager"]
         assert run["decoder_compiled"] and run["graph_breaks"] == {}, name
@@ -174,7 +197,7 @@ def test_the_compiled_engine_gives_the_eager_engines_tokens(engines_plain):
             for a, b in zip(mine, theirs, strict=True):
                 assert abs(a - b) <= bound, (name, a, b)
         routing = list(zip(compiled["routing"], eager["routing"], strict=True))
-        if name in ("moe", "gpt_oss"):
+        if name in ("moe", "gpt_oss", "deepseek_v3"):
             assert all(a is not None and (a >= 0).any() for a, _ in routing)
             assert all(torch.equal(a, b) for a, b in routing)
         else:

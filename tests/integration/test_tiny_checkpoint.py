@@ -53,7 +53,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").stat().st_size < 5 * 2**20
 
 
-MAX_TOKENS = {"qwen3": 6, "gpt_oss": 30}
+MAX_TOKENS = {"qwen3": 6, "gpt_oss": 30, "deepseek_v3": 30, "kimi_k2_7": 30}
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,11 @@ def native_greedy() -> dict[str, dict]:
 @pytest.mark.parametrize("name", list(MAX_TOKENS))
 def test_vllm_loads_it_and_greedy_matches_torchtitan(name, native_greedy):
     """vLLM's own model class for the checkpoint (Qwen3ForCausalLM, GptOssForCausalLM: its
-    sinks and sliding window in its CPU kernel, its YaRN RoPE) reads what the adapter wrote.
-    gpt-oss's 43 tokens cross its 16-token window and 32-token original context."""
+    sinks and sliding window in its CPU kernel, its YaRN RoPE; DeepseekV3ForCausalLM for
+    DeepSeek-V3 and Kimi: latent attention without its MLA kernel, sigmoid routing with the
+    correction bias, shared experts) reads what the adapter wrote. gpt-oss's, DeepSeek-V3's and
+    Kimi's 43 tokens cross the 32-token original context of their YaRN RoPE (gpt-oss's
+    16-token window too)."""
     from transformers import AutoTokenizer
 
     path = REPO / "assets" / f"tiny_{name}"

@@ -192,25 +192,34 @@ def test_run_configs_are_left_unchanged_by_resolve_and_validate(name, entry):
         assert config.algorithm == AlgorithmSection()
 
 
-@pytest.mark.parametrize(
-    ("name", "reason"),
-    [
-        ("deepseek_v3", "multi-head latent attention (MLA)"),
-        ("kimi_k2_7", "multi-head latent attention (MLA)"),
-        ("qwen3_5", "Gated DeltaNet"),
-    ],
-)
-def test_families_not_supported_yet_are_refused_with_the_reason(name, reason):
-    """torchtitan ships these families; picking one is one line naming it and why, at config
-    time (qwen3_5's module does not even import here: the check never imports it)."""
+def test_families_not_supported_yet_are_refused_with_the_reason():
+    """torchtitan ships qwen3_5; picking it is one line naming it and why, at config time (its
+    module does not even import here: the check never imports it)."""
     from torchtitan_rl.config import ConfigError
 
     with pytest.raises(ConfigError) as error:
-        parse_args(["--job.config_file", DEBUG_TOML, "--model.name", name])
+        parse_args(["--job.config_file", DEBUG_TOML, "--model.name", "qwen3_5"])
     message = str(error.value)
-    assert message.startswith(f"model.name = {name!r} is not supported yet: ")
-    assert "\n" not in message
-    assert reason in message and message.endswith("use one of qwen3, llama3, gpt_oss")
+    assert message.startswith("model.name = 'qwen3_5' is not supported yet: ")
+    assert "\n" not in message and "Gated DeltaNet" in message
+    assert message.endswith("use one of qwen3, llama3, gpt_oss, deepseek_v3, kimi_k2_7")
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "Kimi-K2.5", "Kimi-VL-A3B"])
+def test_a_flavor_with_a_vision_tower_is_refused_naming_the_text_only_ones(flavor):
+    """Kimi K2.5's flavors build a vision tower (its debugmodel too); moonlight-16B-A3B and the
+    tiny one are text-only."""
+    from torchtitan_rl.config import ConfigError
+
+    flags = ["--job.config_file", DEBUG_TOML, "--model.name", "kimi_k2_7"]
+    with pytest.raises(ConfigError) as error:
+        parse_args([*flags, "--model.flavor", flavor])
+    assert str(error.value) == (
+        f"model.flavor = {flavor!r} builds a vision tower (image and video inputs), which this "
+        "project does not run: use a text-only flavor (moonlight-16B-A3B, tiny)"
+    )
+    for text_only in ("moonlight-16B-A3B", "tiny"):
+        assert parse_args([*flags, "--model.flavor", text_only]).model.flavor == text_only
 
 
 def test_mixture_of_experts_flavors_are_accepted():
@@ -229,6 +238,12 @@ def test_mixture_of_experts_flavors_are_accepted():
     )
     assert config.model.name == "gpt_oss" and is_mixture_of_experts("gpt_oss", "tiny")
     assert hf_architecture("gpt_oss", "20b") == "GptOssForCausalLM"
+    for name, flavor in (("deepseek_v3", "671B"), ("kimi_k2_7", "moonlight-16B-A3B")):
+        config = parse_args(
+            ["--job.config_file", DEBUG_TOML, "--model.name", name, "--model.flavor", flavor]
+        )
+        assert is_mixture_of_experts(name, flavor)
+        assert hf_architecture(name, flavor) == "DeepseekV3ForCausalLM"
 
 
 def test_enforce_eager_unset_compiles_where_the_generator_compiles():

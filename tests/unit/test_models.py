@@ -217,3 +217,65 @@ def test_gpt_oss_layer_attention_packed_equals_each_sequence_alone(invariant):
             q[:, start:end], k[:, start:end], v[:, start:end], window=16, out_transform=rescale
         )
         torch.testing.assert_close(alone, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_group_limited_routing_is_torchtitans_and_changes_the_choice():
+    """DeepSeek-V3's grouped routing (tiny_grouped: 4 groups of 2 experts, each token's
+    experts from its 2 best groups, the groups ranked by their two best scores plus the
+    correction bias): our Router picks torchtitan's experts with torchtitan's weights, and the
+    grouping is felt (the same gate without groups picks otherwise for some tokens)."""
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+    ours = routers(tiny_moe(0, "deepseek_v3", "tiny_grouped"))[0]
+    config = model_spec("deepseek_v3", "tiny_grouped").model.layers[1].moe.router
+    theirs = TokenChoiceTopKRouter(TokenChoiceTopKRouter.Config(**_router_fields(config)))
+    theirs.load_state_dict(ours.state_dict())
+    torch.manual_seed(5)
+    x_BLD, bias_E = torch.randn(1, 2000, 128), torch.randn(8) * 0.05
+    scores, ids, _ = ours(x_BLD, bias_E)
+    scores_theirs, ids_theirs, _ = theirs(x_BLD, bias_E)
+    order, order_theirs = ids.argsort(-1), ids_theirs.argsort(-1)
+    assert torch.equal(ids.gather(-1, order), ids_theirs.gather(-1, order_theirs))
+    torch.testing.assert_close(scores.gather(-1, order), scores_theirs.gather(-1, order_theirs))
+    groups_BLK = ids // 2
+    assert ((groups_BLK[..., 0] != groups_BLK[..., 1]).float().mean()) > 0.3
+    ungrouped = routers(tiny_moe(0, "deepseek_v3", "tiny"))[0]
+    ungrouped.load_state_dict(ours.state_dict())
+    changed = (ungrouped(x_BLD, bias_E)[1].sort(-1)[0] != ids.sort(-1)[0]).any(-1)
+    assert 0.02 < changed.float().mean() < 1.0
+
+
+def _router_fields(config) -> dict:
+    names = ("num_experts", "gate", "num_expert_groups", "num_limited_groups", "top_k")
+    names += ("score_func", "route_norm", "route_scale")
+    return {name: getattr(config, name) for name in names}
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_latent_attention_packed_equals_each_sequence_alone(invariant):
+    """DeepSeek-V3's multi-head latent attention hands the inner attention q/k heads of 64
+    (32 + 32 RoPE dims) and v heads of 32: a packed row of three sequences through the inner
+    attention the trainer builds (plain, or batch-invariant) gives each sequence what it gets
+    alone, causal SDPA's output at the narrower value width; the batch-invariant one the same
+    bits."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 60, 4, 64, generator=g) for _ in range(2))
+    v = torch.randn(1, 60, 4, 32, generator=g)
+    if invariant:
+        attention = batch_invariant.CausalAttention(batch_invariant.CausalAttention.Config())
+    else:
+        attention = DocumentCausalAttention(DocumentCausalAttention.Config())
+    docs = documents([20, 7, 33], torch.device("cpu"))
+    packed = attention(q, k, v, attention_masks=docs, scale=0.3)
+    assert packed.shape == (1, 60, 4, 32)
+    for start, end in ((0, 20), (20, 27), (27, 60)):
+        part = [x[:, start:end] for x in (q, k, v)]
+        alone = attention(*part, scale=0.3)
+        if invariant:
+            assert torch.equal(packed[:, start:end], alone)
+        reference = F.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in part), is_causal=True, scale=0.3
+        ).transpose(1, 2)
+        torch.testing.assert_close(packed[:, start:end], reference, rtol=1e-5, atol=1e-5)

@@ -35,17 +35,23 @@ def test_tokenizer_round_trips_task_text():
         ("qwen3", "tiny", "Qwen3ForCausalLM"),
         ("qwen3", "tiny_moe", "Qwen3MoeForCausalLM"),
         ("gpt_oss", "tiny", "GptOssForCausalLM"),
+        ("deepseek_v3", "tiny", "DeepseekV3ForCausalLM"),
+        ("deepseek_v3", "tiny_grouped", "DeepseekV3ForCausalLM"),
+        ("kimi_k2_7", "tiny", "DeepseekV3ForCausalLM"),
     ],
 )
 def test_transformers_loads_it_with_torchtitan_logits(name, flavor, architecture):
     """The dense and the mixture-of-experts tiny checkpoints: HF's own model class gives the
     logits of the torchtitan model (the MoE's experts run in fp32, as HF's: models/moe.py).
     gpt-oss's prompt (53 tokens) crosses its 16-token sliding window and the 32-token original
-    context of its YaRN RoPE; HF's eager attention is its reference for sinks."""
+    context of its YaRN RoPE; HF's eager attention is its reference for sinks. DeepSeek-V3's
+    and Kimi's (53 tokens too) cross their YaRN context, through multi-head latent attention
+    (YaRN's scale on the softmax), shared experts and sigmoid routing with a nonzero correction
+    bias, in groups for `tiny_grouped` (HF's class implements `n_group`/`topk_group`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = REPO / "assets" / f"{flavor}_{name}"
-    prompt = PROMPT if name == "qwen3" else " ".join([PROMPT] * 4)
+    prompt = PROMPT if name in ("qwen3", "llama3") else " ".join([PROMPT] * 4)
     ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     assert type(model).__name__ == architecture
@@ -55,3 +61,6 @@ def test_transformers_loads_it_with_torchtitan_logits(name, flavor, architecture
     assert hf_logits.shape == titan.shape == (len(ids), 68)
     torch.testing.assert_close(titan, hf_logits, rtol=1e-5, atol=1e-5)
     assert hf_logits.std() > 0.05  # real weights, not zeros
+    if name in ("deepseek_v3", "kimi_k2_7"):  # the bias routes: HF reads it too
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert bias.abs().min() > 0
