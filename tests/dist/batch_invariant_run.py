@@ -1,14 +1,17 @@
 """Generator vs trainer logprobs under several batch compositions, after real RL steps.
 
     torchrun --standalone --nproc_per_node 2 tests/dist/batch_invariant_run.py OUT.json \
-        --job.config_file run_configs/debug_cpu.toml --batch_invariant true ...
+        NAME --job.config_file run_configs/debug_cpu.toml --batch_invariant true ... \
+        [--then NAME2 --job.config_file ...]
 
 Trains the given config's steps (each step logs logprob_diff/max), then on the trained weights
 measures max |generator - trainer| logprob of the sampled tokens for: prompts of mixed lengths
 (3 to 200 tokens, across vLLM's 128-token CPU KV block) sampled together; one prompt alone;
-the same prompt among 16 concurrent sequences. Rank 0 writes the figures to OUT.json.
+the same prompt among 16 concurrent sequences. Several runs go one after another in the same
+world (`--then`). Rank 0 writes {NAME: figures} to OUT.json.
 """
 
+import gc
 import json
 import random
 import sys
@@ -50,9 +53,35 @@ def max_diff(
 
 
 def main() -> None:
-    out, flags = sys.argv[1], sys.argv[2:]
+    out, runs = sys.argv[1], split_runs(sys.argv[2:])
     platform.patch_torchtitan()
     rank, world_size = platform.init_distributed()
+    results = {}
+    for name, flags in runs:
+        results[name] = probe(flags, rank, world_size)
+        gc.collect()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    platform.shutdown_distributed()
+
+
+def split_runs(args: list[str]) -> list[tuple[str, list[str]]]:
+    """`NAME flags... [--then NAME flags...]` -> [(name, flags), ...]: runs one after another in
+    this world (a torchrun world and its imports cost ~20 s to start)."""
+    runs, current = [], None
+    for arg in args:
+        if current is None or arg == "--then":
+            current = None if arg == "--then" else (arg, [])
+            if current is not None:
+                runs.append(current)
+        else:
+            current[1].append(arg)
+    return runs
+
+
+def probe(flags: list[str], rank: int, world_size: int) -> dict:
+    """One run's RL steps, then the probes on its trained weights: its figures (rank 0's)."""
     recorder = StepDiffs()
     run = RLTrainer(parse_args(flags, world_size), hooks=recorder)
     run.train()
@@ -66,20 +95,17 @@ def main() -> None:
     # 8 prompts x 2 samples = 16 concurrent sequences; the target is request 0 again, with the
     # same per-request seed.
     crowd_diff, crowd_logprobs = max_diff(run, crowd, seed=13)
-    if rank == 0:
-        result = {
-            "steps": recorder.steps,
-            "mixed_lengths": mixed_diff,
-            "alone": alone_diff,
-            "among_16": crowd_diff,
-            "alone_equals_among_16": alone_logprobs == crowd_logprobs,
-            "longest_prompt_tokens": len(
-                run.producer.renderer.tokenizer.encode(mixed[-1], add_special_tokens=False)
-            ),
-        }
-        with open(out, "w") as f:
-            json.dump(result, f)
-    platform.shutdown_distributed()
+    run.generator.close()  # the next run builds its own engine in this world
+    return {
+        "steps": recorder.steps,
+        "mixed_lengths": mixed_diff,
+        "alone": alone_diff,
+        "among_16": crowd_diff,
+        "alone_equals_among_16": alone_logprobs == crowd_logprobs,
+        "longest_prompt_tokens": len(
+            run.producer.renderer.tokenizer.encode(mixed[-1], add_special_tokens=False)
+        ),
+    }
 
 
 if __name__ == "__main__":

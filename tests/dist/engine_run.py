@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from helpers.launch import REPO
 from torch.distributed.tensor import DTensor
-from vllm.distributed.parallel_state import destroy_model_parallel
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import (
@@ -164,8 +163,7 @@ def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, w
     hits (a 150-token prompt, then one sharing its first 128-token block, while samples
     decode): sampled tokens for the same seeds, greedy tokens, their logprobs, and an MoE's
     captured routing. And how many graphs Dynamo made for the decoder (vLLM compiles with
-    fullgraph=True: a graph break or a host sync in forward fails the engine's start). Last of
-    a model's checks: the eager engine's teardown ends a plain process's default group. The
+    fullgraph=True: a graph break or a host sync in forward fails the engine's start). The
     eager engine is given the compiled one's weights (which weight sync's checks may have
     updated in place), copied in place as a weight sync does."""
     from torch._dynamo.utils import counters
@@ -195,8 +193,7 @@ def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, w
             theirs[name].copy_(tensor)
     eager.refresh_after_weight_update()
     reference = run(eager)
-    del eager
-    gc.collect()
+    eager.close()
     return {
         "compiled": compiled,
         "eager": reference,
@@ -387,9 +384,9 @@ def main() -> None:
         results["kv_cache_bytes"] = generator.kv_cache_bytes()
         results["kv_block_bytes"] = kv_block_bytes(model, generator.config)
         torch.save(results, out / f"{name}.rank{rank}.pt")
+        generator.close()  # its groups: the next engine builds its own
         del generator
         gc.collect()
-        destroy_model_parallel()  # vLLM's groups are this engine's: the next builds its own
     platform.shutdown_distributed()
 
 

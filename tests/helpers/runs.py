@@ -36,6 +36,16 @@ GPT_OSS_MODEL = (
     *("--model.name", "gpt_oss", "--model.flavor", "tiny"),
     *("--model.hf_checkpoint", "assets/tiny_gpt_oss", "--parallelism.ep", "2"),
 )
+# DeepSeek-V3 with group-limited routing, and Kimi K2's text tower: latent attention, shared
+# experts, sigmoid routing with the correction bias; the experts over the 2 ranks (EP = 2).
+DEEPSEEK_V3_MODEL = (
+    *("--model.name", "deepseek_v3", "--model.flavor", "tiny_grouped"),
+    *("--model.hf_checkpoint", "assets/tiny_grouped_deepseek_v3", "--parallelism.ep", "2"),
+)
+KIMI_MODEL = (
+    *("--model.name", "kimi_k2_7", "--model.flavor", "tiny"),
+    *("--model.hf_checkpoint", "assets/tiny_kimi_k2_7", "--parallelism.ep", "2"),
+)
 MOE = (
     *("--job.config_file", DEBUG_TOML, "--training.steps", "6", "--training.lr", "1e-2"),
     *MOE_MODEL,

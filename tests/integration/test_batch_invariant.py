@@ -7,7 +7,6 @@ The kernels themselves: tests/unit/test_batch_invariant.py.
 import json
 from pathlib import Path
 
-import pytest
 from helpers import runs
 from helpers.launch import DEBUG_TOML, metric_rows, run_dist
 
@@ -15,27 +14,29 @@ from helpers.launch import DEBUG_TOML, metric_rows, run_dist
 LONG_PROMPTS = ("--generator.max_model_len", "320", "--training.max_prompt_len", "256")
 
 
-def probe(out: Path, *flags: str) -> dict:
-    """tests/dist/batch_invariant_run.py on 2 ranks: RL steps (FSDP=2, weight sync after
-    each), then mixed-length prompts, one prompt alone and among 16 sequences: its figures."""
-    run_dist(
-        "batch_invariant_run.py",
-        str(out / "result.json"),
-        *("--job.config_file", DEBUG_TOML, *LONG_PROMPTS, *flags),
-        *("--job.dump_folder", str(out / "run")),
-        nproc=2,
-    )
-    result = json.loads((out / "result.json").read_text())
-    assert result["longest_prompt_tokens"] > 128
-    return result
+def probe(out: Path, *named_flags: tuple[str, tuple[str, ...]]) -> dict[str, dict]:
+    """tests/dist/batch_invariant_run.py on 2 ranks, each (name, flags) run after the other in
+    the same world: RL steps (FSDP=2, weight sync after each), then mixed-length prompts, one
+    prompt alone and among 16 sequences: {name: its figures}; each run's dump folder is
+    out/name."""
+    args = []
+    for name, flags in named_flags:
+        args += ["--then"] if args else []
+        args += [name, "--job.config_file", DEBUG_TOML, *LONG_PROMPTS, *flags]
+        args += ["--job.dump_folder", str(out / name)]
+    run_dist("batch_invariant_run.py", str(out / "result.json"), *args, nproc=2)
+    results = json.loads((out / "result.json").read_text())
+    assert list(results) == [name for name, _ in named_flags]
+    assert all(result["longest_prompt_tokens"] > 128 for result in results.values())
+    return results
 
 
 def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_path):
     """The echo demo (100 steps) in batch-invariant mode: every step's generator and trainer
     logprobs are equal, it learns, and on the trained weights every batch composition gives
     the trainer's logprobs exactly."""
-    result = probe(tmp_path, "--batch_invariant", "true")
-    rows = metric_rows(tmp_path / "run")
+    result = probe(tmp_path, ("demo", ("--batch_invariant", "true")))["demo"]
+    rows = metric_rows(tmp_path / "demo")
     assert len(rows) == 100 == len(result["steps"])
     assert all(row["batch_invariant"] == 1.0 for row in rows)
     assert [row["logprob_diff/max"] for row in rows] == [0.0] * 100
@@ -54,36 +55,61 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_p
     assert result["alone_equals_among_16"]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "mode", "model"),
-    [
-        ("bfloat16", "true", "moe"),
-        ("bfloat16", "true", "gpt_oss"),
-        ("float32", "false", "dense"),
-        ("bfloat16", "false", "dense"),
-    ],
-)
-def test_generator_and_trainer_logprobs_under_torchrun(dtype, mode, model, tmp_path):
-    """3 RL steps that move the weights, then the probes: with the mode on every difference
-    is exactly 0.0; off, the same measurement is not (so this test can fail). float32 with the
-    mode on is the demo above. The bf16 case with the mode on is the mixture-of-experts tiny
-    Qwen3 with its experts split over the ranks (EP = 2): routing is a top-k of batch-invariant
-    gate logits, so both sides pick the same experts, whose batch-invariant GEMMs then give
-    the same bits however many tokens share an expert. The other bf16 case with the mode on is
-    the tiny gpt-oss (EP = 2), whose prompts of up to 200 tokens cross its 16-token sliding
-    window, with its attention sinks: both sides attend with `ops.attention` and rescale by
-    its chunked logsumexp."""
-    model_flags = {"moe": runs.MOE_MODEL, "gpt_oss": runs.GPT_OSS_MODEL}.get(model, ())
-    result = probe(
+def diffs(result: dict) -> list[float]:
+    """A run's logprob_diff/max at each step, then its three probes'."""
+    steps = [step["logprob_diff/max"] for step in result["steps"]]
+    return steps + [result["mixed_lengths"], result["alone"], result["among_16"]]
+
+
+STEPS = ("--training.steps", "3", "--training.lr", "1e-2")
+BF16 = ("--model.dtype", "bfloat16", "--generator.dtype", "bfloat16")
+
+
+def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_path):
+    """3 RL steps that move the weights, then the probes, in bf16 with the mode on, every
+    difference exactly 0.0 (float32 with the mode on is the demo above), for each
+    mixture-of-experts family with its experts split over the ranks (EP = 2), one run after
+    the other in one world:
+    - the tiny Qwen3-MoE: routing is a top-k of batch-invariant gate logits, so both sides
+      pick the same experts, whose batch-invariant GEMMs then give the same bits however many
+      tokens share an expert;
+    - the tiny gpt-oss, whose prompts of up to 200 tokens cross its 16-token sliding window,
+      with its attention sinks: both sides attend with `ops.attention` and rescale by its
+      chunked logsumexp;
+    - DeepSeek-V3 with group-limited routing (tiny_grouped) and Kimi K2's text tower: latent
+      attention, whose values are narrower than its keys (the generator pads them in vLLM's
+      cache and reads them back unpadded), sigmoid routing with the correction bias, shared
+      experts."""
+    models = {
+        "moe": runs.MOE_MODEL,
+        "gpt_oss": runs.GPT_OSS_MODEL,
+        "deepseek_v3": runs.DEEPSEEK_V3_MODEL,
+        "kimi_k2_7": runs.KIMI_MODEL,
+    }
+    results = probe(
         tmp_path,
-        *("--training.steps", "3", "--training.lr", "1e-2", *model_flags),
-        *("--model.dtype", dtype, "--generator.dtype", dtype, "--batch_invariant", mode),
+        *(
+            (name, (*STEPS, *flags, *BF16, "--batch_invariant", "true"))
+            for name, flags in models.items()
+        ),
     )
-    diffs = [step["logprob_diff/max"] for step in result["steps"]]
-    diffs += [result["mixed_lengths"], result["alone"], result["among_16"]]
-    if mode == "true":
-        assert diffs == [0.0] * 6, result
-        assert [step["offpolicy/ratio_max"] for step in result["steps"]] == [1.0] * 3
-        assert result["alone_equals_among_16"]
-    else:
-        assert max(diffs) > 0.0, result
+    for name, result in results.items():
+        assert diffs(result) == [0.0] * 6, (name, result)
+        assert [step["offpolicy/ratio_max"] for step in result["steps"]] == [1.0] * 3, name
+        assert result["alone_equals_among_16"], name
+    # Four models, not one four times: each run's last step has its own entropy.
+    assert len({metric_rows(tmp_path / name)[-1]["entropy"] for name in results}) == 4
+
+
+def test_without_the_mode_the_same_probes_differ_in_fp32_and_bf16(tmp_path):
+    """The same measurement with the mode off is not 0.0, in float32 and in bf16 (so the
+    tests above can fail), on the dense tiny Qwen3, the two runs in one world."""
+    results = probe(
+        tmp_path,
+        *(
+            (dtype, (*STEPS, "--model.dtype", dtype, "--generator.dtype", dtype))
+            for dtype in ("float32", "bfloat16")
+        ),
+    )
+    for dtype, result in results.items():
+        assert max(diffs(result)) > 0.0, (dtype, result)

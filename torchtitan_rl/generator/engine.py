@@ -508,6 +508,19 @@ class LocalGenerator:
             if not self.native and self._wrapper().routing is not None:
                 self._wrapper().routing.take(request_id, 0)  # forget what it ran
 
+    def close(self) -> None:
+        """End this engine in a process that goes on (the tests run several in one torchrun
+        world): its model-parallel groups are destroyed, the torch.distributed world is kept.
+        vLLM's own teardown, which runs whenever its engine client is collected, also destroys
+        the world's default group (`cleanup_dist_env_and_memory`), and the current engine's
+        groups if another engine was built since."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        self.engine.engine_core._finalizer.detach()
+        self.engine.engine_core.engine_core.model_executor.shutdown()
+        destroy_model_parallel()
+        self.engine = None
+
     def kv_cache_bytes(self) -> int:
         """The memory of this engine's KV cache as allocated (this rank's, tensor parallel)."""
         (total,) = self.engine.collective_rpc(_kv_cache_bytes)
