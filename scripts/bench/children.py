@@ -16,11 +16,11 @@ RESULT = "RESULT "
 def ensure_checkpoint(path: str) -> None:
     """Write the tiny (or, for a path naming "debug", the debugmodel-sized) checkpoint once;
     a path naming "moe" gets qwen3's mixture-of-experts flavor of that size, one naming
-    "gpt_oss" gpt-oss's."""
+    "gpt_oss" gpt-oss's, one naming "deepseek_v3" DeepSeek-V3's."""
     if (Path(path) / "torchtitan.json").is_file():
         return
     name = Path(path).name
-    model = "gpt_oss" if "gpt_oss" in name else "qwen3"
+    model = next((m for m in ("gpt_oss", "deepseek_v3") if m in name), "qwen3")
     flavor = "debugmodel" if "debug" in name else "tiny"
     flavor = f"{flavor}_moe" if "moe" in name else flavor
     script = str(REPO / "scripts" / "make_tiny_checkpoint.py")
@@ -33,14 +33,15 @@ def report(result: dict) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
-def run_child(command: list[str]) -> dict:
-    """Run a measuring child process; its reported result, or exit saying what failed."""
+def run_child(command: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run a measuring child process (`env`: variables it adds); its reported result, or exit
+    saying what failed."""
     child = subprocess.run(
         command,
         capture_output=True,
         text=True,
         # Threads as a user gets them: torchrun sets one per rank by itself.
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})},
     )
     lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT)]
     if child.returncode != 0 or not lines:

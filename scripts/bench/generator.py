@@ -11,7 +11,14 @@ native, compiled (target >= 0.95); `eager_ratio` and the eager rates; `start_s`,
 median engine start (compilation included: inductor's cache warm after the first trial).
 `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
 on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3's
-debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel).
+debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel; `assets/debug_deepseek_v3`:
+DeepSeek-V3's, whose 512 + 64 latent vLLM's CPU MLA kernel reads).
+
+Multi-head latent attention (DeepSeek-V3): "native" is vLLM's own model as it runs it, with
+its MLA kernel over the latent KV cache (on CPU it then turns prefix caching off);
+"native_decompressed" is vLLM's model without MLA (VLLM_MLA_DISABLE=1: keys and values
+decompressed per head, as ours). `ratio` is ours / native, `decompressed_ratio` ours /
+native_decompressed, and `kv_bytes_per_token` each side's KV cache per token (all layers).
 """
 
 import argparse
@@ -44,9 +51,10 @@ def measure(args: argparse.Namespace) -> dict:
         model=ModelSection(
             name=recipe["name"], flavor=recipe["flavor"], hf_checkpoint=args.checkpoint
         ),
-        native=args.side.startswith("native"),
+        native=args.side.startswith("native"),  # native_decompressed: VLLM_MLA_DISABLE=1
     )
     start_s = time.perf_counter() - start
+    (kv_bytes,) = generator.engine.collective_rpc(_kv_bytes_per_token)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 60, (args.prompts, args.prompt_len), generator=g).tolist()
     rates = []
@@ -56,7 +64,17 @@ def measure(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - start
         if round_ > 0:  # round 0 warms up
             rates.append(completions.num_tokens / seconds)
-    return {"rates": rates, "start_s": [start_s]}
+    return {"rates": rates, "start_s": [start_s], "kv_bytes_per_token": kv_bytes}
+
+
+def _kv_bytes_per_token(worker) -> int:
+    """KV-cache bytes one token takes over all layers: each group's page over its block size,
+    times its layers."""
+    groups = worker.model_runner.kv_cache_config.kv_cache_groups
+    return sum(
+        g.kv_cache_spec.page_size_bytes // g.kv_cache_spec.block_size * len(g.layer_names)
+        for g in groups
+    )
 
 
 def main() -> None:
@@ -78,16 +96,28 @@ def main() -> None:
         platform.exit_process(0)  # also skips vLLM's slow teardown
 
     ensure_checkpoint(args.checkpoint)
+    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    latent = config.get("kv_lora_rank") is not None
+    sides = [*SIDES, "native_decompressed"] if latent else SIDES
     # The sides alternate over trials so that slow phases of a shared machine hit both.
-    rates = {side: [] for side in SIDES}
-    starts = {side: [] for side in SIDES}
+    rates = {side: [] for side in sides}
+    starts = {side: [] for side in sides}
+    kv_bytes = {}
     for _ in range(args.trials):
-        for side in SIDES:
+        for side in sides:
             command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
-            child = run_child(command)
+            env = {"VLLM_MLA_DISABLE": "1"} if side == "native_decompressed" else {}
+            child = run_child(command, env)
             rates[side] += child["rates"]
             starts[side] += child["start_s"]
+            kv_bytes[side] = child["kv_bytes_per_token"]
     medians = {side: statistics.median(values) for side, values in rates.items()}
+    latent_figures = {}
+    if latent:
+        latent_figures = {
+            "native_decompressed_tokens_per_s": round(medians["native_decompressed"], 1),
+            "decompressed_ratio": round(medians["ours"] / medians["native_decompressed"], 3),
+        }
     print(
         json.dumps(
             {
@@ -103,6 +133,8 @@ def main() -> None:
                 "ours_eager_tokens_per_s": round(medians["ours_eager"], 1),
                 "native_eager_tokens_per_s": round(medians["native_eager"], 1),
                 "eager_ratio": round(medians["ours_eager"] / medians["native_eager"], 3),
+                **latent_figures,
+                "kv_bytes_per_token": kv_bytes,
                 "start_s": {side: round(statistics.median(v), 1) for side, v in starts.items()},
             }
         )

@@ -39,7 +39,7 @@ from torchtitan_rl.generator.packed import (
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import attention_shape, model_spec, weights
 from torchtitan_rl.models.moe import routers
-from torchtitan_rl.trainer.model import hf_shapes
+from torchtitan_rl.trainer.model import hf_shapes, is_mtp_key
 
 TP_BATCH_MULTIPLE = 64
 """A tensor-parallel generator pads each forward's tokens to a multiple of this (see forward)."""
@@ -95,7 +95,7 @@ class TorchTitanForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        hf_config = vllm_config.model_config.hf_config
+        hf_config = self.hf_config = vllm_config.model_config.hf_config
         self.spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         self.local_shards = self.tp > 1 and tensor_parallel.supported(self.spec, self.tp)
@@ -252,6 +252,7 @@ class TorchTitanForCausalLM(nn.Module):
         """
         adapter = self.spec.state_dict_adapter(self.spec.model, None)
         expected = set(hf_shapes(self.spec))
+        mtp_layers = getattr(self.hf_config, "num_nextn_predict_layers", None) or 0
         layer_names: dict[str, set[str]] = {}
         for name in expected:
             layer_names.setdefault(_layer_of(name), set()).add(name)
@@ -273,6 +274,8 @@ class TorchTitanForCausalLM(nn.Module):
             unexpected.extend(result.unexpected_keys)
 
         for name, tensor in weights:
+            if is_mtp_key(name, expected, mtp_layers):
+                continue  # a multi-token-prediction layer (trainer/model.py)
             arrived.add(name)
             key = _layer_of(name)
             pending.setdefault(key, {})[name] = tensor
