@@ -31,6 +31,7 @@ from pathlib import Path
 from children import REPO, ensure_checkpoint, report, run_child
 
 SIDES = ["ours", "native", "ours_eager", "native_eager"]
+LATENT_SIDES = [*SIDES, "native_decompressed"]  # multi-head latent attention
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per engine")
     parser.add_argument("--trials", type=int, default=3, help="engines started per side")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=LATENT_SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.side:  # a child process measuring one side
@@ -98,7 +99,7 @@ def main() -> None:
     ensure_checkpoint(args.checkpoint)
     config = json.loads((Path(args.checkpoint) / "config.json").read_text())
     latent = config.get("kv_lora_rank") is not None
-    sides = [*SIDES, "native_decompressed"] if latent else SIDES
+    sides = LATENT_SIDES if latent else SIDES
     # The sides alternate over trials so that slow phases of a shared machine hit both.
     rates = {side: [] for side in sides}
     starts = {side: [] for side in sides}

@@ -4,6 +4,8 @@ packed against padded micro-batches on a long-tailed mix of lengths.
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py \
         --flavor debugmodel_moe --ep 2 --batch 4 --steps 5
+    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py \
+        --model deepseek_v3 --flavor debugmodel --ep 2 --batch 4 --steps 8
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --ac full --steps 2 --warmup 0
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor 0.6B --sequences 4 \
         --max_completion 2048 --steps 1 --warmup 0 --ac full
@@ -87,6 +89,7 @@ def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float)
 def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
     tiny = args.flavor == "tiny"
     model = ModelSection(
+        name=args.model,
         flavor=args.flavor,
         hf_checkpoint=str(TOKENIZER) if tiny else None,
         tokenizer_path=str(TOKENIZER),
@@ -137,6 +140,7 @@ def uniform(args) -> None:
         row = {
             "bench": "trainer",
             "lengths": "uniform",
+            "model": args.model,
             "flavor": args.flavor,
             "nproc": world,
             "ep": args.ep,
@@ -297,6 +301,7 @@ def longtail(args, passthrough: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
+    parser.add_argument("--model", default="qwen3", help="uniform: the family (deepseek_v3, ...)")
     parser.add_argument(
         "--flavor",
         help="qwen3 flavor: tiny, debugmodel, 0.6B (default: tiny; longtail: debugmodel)",

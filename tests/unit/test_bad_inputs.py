@@ -284,9 +284,14 @@ BAD_INPUTS = {
         ["task.reward_fn = 'no_such_module:score': cannot import 'no_such_module'"],
     ),
     "model the generator cannot run": (
-        '[model]\nname = "deepseek_v3"\n',
+        '[model]\nname = "qwen3_5"\n',
         [],
-        ["model.name = 'deepseek_v3' is not supported", "qwen3"],
+        ["model.name = 'qwen3_5' is not supported", "qwen3"],
+    ),
+    "a flavor with a vision tower": (
+        '[model]\nname = "kimi_k2_7"\nflavor = "Kimi-K2.5"\n',
+        [],
+        ["model.flavor = 'Kimi-K2.5' builds a vision tower", "moonlight-16B-A3B"],
     ),
     "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
     "off-policy band without a correction": (

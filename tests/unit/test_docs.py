@@ -18,13 +18,16 @@ from torchtitan_rl.train import RL
 pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# The GPU recipes and the world each is checked in (its GPUs).
 GPU_RECIPES = {
-    "run_configs/qwen3_0.6b.toml",
-    "run_configs/qwen3_1.7b.toml",
-    "run_configs/qwen3_8b.toml",
-    "run_configs/qwen3_32b.toml",
-    "run_configs/qwen3_30b_a3b.toml",
-    "run_configs/gpt_oss_20b.toml",
+    "run_configs/qwen3_0.6b.toml": 8,
+    "run_configs/qwen3_1.7b.toml": 8,
+    "run_configs/qwen3_8b.toml": 8,
+    "run_configs/qwen3_32b.toml": 8,
+    "run_configs/qwen3_30b_a3b.toml": 8,
+    "run_configs/gpt_oss_20b.toml": 8,
+    "run_configs/deepseek_v3_671b.toml": 256,
+    "run_configs/moonlight_16b_a3b.toml": 8,
 }
 
 
@@ -51,7 +54,7 @@ def test_every_named_run_config_exists_and_passes_the_dry_run_checks(tmp_path):
     # And every config is named, so that each passes the checks below.
     shipped = {f"run_configs/{p.name}" for p in (REPO / "run_configs").glob("*.toml")}
     assert sorted(shipped - names) == []
-    for name in sorted(names - GPU_RECIPES):
+    for name in sorted(names - set(GPU_RECIPES)):
         # What `python -m torchtitan_rl.{train,sft} --job.config_file NAME --job.dry_run`
         # checks, under the demo's torchrun world of 2: the config, then the task's data. A
         # config that starts from the SFT stage's export (outputs/...) gets the tiny checkpoint
@@ -68,10 +71,12 @@ def test_every_named_run_config_exists_and_passes_the_dry_run_checks(tmp_path):
     # The GPU recipes point at a checkpoint and GSM8K files the user provides: stand them in.
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "train.parquet").write_bytes(b"")
-    for name in sorted(names & GPU_RECIPES):
+    for name in sorted(names & set(GPU_RECIPES)):
         data = str(tmp_path / "train.parquet")
         flags = ["--model.hf_checkpoint", str(tmp_path), "--task.dataset_path", data]
-        parse_args(["--job.config_file", name, *flags, "--eval.dataset_path", data], 8)
+        parse_args(
+            ["--job.config_file", name, *flags, "--eval.dataset_path", data], GPU_RECIPES[name]
+        )
 
 
 def documented_sections() -> tuple[set[str], set[str]]:

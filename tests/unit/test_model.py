@@ -227,3 +227,48 @@ def test_lr_warms_up_then_decays():
     assert lrs[1] >= lrs[2] > lrs[3] > 0
     constant = trainer(training=TrainingSection(lr=1e-3, steps=3))
     assert [constant.optimizer_step(batch(), pg_loss).metrics["lr"] for _ in range(3)] == [1e-3] * 3
+
+
+def test_the_correction_bias_moves_toward_balanced_loads_only_when_asked():
+    """training.expert_bias_update_rate: each optimizer step moves every router's bias by the
+    rate per expert, up for the experts that got fewer tokens than the mean and down for the
+    others (torchtitan's update, centred), and resets the counts; 0 leaves the checkpoint's
+    bias. Kimi's model (keyword-only forward) trains through the same calls."""
+    rate = 1e-2
+    for name in ("deepseek_v3", "kimi_k2_7"):
+        checkpoint = str(REPO / "assets" / f"tiny_{name}")
+        frozen = trainer(name=name, hf_checkpoint=checkpoint)
+        moving = trainer(
+            name=name,
+            hf_checkpoint=checkpoint,
+            training=TrainingSection(lr=1e-3, expert_bias_update_rate=rate),
+        )
+        before = full_state(moving)["layers.1.moe.expert_bias_E"]
+        frozen.optimizer_step(batch(), pg_loss)
+        moe = moving.model.layers["1"].moe
+        moving.logprobs(batch().tokens_BT)  # counted too: only the signs matter
+        moving.optimizer_step(batch(), pg_loss)
+        assert torch.equal(full_state(frozen)["layers.1.moe.expert_bias_E"], before)
+        step = full_state(moving)["layers.1.moe.expert_bias_E"] - before
+        assert step.abs().max() > 0.5 * rate and abs(float(step.sum())) < 1e-6, step
+        assert moe.tokens_per_expert_E.sum() == 0  # counted afresh for the next step
+
+
+def test_updating_the_bias_is_refused_where_the_export_would_lose_it():
+    from torchtitan_rl.config import parse_args
+
+    base = ["--job.config_file", str(REPO / "run_configs" / "debug_cpu.toml")]
+    with pytest.raises(ConfigError) as e:
+        parse_args(
+            [*base, "--model.flavor", "tiny_moe", "--training.expert_bias_update_rate", "1e-3"]
+        )
+    assert str(e.value) == (
+        "training.expert_bias_update_rate = 0.001: qwen3's HF checkpoints have no router bias, "
+        "so the export would lose what it learns: set it to 0, or train a family whose "
+        "checkpoints keep one (deepseek_v3, kimi_k2_7)"
+    )
+    flags = [*base, "--model.name", "deepseek_v3", "--model.flavor", "tiny"]
+    config = parse_args([*flags, "--training.expert_bias_update_rate", "1e-3"])
+    assert config.training.expert_bias_update_rate == 1e-3
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        parse_args([*flags, "--training.expert_bias_update_rate", "-1"])

@@ -109,12 +109,23 @@ class JobConfig:
             )
 
     def _validate_experts(self) -> None:
-        from torchtitan_rl.models import expert_counts
+        from torchtitan_rl.models import FAMILIES, expert_counts
 
+        rate = self.training.expert_bias_update_rate
+        if rate:
+            family = FAMILIES[self.model.name]
+            keep = ", ".join(name for name, f in FAMILIES.items() if f.hf_router_bias)
+            require(
+                family.hf_router_bias,
+                f"training.expert_bias_update_rate = {rate:g}: {self.model.name}'s HF "
+                "checkpoints have no router bias, so the export would lose what it learns: "
+                f"set it to 0, or train a family whose checkpoints keep one ({keep})",
+            )
         ep = self.parallelism.ep
         generator = self.generator.parallelism
         if (
             ep == 1
+            and not rate
             and not self.algorithm.router_replay
             and not self.lora.enable
             and not generator.expert_parallel
@@ -138,6 +149,11 @@ class JobConfig:
             not (experts and self.lora.enable and self.lora.target == "mlp"),
             f"lora.target = 'mlp' adapts no layer of {name}: its MLPs are experts, whose "
             "weights are not linear layers LoRA can wrap; set lora.target = 'attention'",
+        )
+        require(
+            bool(experts) or not rate,
+            f"training.expert_bias_update_rate = {rate:g} but {name} has no experts (a dense "
+            "model): set it to 0 or pick a mixture-of-experts flavor",
         )
         require(
             bool(experts) or not self.algorithm.router_replay,

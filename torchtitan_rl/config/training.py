@@ -49,6 +49,13 @@ class TrainingSection:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     max_prompt_len: int = 64
     """Longest prompt in tokens; longer prompts are an error."""
+    expert_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free load balancing, as torchtitan trains it: before each
+    optimizer step every MoE router's correction bias (`e_score_correction_bias`, which only
+    chooses experts) moves by this much per expert toward equal token loads
+    (rate x sign(mean load - load), centred), and weight sync carries it. 0: the bias stays the
+    checkpoint's (docs/moe.md). For families whose HF checkpoints keep the bias (deepseek_v3,
+    kimi_k2_7); torchtitan's default is 1e-3."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """torchtitan activation checkpointing of each transformer block: none keeps every
     activation for backward; full recomputes the block in backward (least memory, about one
@@ -83,6 +90,11 @@ class TrainingSection:
         )
         require(
             self.weight_decay >= 0, f"training.weight_decay = {self.weight_decay}: must be >= 0"
+        )
+        require(
+            self.expert_bias_update_rate >= 0,
+            f"training.expert_bias_update_rate = {self.expert_bias_update_rate}: must be >= 0 "
+            "(0 keeps the routers' bias)",
         )
         require(
             self.max_grad_norm >= 0,

@@ -21,6 +21,9 @@ class Family:
     has none): what config.json says, and what vLLM's native peer of an export is."""
     refused: str = ""
     """Why the trainer or the generator cannot run it yet ('' where they can)."""
+    hf_router_bias: bool = False
+    """Whether its HF checkpoints keep the MoE routers' correction bias (DeepSeek-V3's
+    `e_score_correction_bias`), so that a run may train it (training.expert_bias_update_rate)."""
 
 
 FAMILIES = {
@@ -33,11 +36,20 @@ FAMILIES = {
             "deepseek_v3",
             "deepseekv3_configs",
             ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
+            hf_router_bias=True,
         ),
         Family(
             "kimi_k2_7",
             "kimi_k2_5_configs",
             ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
+            hf_router_bias=True,
+        ),
+        Family(
+            "muse_glimmer",
+            "muse_glimmer_configs",
+            ("MuseGlimmerForCausalLM", None),
+            refused="its soft-capped LM head is not in the trainer's chunked head nor the "
+            "generator's packed one",
         ),
         Family(
             "qwen3_5",

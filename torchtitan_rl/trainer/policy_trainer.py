@@ -166,7 +166,7 @@ class PolicyTrainer:
             name.replace(_AC_PREFIX, ""): param for name, param in module.named_parameters()
         }
         # The persistent buffers the forward reads (MoE routers' expert_bias_E): weight sync
-        # sends them with the parameters. Nothing updates them (docs/moe.md: frozen bias).
+        # sends them with the parameters. Only training.expert_bias_update_rate updates them.
         self._buffers = {
             name: tensor
             for name, tensor in weights(module, _AC_PREFIX).items()
@@ -200,10 +200,26 @@ class PolicyTrainer:
             ],
             implementation=platform.optimizer_implementation(),
         ).build(model_parts=[self.model])
+        if training.expert_bias_update_rate:
+            self._update_expert_bias(training.expert_bias_update_rate)
         self.lr_schedulers = _lr_scheduler_config(training).build(
             optimizers=self.optimizers,
             training_steps=training.steps * optimizer_steps_per_step(training),
         )
+
+    def _update_expert_bias(self, rate: float) -> None:
+        """Before each optimizer step, move every MoE router's correction bias by `rate` toward
+        equal expert loads: torchtitan's hook (the one its specs install through
+        `post_optimizer_build_fn`), over the tokens each MoE layer counted in the training
+        forwards since (`tokens_per_expert_E`, summed over the data-parallel ranks), with each
+        layer's `load_balance_coeff` set to `rate`. Only the sign of each expert's deviation
+        counts, so the logprob passes counted besides the training one change nothing."""
+        from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+        for layer in self.model.layers.values():
+            if getattr(layer, "moe_enabled", False):
+                layer.moe.load_balance_coeff = rate
+        register_moe_load_balancing_hook(self.optimizers, [self.model], self.parallel_dims)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """The model's parameters by torchtitan FQN: this rank's DTensors, not copies.
