@@ -1,9 +1,11 @@
-"""A torchtitan Qwen3-MoE decoder layer under CUDA graphs, as the generator runs it; one JSON line.
+"""A torchtitan MoE decoder layer under CUDA graphs, as the generator runs it; one JSON line.
 
     scripts/gpu_wheels.sh     (here: the wheels into .whl/, which the GPU machine is given)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
         PYTHONPATH=$PWD/scripts/gpu_shim:/tmp/site:$PWD python3 scripts/gpu_graph_check.py
     .venv/bin/python scripts/gpu_graph_check.py --small      (CPU: debugmodel_moe, no graphs)
+    ... scripts/gpu_graph_check.py --model deepseek_v3 --flavor 671B   (DeepSeek-V3's 4th layer:
+        latent attention, 256 experts in 8 groups, 8 per token from 4 groups, a shared expert)
 
 For a GPU machine with torch and no network, no vLLM and no torchtitan: `.whl/` (ignored by
 git) holds torchtitan 0.3.0's wheel and those of its dependencies that importing
@@ -15,21 +17,21 @@ each catching its own error so that one failure does not hide the other:
 
 - "torchtitan": torchtitan imports on this torch (`torchtitan.models.qwen3`, then
   `platform.patch_torchtitan()`), and whether vLLM got imported on the way (it must not).
-- "decoder_layer_graph": layer 0 of `models.model_spec("qwen3", flavor)` (the project's MoE
-  `Router` and `Experts`; default flavor 30B-A3B: dim 2048, 32/4 heads of 128, 128 experts of
-  768, top 8), built alone, in eval mode, bf16. Its forward `layer(h_1TD, None, positions_1T)`
-  is the one `generator/vllm_model.Decoder` runs per layer; the router writes its expert ids
-  in place into a preallocated `Router.capture_TK` [rows, K] on the device. For each token
-  count T (one graph per T, as vLLM captures one per batch size): warm up on a side stream,
-  capture into a `torch.cuda.CUDAGraph` over static input buffers, then for fresh random
+- "decoder_layer_graph": the first MoE layer of `models.model_spec(model, flavor)` (the
+  project's MoE `Router` and `Experts`; default qwen3 30B-A3B: dim 2048, 32/4 heads of 128, 128
+  experts of 768, top 8), built alone, in eval mode, bf16. Its forward `layer(h_1TD, None,
+  positions_1T)` is the one `generator/vllm_model.Decoder` runs per layer; the router writes its
+  expert ids in place into a preallocated `Router.capture_TK` [rows, K] on the device. For each
+  token count T (one graph per T, as vLLM captures one per batch size): warm up on a side
+  stream, capture into a `torch.cuda.CUDAGraph` over static input buffers, then for fresh random
   inputs compare the eager forward with a replay: the output bitwise (torch.equal) and the
-  routing buffer's first T rows against the eager run's. Per T: the flags, and eager ms
-  against replay ms. Two modes, each built afresh: "plain" (the trainer's platform attention,
-  causal SDPA; grouped-GEMM experts) and then "batch_invariant" (this project's torch-only
-  kernels: `use_invariant_attention`, `make_linears_invariant`). "host_sync" names the first
-  host synchronisation in an eager forward (CUDA's sync debug mode), which a graph cannot
-  hold; a mode stops at its first failed capture. Expected there: batch-invariant experts
-  (models/moe.py `_looped`) read each expert's token count on the host (`.tolist()`).
+  routing buffer's first T rows against the eager run's. Per T: the flags, and eager ms against
+  replay ms. Two modes, each built afresh: "plain" (the trainer's platform attention, causal
+  SDPA; grouped-GEMM experts) and then "batch_invariant" (this project's torch-only kernels:
+  `use_invariant_attention`, `make_linears_invariant`). "host_sync" names the first host
+  synchronisation in an eager forward (CUDA's sync debug mode), which a graph cannot hold; a
+  mode stops at its first failed capture. Expected there: batch-invariant experts (models/moe.py
+  `_looped`) read each expert's token count on the host (`.tolist()`).
 
 The inner attention is the trainer's stand-in for the generator's: in the engine the layer's
 inner attention is vLLM's paged `Attention`, or in batch-invariant mode
@@ -79,6 +81,7 @@ def where(e: BaseException) -> str:
 def check_torchtitan() -> dict:
     """torchtitan's import on this torch, and that no vLLM came with it."""
     began = time.perf_counter()
+    import torchtitan.models.deepseek_v3  # noqa: F401
     import torchtitan.models.qwen3  # noqa: F401
 
     from torchtitan_rl import platform
@@ -104,20 +107,23 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_layer(flavor: str, invariant: bool, dtype: torch.dtype, device: torch.device, rows: int):
-    """Layer 0 of qwen3 `flavor` as the project builds it, on `device`, its router capturing
-    into a [rows, K] int32 buffer. Returns (layer, router, dim)."""
+def build_layer(args, invariant: bool, dtype: torch.dtype, device: torch.device, rows: int):
+    """The first MoE layer of `args.model`/`args.flavor` as the project builds it, on
+    `device`, its router capturing into a [rows, K] int32 buffer. Returns (layer, router,
+    dim)."""
     from torchtitan_rl import batch_invariant, platform
     from torchtitan_rl.models import model_spec
     from torchtitan_rl.models.moe import routers
 
-    spec = model_spec("qwen3", flavor)
+    spec = model_spec(args.model, args.flavor)
     platform.use_platform_attention(spec.model, str(dtype).removeprefix("torch."))
     if invariant:
         batch_invariant.use_invariant_attention(spec.model)
     torch.manual_seed(0)
+    first_moe = next(c for c in spec.model.layers if getattr(c, "moe", None) is not None)
+    args.positions = min(4096, first_moe.attention.rope.max_seq_len)  # what inputs() draws
     with torch.device(device), default_dtype(dtype):
-        layer = spec.model.layers[0].build()
+        layer = first_moe.build()
     with torch.no_grad():
         layer.init_states(buffer_device=device)
     if invariant:
@@ -169,10 +175,11 @@ def capture(layer, h_1TD, positions_1T):
     return graph, out_1TD
 
 
-def inputs(T: int, dim: int, dtype, device, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random hidden states [1, T, D] and positions [1, T] (RoPE's, any order)."""
+def inputs(T: int, dim: int, dtype, device, generator, positions: int = 4096):
+    """Random hidden states [1, T, D] and `positions` [1, T] (RoPE's, any order, below the
+    model's)."""
     h_1TD = torch.randn(1, T, dim, generator=generator, device=device).to(dtype)
-    positions_1T = torch.randint(0, 4096, (1, T), generator=generator, device=device)
+    positions_1T = torch.randint(0, positions, (1, T), generator=generator, device=device)
     return h_1TD, positions_1T
 
 
@@ -181,7 +188,7 @@ def graph_vs_eager(layer, router, dim, dtype, device, T: int, args, figures: dic
     inputs, against the eager forward on each; fills `figures` as it goes (a failed capture
     keeps what came before it)."""
     generator = torch.Generator(device=device).manual_seed(T)
-    static_h, static_pos = inputs(T, dim, dtype, device, generator)
+    static_h, static_pos = inputs(T, dim, dtype, device, generator, args.positions)
     if device.type == "cuda":
         figures["host_sync"] = host_sync(layer, static_h, static_pos)
         graph, static_out = capture(layer, static_h, static_pos)
@@ -196,7 +203,7 @@ def graph_vs_eager(layer, router, dim, dtype, device, T: int, args, figures: dic
 
     output_equal, routing_equal, max_diff = True, True, 0.0
     for _ in range(args.rounds):
-        h_1TD, positions_1T = inputs(T, dim, dtype, device, generator)
+        h_1TD, positions_1T = inputs(T, dim, dtype, device, generator, args.positions)
         router.capture_TK.fill_(-1)
         eager_1TD = layer(h_1TD, None, positions_1T).clone()
         eager_ids_TK = router.capture_TK[:T].clone()
@@ -222,7 +229,7 @@ def check_mode(invariant: bool, args, device: torch.device) -> dict:
     """Every T of one mode; stops at the first T that fails (a failed capture may leave the
     stream unusable for the next)."""
     dtype = getattr(torch, args.dtype)
-    layer, router, dim = build_layer(args.flavor, invariant, dtype, device, max(args.tokens))
+    layer, router, dim = build_layer(args, invariant, dtype, device, max(args.tokens))
     figures: dict = {}
     with torch.inference_mode():
         for T in args.tokens:
@@ -246,6 +253,7 @@ def check_mode(invariant: bool, args, device: torch.device) -> dict:
 def check_decoder_layer_graph(args, device: torch.device) -> dict:
     """Both modes, plain first: a failed capture in the second cannot spoil the first."""
     figures: dict = {
+        "model": args.model,
         "flavor": args.flavor,
         "dtype": args.dtype,
         "graph": "torch.cuda.CUDAGraph per T"
@@ -264,7 +272,8 @@ def check_decoder_layer_graph(args, device: torch.device) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="CPU smoke test: debugmodel_moe, fp32")
-    parser.add_argument("--flavor", help="qwen3 MoE flavor (30B-A3B; --small: debugmodel_moe)")
+    parser.add_argument("--model", default="qwen3", help="the family (qwen3, deepseek_v3, ...)")
+    parser.add_argument("--flavor", help="an MoE flavor (30B-A3B; --small: debugmodel_moe)")
     parser.add_argument("--dtype", help="parameter dtype (default bfloat16; --small: float32)")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts T (default 1 8 64 256)")
     parser.add_argument("--rounds", type=int, default=2, help="fresh inputs compared per T")
