@@ -47,9 +47,10 @@ FAMILIES = {
         Family(
             "muse_glimmer",
             "muse_glimmer_configs",
-            ("MuseGlimmerForCausalLM", None),
-            refused="its soft-capped LM head is not in the trainer's chunked head nor the "
-            "generator's packed one",
+            ("MuseGlimmerForConditionalGeneration", None),
+            refused="its tanh soft-capped LM head is in neither the trainer's chunked head nor "
+            "the generator's packed one, and its HF checkpoints are a vision-language model's "
+            "(the text tower under model.language_model., with no text-only HF class)",
         ),
         Family(
             "qwen3_5",
