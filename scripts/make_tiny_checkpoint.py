@@ -263,6 +263,23 @@ def _ffn_width(layer) -> int:
     return layer.feed_forward.w1.out_features
 
 
+def mtp_layer(hf_state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer as DeepSeek-V3's checkpoints store theirs, the decoder
+    layer right past the model's (`model.layers.{num_hidden_layers}`): the last layer's tensors
+    plus its embedding norms, projection and head norm. The model, trained and served without
+    it (trainer/model.py `is_mtp_key`, vLLM's loader), leaves it unread."""
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    dim = config["hidden_size"]
+    layer = {
+        name.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): tensor.clone()
+        for name, tensor in hf_state.items()
+        if name.startswith(f"model.layers.{last}.")
+    }
+    extra = {"enorm": torch.ones(dim), "hnorm": torch.ones(dim)}
+    extra |= {"eh_proj": torch.zeros(dim, 2 * dim), "shared_head.norm": torch.ones(dim)}
+    return layer | {f"model.layers.{mtp}.{name}.weight": value for name, value in extra.items()}
+
+
 def raise_stop_logit(model, stop_id: int, mean_tokens: int, seed: int) -> float:
     """Make `model` (torchtitan, random init) stop after about `mean_tokens` sampled tokens on
     average (module docstring); returns the calibrated stop probability per token."""
@@ -321,12 +338,14 @@ def write_checkpoint(
         print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")
     adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = {k: v.detach().contiguous() for k, v in adapter.to_hf(model.state_dict()).items()}
+    config = hf_config(name, spec.model, eos_id, pad_id)
+    if (name, flavor) == ("deepseek_v3", "tiny"):
+        hf_state |= mtp_layer(hf_state, config)
+        config["num_nextn_predict_layers"] = 1
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_state, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(
-        json.dumps(hf_config(name, spec.model, eos_id, pad_id), indent=2) + "\n"
-    )
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [im_end_id, eos_id], "pad_token_id": pad_id}, indent=2) + "\n"
     )

@@ -126,38 +126,25 @@ def test_unknown_tensor_is_named(tmp_path):
         trainer(hf_checkpoint=str(tmp_path / "ckpt"))
 
 
-def deepseek_with_an_mtp_layer(tmp_path, mtp_layers: int | None):
-    """The tiny DeepSeek-V3 with a third decoder layer's tensors (layer 2, the first past the
-    model's two: where DeepSeek-V3 keeps its multi-token-prediction layer), config.json saying
-    `num_nextn_predict_layers` = `mtp_layers` (None: unset)."""
-    folder = tmp_path / "ckpt"
-    shutil.copytree(REPO / "assets" / "tiny_deepseek_v3", folder)
-    state = load_file(folder / "model.safetensors")
-    for name in [k for k in state if k.startswith("model.layers.1.")]:
-        state[name.replace("layers.1.", "layers.2.")] = state[name].clone()
-    state["model.layers.2.eh_proj.weight"] = torch.zeros(128, 256)
-    save_file(state, folder / "model.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("num_nextn_predict_layers", None)
-    if mtp_layers is not None:
-        config["num_nextn_predict_layers"] = mtp_layers
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 def test_multi_token_prediction_layers_of_a_checkpoint_are_left_unread(tmp_path):
-    """DeepSeek-V3's checkpoints hold a multi-token-prediction layer past the decoder's: the
-    model loads without it (it is not trained, and vLLM serves the decoder without it). The
-    same tensors in a checkpoint that declares no such layer are unknown, as before."""
-    folder = deepseek_with_an_mtp_layer(tmp_path, mtp_layers=1)
-    loaded = full_state(trainer(name="deepseek_v3", hf_checkpoint=str(folder)))
+    """The tiny DeepSeek-V3 checkpoint holds a multi-token-prediction layer past the decoder's
+    (`model.layers.2`, as DeepSeek-V3's `model.layers.61`; config.json's
+    `num_nextn_predict_layers` = 1): the model loads without it (it is not trained, and vLLM
+    serves the decoder without it). The same tensors in a checkpoint that declares no such
+    layer are unknown, as before."""
+    folder = REPO / "assets" / "tiny_deepseek_v3"
     state = load_file(folder / "model.safetensors")
+    assert "model.layers.2.eh_proj.weight" in state
+    loaded = full_state(trainer(name="deepseek_v3", hf_checkpoint=str(folder)))
     bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert torch.equal(loaded["layers.1.moe.expert_bias_E"], bias)
     assert not [k for k in loaded if k.startswith(("layers.2.", "mtp_layers"))]
-    folder = deepseek_with_an_mtp_layer(tmp_path / "undeclared", mtp_layers=None)
-    with pytest.raises(ConfigError, match="has 'model.layers.2.eh_proj.weight', unknown"):
-        trainer(name="deepseek_v3", hf_checkpoint=str(folder))
+    shutil.copytree(folder, tmp_path / "undeclared")
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_nextn_predict_layers"]
+    (tmp_path / "undeclared" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="has 'model.layers.2.[a-z_.]+', unknown to"):
+        trainer(name="deepseek_v3", hf_checkpoint=str(tmp_path / "undeclared"))
 
 
 def test_an_fp8_checkpoint_is_refused_with_the_fix(tmp_path):
