@@ -39,7 +39,9 @@ class FakeGenerator:
 
 
 class FakeTrainer:
-    """Stands in for PolicyTrainer's sync sources."""
+    """Stands in for PolicyTrainer's sync sources (and its trained buffers: none)."""
+
+    trained_buffers: set[str] = set()
 
     def __init__(self, sources: dict):
         self.sources = sources
@@ -53,6 +55,21 @@ def test_mismatching_parameter_sets_are_named():
         WeightSync(params(a=(2,), b=(3,)), params(a=(2,), c=(3,)))
     with pytest.raises(WeightSyncError, match=r"a: trainer shape \(2, 3\) but generator shape"):
         WeightSync(params(a=(2, 3)), params(a=(3, 2)))
+
+
+def test_a_buffer_goes_with_every_sync_only_when_the_trainer_trains_it():
+    """A frozen buffer (the MoE routers' bias by default) is sent by the first sync only;
+    under training.expert_bias_update_rate (`trained_buffers`) by every sync."""
+    source = params(w=(4, 4))
+    source["bias"] = torch.randn(8)
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    for trained, expected in ((set(), {"w"}), ({"bias"}, {"w", "bias"})):
+        sync = WeightSync(
+            source, {k: nn.Parameter(v.clone()) for k, v in target.items()}, trained_buffers=trained
+        )
+        first, later = sync.plan.next(), sync.plan.next()
+        assert {n for names in first for n in names} == {"w", "bias"}
+        assert {n for names in later for n in names} == expected
 
 
 def test_copy_casts_to_the_generator_dtype_and_buckets_bound_memory():

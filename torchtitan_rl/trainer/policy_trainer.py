@@ -200,8 +200,12 @@ class PolicyTrainer:
             ],
             implementation=platform.optimizer_implementation(),
         ).build(model_parts=[self.model])
+        self.trained_buffers: set[str] = set()
+        """The buffers a step changes, which weight sync sends with every sync (frozen ones go
+        with the first): the routers' correction bias under training.expert_bias_update_rate."""
         if training.expert_bias_update_rate:
             self._update_expert_bias(training.expert_bias_update_rate)
+            self.trained_buffers = {n for n in self._buffers if n.endswith("moe.expert_bias_E")}
         self.lr_schedulers = _lr_scheduler_config(training).build(
             optimizers=self.optimizers,
             training_steps=training.steps * optimizer_steps_per_step(training),

@@ -79,16 +79,13 @@ def check_same_parameters(trainer: dict, generator: dict) -> None:
             )
 
 
-def changing(sources: dict) -> set[str]:
-    """The names a step may change: trained parameters, merged LoRA weights, and buffers (the
-    MoE routers' bias, a few floats per layer, which training.expert_bias_update_rate moves).
-    A LoRA policy's frozen weights, embeddings and norms included, are sent by the first sync
-    only."""
-    return {
-        n
-        for n, s in sources.items()
-        if isinstance(s, Merged) or s.requires_grad or not isinstance(s, torch.nn.Parameter)
-    }
+def changing(sources: dict, trained_buffers=frozenset()) -> set[str]:
+    """The names a step changes: trained parameters, merged LoRA weights, and the
+    `trained_buffers` (the MoE routers' bias under training.expert_bias_update_rate:
+    `PolicyTrainer.trained_buffers`). A LoRA policy's frozen weights, embeddings and norms
+    included, and frozen buffers, are sent by the first sync only."""
+    trained = {n for n, s in sources.items() if isinstance(s, Merged) or s.requires_grad}
+    return trained | (set(trained_buffers) & set(sources))
 
 
 def buckets(nbytes: dict[str, int], bucket_bytes: float) -> list[list[str]]:

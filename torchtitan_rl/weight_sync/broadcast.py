@@ -48,11 +48,12 @@ class BroadcastSender:
         group,
         bucket_mb: float,
         verify: bool = False,
+        trained_buffers=frozenset(),
     ):
         self.sources, self.dtype, self.leader, self.group = sources, dtype, leader, group
         self.verify = verify
         nbytes = {n: math.prod(s.shape) * dtype.itemsize for n, s in sources.items()}
-        self.changing = changing(sources)
+        self.changing = changing(sources, trained_buffers)
         self.plan = Plan(nbytes, self.changing, bucket_mb)
         self.digests: dict[str, bytes] = {}
 
@@ -67,6 +68,7 @@ class BroadcastSender:
             group=topology.transfer_group,
             bucket_mb=config.generator.weight_sync_bucket_mb,
             verify=config.generator.verify_weight_sync,
+            trained_buffers=trainer.trained_buffers,
         )
 
     @property

@@ -196,11 +196,12 @@ class WeightSync:
         *,
         bucket_mb: float = 64.0,
         verify: bool = False,
+        trained_buffers=frozenset(),
     ):
         check_same_parameters(trainer_params, generator_params)
         self.verify = verify
         nbytes = {n: t.numel() * t.element_size() for n, t in generator_params.items()}
-        self.plan = Plan(nbytes, changing(trainer_params), bucket_mb)
+        self.plan = Plan(nbytes, changing(trainer_params, trained_buffers), bucket_mb)
 
         def triples(names: list[str]) -> list[tuple[str, object, nn.Parameter]]:
             return [(n, trainer_params[n], generator_params[n]) for n in names]
@@ -239,7 +240,11 @@ class LocalTransport:
     def __init__(self, trainer, generator, *, bucket_mb: float, verify: bool):
         self.generator = generator
         self.copier = WeightSync(
-            trainer.sync_sources(), generator.weights(), bucket_mb=bucket_mb, verify=verify
+            trainer.sync_sources(),
+            generator.weights(),
+            bucket_mb=bucket_mb,
+            verify=verify,
+            trained_buffers=trainer.trained_buffers,
         )
 
     @property
