@@ -102,6 +102,7 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     """
     module = importlib.import_module(f"torchtitan.models.{name}")
     spec = module.model_registry("debugmodel", attn_backend=attn_backend)
+    spec.name = name  # kimi_k2_7's spec names itself kimi_k2_5
     spec.flavor = flavor
     spec.model = _config(name, flavor, attn_backend)
     if name == "gpt_oss":  # torchtitan's drops the experts (models/gpt_oss.py)
