@@ -39,7 +39,7 @@ from torchtitan_rl.generator.packed import (
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import attention_shape, model_spec, weights
 from torchtitan_rl.models.moe import routers
-from torchtitan_rl.trainer.model import hf_shapes, is_mtp_key
+from torchtitan_rl.trainer.model import hf_shapes, is_mtp_key, mtp_layers
 
 TP_BATCH_MULTIPLE = 64
 """A tensor-parallel generator pads each forward's tokens to a multiple of this (see forward)."""
@@ -252,7 +252,7 @@ class TorchTitanForCausalLM(nn.Module):
         """
         adapter = self.spec.state_dict_adapter(self.spec.model, None)
         expected = set(hf_shapes(self.spec))
-        mtp_layers = getattr(self.hf_config, "num_nextn_predict_layers", None) or 0
+        mtp = mtp_layers(expected, self.hf_config.to_dict())
         layer_names: dict[str, set[str]] = {}
         for name in expected:
             layer_names.setdefault(_layer_of(name), set()).add(name)
@@ -274,7 +274,7 @@ class TorchTitanForCausalLM(nn.Module):
             unexpected.extend(result.unexpected_keys)
 
         for name, tensor in weights:
-            if is_mtp_key(name, expected, mtp_layers):
+            if is_mtp_key(name, mtp):
                 continue  # a multi-token-prediction layer (trainer/model.py)
             arrived.add(name)
             key = _layer_of(name)

@@ -101,8 +101,8 @@ def check_hf_checkpoint(
             f"{field} = {path!r} is FP8-quantized ({quantized[0]!r}, as the released "
             "DeepSeek-V3 and Kimi K2): convert it to bf16 first (docs/moe.md, DeepSeek-V3)"
         )
-    mtp = read_json(path, "config.json", field).get("num_nextn_predict_layers") or 0
-    found = {key: shape for key, shape in found.items() if not is_mtp_key(key, expected, mtp)}
+    mtp = mtp_layers(expected, read_json(path, "config.json", field))
+    found = {key: shape for key, shape in found.items() if not is_mtp_key(key, mtp)}
     fix = "pick the flavor the checkpoint was saved from"
     for key, shape in expected.items():
         if key not in found:
@@ -127,17 +127,19 @@ def check_hf_checkpoint(
         )
 
 
-def is_mtp_key(key: str, expected, mtp_layers: int) -> bool:
-    """Whether HF tensor `key` belongs to one of the checkpoint's `mtp_layers`
-    multi-token-prediction layers (its config.json's `num_nextn_predict_layers`): the decoder
-    layers right past the model's (DeepSeek-V3 stores its one as `model.layers.61`), which
-    the model, trained and served without them, neither reads nor writes. `expected`: the
-    model's HF tensor names."""
-    parts = key.split(".")
-    if not mtp_layers or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
-        return False
+def mtp_layers(expected, config) -> range:
+    """The decoder-layer indices of a checkpoint's multi-token-prediction layers (`config`, its
+    config.json, says how many: `num_nextn_predict_layers`): the layers right past the model's
+    (DeepSeek-V3 stores its one as `model.layers.61`), which the model, trained and served
+    without them, neither reads nor writes. `expected`: the model's HF tensor names."""
     layers = sum(name.endswith(".input_layernorm.weight") for name in expected)
-    return layers <= int(parts[2]) < layers + mtp_layers
+    return range(layers, layers + (config.get("num_nextn_predict_layers") or 0))
+
+
+def is_mtp_key(key: str, mtp: range) -> bool:
+    """Whether HF tensor `key` is in one of the decoder layers `mtp` (`mtp_layers`)."""
+    parts = key.split(".")
+    return parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) in mtp
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
