@@ -121,7 +121,6 @@ def build_layer(args, invariant: bool, dtype: torch.dtype, device: torch.device,
         batch_invariant.use_invariant_attention(spec.model)
     torch.manual_seed(0)
     first_moe = next(c for c in spec.model.layers if getattr(c, "moe", None) is not None)
-    args.positions = min(4096, first_moe.attention.rope.max_seq_len)  # what inputs() draws
     with torch.device(device), default_dtype(dtype):
         layer = first_moe.build()
     with torch.no_grad():
@@ -188,7 +187,8 @@ def graph_vs_eager(layer, router, dim, dtype, device, T: int, args, figures: dic
     inputs, against the eager forward on each; fills `figures` as it goes (a failed capture
     keeps what came before it)."""
     generator = torch.Generator(device=device).manual_seed(T)
-    static_h, static_pos = inputs(T, dim, dtype, device, generator, args.positions)
+    positions = min(4096, layer.attention.rope.config.max_seq_len)  # the layer's RoPE's
+    static_h, static_pos = inputs(T, dim, dtype, device, generator, positions)
     if device.type == "cuda":
         figures["host_sync"] = host_sync(layer, static_h, static_pos)
         graph, static_out = capture(layer, static_h, static_pos)
@@ -203,7 +203,7 @@ def graph_vs_eager(layer, router, dim, dtype, device, T: int, args, figures: dic
 
     output_equal, routing_equal, max_diff = True, True, 0.0
     for _ in range(args.rounds):
-        h_1TD, positions_1T = inputs(T, dim, dtype, device, generator, args.positions)
+        h_1TD, positions_1T = inputs(T, dim, dtype, device, generator, positions)
         router.capture_TK.fill_(-1)
         eager_1TD = layer(h_1TD, None, positions_1T).clone()
         eager_ids_TK = router.capture_TK[:T].clone()

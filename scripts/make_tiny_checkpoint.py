@@ -101,15 +101,7 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
         "rms_norm_eps": model_config.norm.eps,
         "rope_theta": float(rope.theta),
         "rope_scaling": None,
-        "tie_word_embeddings": model_config.enable_weight_tying,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "torch_dtype": "float32",
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "use_cache": True,
+        **_common_fields(model_config, eos_id, pad_id),
     }
     if name == "gpt_oss":
         return _gpt_oss_config(model_config, config)
@@ -243,6 +235,13 @@ def _deepseek_v3_config(model_config, eos_id: int, pad_id: int) -> dict:
             "mscale_all_dim": float(attention.mscale),
         },
         "rope_interleave": True,
+        **_common_fields(model_config, eos_id, pad_id),
+    }
+
+
+def _common_fields(model_config, eos_id: int, pad_id: int) -> dict:
+    """The config.json fields every family's checkpoint writes alike."""
+    return {
         "tie_word_embeddings": model_config.enable_weight_tying,
         "attention_bias": False,
         "attention_dropout": 0.0,

@@ -69,14 +69,16 @@ def main() -> None:
 def split_runs(args: list[str]) -> list[tuple[str, list[str]]]:
     """`NAME flags... [--then NAME flags...]` -> [(name, flags), ...]: runs one after another in
     this world (a torchrun world and its imports cost ~20 s to start)."""
-    runs, current = [], None
+    runs: list[tuple[str, list[str]]] = []
+    named = False  # whether the run being read has its name yet
     for arg in args:
-        if current is None or arg == "--then":
-            current = None if arg == "--then" else (arg, [])
-            if current is not None:
-                runs.append(current)
+        if arg == "--then":
+            named = False
+        elif not named:
+            runs.append((arg, []))
+            named = True
         else:
-            current[1].append(arg)
+            runs[-1][1].append(arg)
     return runs
 
 

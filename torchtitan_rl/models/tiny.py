@@ -115,7 +115,7 @@ def gpt_oss_tiny(attn_backend: str):
     gpt-oss's YaRN RoPE (factor 32) over an original context of 32 tokens, so the tests'
     positions reach its scaled frequencies. torchtitan's layer builder fixes 64 heads and a
     128 window, so the layers are built here with its per-layer helpers."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import CosSinRoPE, Linear, RMSNorm
     from torchtitan.models.common.moe import TokenChoiceTopKRouter
     from torchtitan.models.gpt_oss import (
         _EMBEDDING_INIT,
@@ -182,17 +182,8 @@ def gpt_oss_tiny(attn_backend: str):
                 ),
             )
         )
-    return GptOssModel.Config(
-        vocab_size=VOCAB_SIZE,
-        dim=DIM,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=_EMBEDDING_INIT
-        ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB_SIZE, param_init=_output_linear_init(DIM)
-        ),
-        layers=layers,
+    return _untied(
+        GptOssModel.Config, layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init(DIM)
     )
 
 
@@ -226,7 +217,7 @@ def kimi_k2_7_tiny(attn_backend: str):
 def _mla(attn_backend, model_config, build_layers, groups, theta: float, route_scale: float):
     """A tiny DeepSeek-V3-architecture config (deepseek_v3_tiny's sizes) of `model_config`'s
     class, its layers from the family's `build_layers`."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
 
     n_group, topk_group = groups or (None, None)
@@ -266,24 +257,30 @@ def _mla(attn_backend, model_config, build_layers, groups, theta: float, route_s
             original_seq_len=DEEPSEEK_ROPE_ORIGINAL,
         ),
     )
-    return model_config(
-        vocab_size=VOCAB_SIZE,
-        dim=DIM,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=_EMBEDDING_INIT
-        ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB_SIZE, param_init=_output_linear_init(DIM)
-        ),
-        layers=layers,
-    )
+    return _untied(model_config, layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init(DIM))
 
 
 def deepseek_v3_tiny_grouped(attn_backend: str):
     """`tiny` with group-limited routing: 4 groups of 2 experts, each token's experts from its
     2 best groups (DeepSeek-V3: 8 groups, 4 kept)."""
     return deepseek_v3_tiny(attn_backend, groups=(4, 2))
+
+
+def _untied(model_config, layers, embedding_init, norm_init, output_init):
+    """A tiny `model_config` (a family's model Config class) over `layers`, its embedding, final
+    norm and LM head untied, each with the family's initializer."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    return model_config(
+        vocab_size=VOCAB_SIZE,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=embedding_init
+        ),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB_SIZE, param_init=output_init),
+        layers=layers,
+    )
 
 
 # {model name: {flavor: config factory(attn_backend)}}
