@@ -125,14 +125,17 @@ def test_sigterm_colocated_finishes_the_step_checkpoints_and_resumes_as_uninterr
 
 
 def test_a_disaggregated_run_preempted_twice_ends_as_the_uninterrupted_run(tmp_path):
-    """k = 0 disaggregated with DAPO, 6 steps. First SIGUSR1 to the generator rank alone
+    """k = 0 disaggregated with DAPO, 8 steps. First SIGUSR1 to the generator rank alone
     after step 2: its next rollout carries the request, the trainer stops after that step
     (checkpoint written) and tells the generator. The relaunch resumes, and SIGTERM to torchrun
     (forwarded to both ranks) stops it again; the third launch ends as an uninterrupted run,
-    row for row. Dynamic sampling runs on the generator rank (the same
+    row for row. 8 steps, not 6: the generator rank runs a rollout ahead, so the first stop
+    lands up to two steps after its signal, and with 6 steps the second signal could arrive
+    after the last step (seen once in four fresh-clone runs: the run had ended, and the
+    SIGTERM met its final barrier). Dynamic sampling runs on the generator rank (the same
     RolloutProducer.rollouts): flat groups are replaced by further rounds of prompts, and the
     trainer logs what it took."""
-    steps = 6
+    steps = 8
     flags = (
         *("--job.config_file", DEBUG_TOML, "--generator.placement", "disaggregated"),
         *("--generator.verify_weight_sync", "true", "--algorithm.loss", "dapo"),
@@ -157,7 +160,8 @@ def test_a_disaggregated_run_preempted_twice_ends_as_the_uninterrupted_run(tmp_p
     assert_resumed_as(reference, out, first, exact=False)
     metrics = metric_rows(out)
     # After each resume the generator took the restored weights before sampling.
-    assert [row["rollout_version/min"] for row in metrics] == [max(s - 1, 0) for s in range(1, 7)]
+    versions = [max(s - 1, 0) for s in range(1, steps + 1)]
+    assert [row["rollout_version/min"] for row in metrics] == versions
     assert {row["weight_sync/verified"] for row in metrics} == {1.0}
 
 
