@@ -87,6 +87,8 @@ def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
     rope = attention.rope
     if name in MLA_FAMILIES:
         return _deepseek_v3_config(model_config, eos_id, pad_id)
+    if name == "muse_glimmer":
+        return _muse_glimmer_config(model_config, eos_id, pad_id)
     n_heads, n_kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
     config = {
         "vocab_size": model_config.vocab_size,
@@ -239,6 +241,68 @@ def _deepseek_v3_config(model_config, eos_id: int, pad_id: int) -> dict:
     }
 
 
+def _muse_glimmer_config(model_config, eos_id: int, pad_id: int) -> dict:
+    """Muse Glimmer's config.json, as the released checkpoints' (a vision-language model: the
+    text tower's fields under `text_config`), for the text tower alone:
+    - `has_vision: false` tells vLLM to build no vision tower. HF's class always builds one, of
+      `vision_config`'s size: a 1-layer one here, which its loader leaves at its initial values
+      (the text tower's logits do not read it).
+    - `qk_scale_factor` is HF's (the query scale after QK-norm, 1 / sqrt(head_dim) folded in);
+      vLLM takes a value above sqrt(head_dim) for the unfolded one (true at 30B's head_dim,
+      not at the tiny's), so `scale_query_by`, which vLLM reads first, states it outright."""
+    layers = model_config.layers
+    attention = layers[0].attention
+    window = next(layer.attention.window_size for layer in layers if layer.attention.window_size)
+    text = {
+        "model_type": "muse_glimmer_text",
+        "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.dim,
+        "intermediate_size": _ffn_width(layers[0]),
+        "num_hidden_layers": len(layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads,
+        "head_dim": attention.head_dim,
+        "hidden_activation": "silu",
+        "max_position_embeddings": attention.rope.max_seq_len,
+        "rms_norm_eps": layers[0].attention_norm.eps,
+        "post_norm_eps": layers[0].post_attention_norm.eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(attention.rope.theta)},
+        "sliding_window": window,
+        "layer_types": [
+            "sliding_attention" if layer.attention.window_size else "full_attention"
+            for layer in layers
+        ],
+        "layer_rope_theta": [
+            float(attention.rope.theta) if layer.attention.use_rope else 0 for layer in layers
+        ],
+        "no_rope_layers": [int(layer.attention.use_rope) for layer in layers],
+        "qk_scale_factor": attention.scale_query_by,
+        "scale_query_by": attention.scale_query_by,
+        "output_multiplier": model_config.lm_head.output_multiplier,
+        "final_logit_softcapping": model_config.lm_head.output_soft_cap_temp,
+        **_common_fields(model_config, eos_id, pad_id),
+    }
+    vision = {
+        "model_type": "muse_glimmer_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "pos_emb_height": 2,
+        "pos_emb_width": 2,
+    }
+    return {
+        "architectures": ["MuseGlimmerForConditionalGeneration"],
+        "model_type": "muse_glimmer",
+        "has_vision": False,
+        "text_config": text,
+        "vision_config": vision,
+        "out_hidden_size": 4 * vision["hidden_size"],
+        "projector_hidden_size": 64,
+        **_common_fields(model_config, eos_id, pad_id),
+    }
+
+
 def _common_fields(model_config, eos_id: int, pad_id: int) -> dict:
     """The config.json fields every family's checkpoint writes alike."""
     return {
@@ -266,7 +330,7 @@ def mtp_layer(hf_state: dict[str, torch.Tensor], config: dict) -> dict[str, torc
     """A multi-token-prediction layer as DeepSeek-V3's checkpoints store theirs, the decoder
     layer right past the model's (`model.layers.{num_hidden_layers}`): the last layer's tensors
     plus its embedding norms, projection and head norm. The model, trained and served without
-    it (trainer/model.py `is_mtp_key`, vLLM's loader), leaves it unread."""
+    it (trainer/model.py `is_unread_key`, vLLM's loader), leaves it unread."""
     last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
     dim = config["hidden_size"]
     layer = {
@@ -332,6 +396,10 @@ def write_checkpoint(
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("moe.expert_bias_E"):
                 buffer.normal_(0.0, 0.05)
+    for module in model.modules():  # gains off their centre (init: the centre), as trained
+        if hasattr(module, "gain_center"):
+            with torch.no_grad():
+                module.weight.normal_(1.0 - module.gain_center, 0.1)
     if mean_tokens:
         p_stop = raise_stop_logit(model, eos_id, mean_tokens, seed)
         print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")
@@ -367,7 +435,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("assets/tiny_qwen3"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--model", default="qwen3", choices=["qwen3", "llama3", "gpt_oss", *MLA_FAMILIES]
+        "--model",
+        default="qwen3",
+        choices=["qwen3", "llama3", "gpt_oss", *MLA_FAMILIES, "muse_glimmer"],
     )
     parser.add_argument(
         "--flavor",

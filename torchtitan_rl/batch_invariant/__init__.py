@@ -70,13 +70,23 @@ def _invariant_linear_forward(self: nn.Linear, x):
     return ops.linear(x, self.weight, self.bias)
 
 
+def _invariant_capped_forward(self: nn.Linear, x, cap):
+    return cap(ops.linear(x, self.weight, self.bias))
+
+
 def make_linears_invariant(model: nn.Module) -> None:
     """Run every nn.Linear of `model` through `ops.linear` (parameters and names unchanged),
-    and this project's MoE experts and routers (models/moe.py: the modules with a
+    then its soft cap where it has one (Muse Glimmer's head: `logprobs.soft_cap`), and this
+    project's MoE experts and routers (models/moe.py: the modules with a
     `batch_invariant` switch) through their batch-invariant kernels."""
+    from torchtitan_rl.trainer.logprobs import soft_cap
+
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            module.forward = types.MethodType(_invariant_linear_forward, module)
+            forward = _invariant_linear_forward
+            if (cap := soft_cap(module)) is not None:
+                forward = functools.partial(_invariant_capped_forward, cap=cap)
+            module.forward = types.MethodType(forward, module)
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True
 

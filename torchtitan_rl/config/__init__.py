@@ -6,7 +6,7 @@ the config's names from here; each section lives in the module of its concern.
 
 from torchtitan_rl.config.algorithm import AlgorithmSection, compares_group
 from torchtitan_rl.config.distill import DistillSection
-from torchtitan_rl.config.errors import ConfigError, read_json
+from torchtitan_rl.config.errors import ConfigError, read_json, text_fields
 from torchtitan_rl.config.generator import (
     GeneratorParallelismSection,
     GeneratorSection,
@@ -46,5 +46,6 @@ __all__ = [
     "load_toml",
     "parse_args",
     "read_json",
+    "text_fields",
     "to_toml",
 ]

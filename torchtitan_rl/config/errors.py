@@ -57,3 +57,10 @@ def read_json(folder: str | Path, name: str, field: str) -> dict:
             f"{where}: {name} holds a JSON {type(value).__name__}, not an object: download it again"
         )
     return value
+
+
+def text_fields(config: dict) -> dict:
+    """A config.json's text model's fields: a vision-language model's `text_config` (Muse
+    Glimmer's: vocab_size, layers, heads are there), else the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config

@@ -16,7 +16,13 @@ from typing import Literal
 
 from torchtitan_rl.config.algorithm import AlgorithmSection, compares_group
 from torchtitan_rl.config.distill import DistillSection
-from torchtitan_rl.config.errors import ConfigError, first_change, read_json, require
+from torchtitan_rl.config.errors import (
+    ConfigError,
+    first_change,
+    read_json,
+    require,
+    text_fields,
+)
 from torchtitan_rl.config.generator import GeneratorSection
 from torchtitan_rl.config.job import JobSection, ModelSection
 from torchtitan_rl.config.outputs import CheckpointSection, MetricsSection
@@ -265,7 +271,8 @@ class JobConfig:
         )
         flavor = flavor or self.model.flavor
         student = model_spec(self.model.name, self.model.flavor).model.vocab_size
-        teacher = read_json(path, "config.json", "distill.teacher_checkpoint").get("vocab_size")
+        teacher_config = read_json(path, "config.json", "distill.teacher_checkpoint")
+        teacher = text_fields(teacher_config).get("vocab_size")
         require(
             teacher == student,
             f"distill.teacher_checkpoint = {path!r} has a vocabulary of {teacher} tokens, the "

@@ -25,7 +25,13 @@ import torch
 import torch.nn as nn
 
 from torchtitan_rl import batch_invariant, platform
-from torchtitan_rl.config import ConfigError, GeneratorSection, ModelSection, read_json
+from torchtitan_rl.config import (
+    ConfigError,
+    GeneratorSection,
+    ModelSection,
+    read_json,
+    text_fields,
+)
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH
 from torchtitan_rl.generator.routing import RoutingLog
@@ -130,7 +136,8 @@ def remove_stale_segments() -> list[Path]:
 def check_tokenizer_fits(model: ModelSection) -> None:
     """Refuse a tokenizer with ids beyond the checkpoint's vocabulary, before any engine starts."""
     tokens = read_tokenizer_json(model.tokenizer_dir).get_vocab_size()
-    vocab = read_json(model.hf_checkpoint, "config.json", "model.hf_checkpoint").get("vocab_size")
+    config = read_json(model.hf_checkpoint, "config.json", "model.hf_checkpoint")
+    vocab = text_fields(config).get("vocab_size")
     if not isinstance(vocab, int):
         raise ConfigError(
             f"model.hf_checkpoint = {model.hf_checkpoint!r}: config.json has no vocab_size: "

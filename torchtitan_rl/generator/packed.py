@@ -42,9 +42,13 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear):
+        from torchtitan_rl.trainer.logprobs import soft_cap
+
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
+        self.cap = soft_cap(linear)
+        """The head's transform of its logits, kept (Muse Glimmer's soft cap)."""
         self._handler = None
 
     def repack(self) -> None:
@@ -56,7 +60,8 @@ class PackedLinear(nn.Module):
         from vllm import _custom_ops as ops
 
         y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if self.cap is None else self.cap(y)
 
 
 class PackedExperts(nn.Module):

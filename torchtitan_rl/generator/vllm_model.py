@@ -39,7 +39,7 @@ from torchtitan_rl.generator.packed import (
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import attention_shape, model_spec, weights
 from torchtitan_rl.models.moe import routers
-from torchtitan_rl.trainer.model import hf_shapes, is_mtp_key, mtp_layers
+from torchtitan_rl.trainer.model import hf_shapes, is_unread_key, mtp_layers
 
 TP_BATCH_MULTIPLE = 64
 """A tensor-parallel generator pads each forward's tokens to a multiple of this (see forward)."""
@@ -274,8 +274,8 @@ class TorchTitanForCausalLM(nn.Module):
             unexpected.extend(result.unexpected_keys)
 
         for name, tensor in weights:
-            if is_mtp_key(name, mtp):
-                continue  # a multi-token-prediction layer (trainer/model.py)
+            if is_unread_key(name, mtp):
+                continue  # a multi-token-prediction layer, the vision tower (trainer/model.py)
             arrived.add(name)
             key = _layer_of(name)
             pending.setdefault(key, {})[name] = tensor
@@ -346,7 +346,11 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_of(hf_name: str) -> str:
-    """The group an HF tensor loads with: its decoder layer ("model.layers.3"), or "rest"
-    (embedding, final norm, lm_head), loaded last."""
+    """The group an HF tensor loads with: its decoder layer ("model.layers.3",
+    "model.language_model.layers.3"), or "rest" (embedding, final norm, lm_head), loaded
+    last."""
     parts = hf_name.split(".")
-    return ".".join(parts[:3]) if parts[1:2] == ["layers"] else "rest"
+    if "layers" not in parts[:-2]:
+        return "rest"
+    at = parts.index("layers")
+    return ".".join(parts[: at + 2])

@@ -100,6 +100,13 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     its load-balancing hook through `post_optimizer_build_fn`; this project never calls it, so
     the routers' `expert_bias_E` stays what the checkpoint gave (docs/moe.md).
     """
+    from torchtitan.distributed import utils as dist_utils
+
+    from torchtitan_rl import platform
+
+    # Process-wide, as torchtitan's Trainer sets it before building: Muse Glimmer's forward
+    # asserts "spmd_types" placements (the default) against a mesh nothing here sets.
+    dist_utils.set_spmd_backend(platform.spmd_backend())
     module = importlib.import_module(f"torchtitan.models.{name}")
     spec = module.model_registry("debugmodel", attn_backend=attn_backend)
     spec.name = name  # kimi_k2_7's spec names itself kimi_k2_5
@@ -107,6 +114,14 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     spec.model = _config(name, flavor, attn_backend)
     if name == "gpt_oss":  # torchtitan's drops the experts (models/gpt_oss.py)
         spec.state_dict_adapter = GptOssAdapter
+    if name == "muse_glimmer":
+        # torchtitan's parallelize_muse_glimmer refuses every spmd backend but "spmd_types",
+        # which this project does not run (platform.spmd_backend). Its text tower takes the
+        # steps of Qwen3's dense one under "partial_dtensor": the spec's TP plan where TP is
+        # on, activation checkpointing, compile, then FSDP over the decoder.
+        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+        spec.parallelize_fn = parallelize_qwen3
     use_project_moe(spec.model)
     return spec
 

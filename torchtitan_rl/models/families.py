@@ -48,9 +48,6 @@ FAMILIES = {
             "muse_glimmer",
             "muse_glimmer_configs",
             ("MuseGlimmerForConditionalGeneration", None),
-            refused="its tanh soft-capped LM head is in neither the trainer's chunked head nor "
-            "the generator's packed one, and its HF checkpoints are a vision-language model's "
-            "(the text tower under model.language_model., with no text-only HF class)",
         ),
         Family(
             "qwen3_5",

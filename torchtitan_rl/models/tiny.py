@@ -283,6 +283,38 @@ def _untied(model_config, layers, embedding_init, norm_init, output_init):
     )
 
 
+MUSE_GLIMMER_WINDOW = 16
+"""The tiny Muse Glimmer's sliding window (Muse Glimmer 30B's is 2048): shorter than the tests'
+sequences, so that its sliding layers drop keys."""
+
+
+def muse_glimmer_tiny(attn_backend: str):
+    """Muse Glimmer's text tower at the tiny size: 4 layers, three with RoPE and a sliding
+    window, the last one global and without RoPE (iRoPE, as every fourth layer of the 30B);
+    QK-norm with the query scaled after it, a sigmoid gate on the attention output, gain-centred
+    norms before and after each sub-layer, a scaleless norm on the embeddings, untied, and an
+    LM head whose logits are scaled and tanh soft-capped. The cap is 5 (the 30B's: 20) and the
+    multiplier 2, so that the cap bends logits of a random model's size."""
+    import dataclasses
+
+    from torchtitan.models.muse_glimmer import _muse_glimmer_config
+
+    config = _muse_glimmer_config(
+        dim=DIM,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=HEAD_DIM,
+        vocab_size=VOCAB_SIZE,
+        max_seq_len=4096,
+        window_pattern=[MUSE_GLIMMER_WINDOW] * 3 + [0],
+        output_multiplier=2.0,
+        attn_backend=attn_backend,
+    )
+    config.lm_head = dataclasses.replace(config.lm_head, output_soft_cap_temp=5.0)
+    return config
+
+
 # {model name: {flavor: config factory(attn_backend)}}
 EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "qwen3": {"tiny": qwen3_tiny, "tiny_moe": qwen3_tiny_moe},
@@ -290,4 +322,5 @@ EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "gpt_oss": {"tiny": gpt_oss_tiny},
     "deepseek_v3": {"tiny": deepseek_v3_tiny, "tiny_grouped": deepseek_v3_tiny_grouped},
     "kimi_k2_7": {"tiny": kimi_k2_7_tiny},
+    "muse_glimmer": {"tiny": muse_glimmer_tiny},
 }

@@ -8,6 +8,7 @@ position t - 1 (the logits at t score token t + 1). Column 0 has no prediction a
 """
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,42 @@ def token_logprobs(
 HEAD_CHUNK = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class SoftCap:
+    """An output head's elementwise transform of its logits z, in fp32: `cap * tanh(z *
+    multiplier / cap)`, or `z * multiplier` without a cap (Muse Glimmer's head, torchtitan's
+    `SoftCappedLinear`, in the order of its ops). The trainer's fused head and the generator's
+    head both run `__call__`, so equal logits give equal capped bits on both sides."""
+
+    multiplier: float = 1.0
+    cap: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.cap is None:
+            return logits * self.multiplier
+        return self.cap * torch.tanh(logits * self.multiplier / self.cap)
+
+    def slope(self, logits: torch.Tensor) -> torch.Tensor:
+        """d capped / d logits at fp32 `logits`, elementwise."""
+        if self.cap is None:
+            return torch.full_like(logits, self.multiplier)
+        tanh = torch.tanh(logits * self.multiplier / self.cap)
+        return tanh.square_().neg_().add_(1.0).mul_(self.multiplier)
+
+
+def soft_cap(head: torch.nn.Module) -> SoftCap | None:
+    """The transform that output projection `head` applies to its logits (None: plain): read
+    from torchtitan's `SoftCappedLinear` attributes, so a module without them has none."""
+    if not hasattr(head, "output_multiplier"):
+        return None
+    return SoftCap(float(head.output_multiplier), head.output_soft_cap_temp)
+
+
+def _capped(logits: torch.Tensor, cap: SoftCap | None) -> torch.Tensor:
+    return logits if cap is None else cap(logits)
+
+
 def head_chunk(vocab: int) -> int:
     """Tokens per chunk of `head_logprobs` for a `vocab`-entry output projection."""
     return max(1, min(HEAD_CHUNK, CHUNK_ELEMENTS // vocab))
@@ -109,20 +146,22 @@ class _HeadLogprobs(torch.autograd.Function):
     backward starts from it and frees it first)."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk, cap):
         logprobs, entropies = [], []
         logp_CV = None
         for start in range(0, hidden_ND.shape[0], chunk):
             del logp_CV
             # One log_softmax per chunk serves both the logprob and the entropy.
-            logp_CV = _log_softmax(
-                _head_logits(hidden_ND[start : start + chunk], weight_VD), temperature
-            )
+            logits_CV = _head_logits(hidden_ND[start : start + chunk], weight_VD)
+            logp_CV = _log_softmax(_capped(logits_CV, cap), temperature)
+            del logits_CV
             logprobs.append(logp_CV.gather(-1, targets_N[start : start + chunk, None]).squeeze(-1))
             entropies.append(_entropy(logp_CV))
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.last_logp_CV = logp_CV if any(ctx.needs_input_grad[:2]) else None
+        ctx.temperature, ctx.chunk, ctx.cap = temperature, chunk, cap
+        # A capped head's backward needs the logits themselves: it recomputes every chunk.
+        keep = cap is None and any(ctx.needs_input_grad[:2])
+        ctx.last_logp_CV = logp_CV if keep else None
         entropy_N = _cat(entropies, hidden_ND)
         ctx.mark_non_differentiable(entropy_N)
         return _cat(logprobs, hidden_ND), entropy_N
@@ -130,7 +169,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_N, _grad_entropy_N):
         hidden_ND, weight_VD, targets_N = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
+        T, chunk, cap = ctx.temperature, ctx.chunk, ctx.cap
         weight_f = weight_VD.float()
         grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
         grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
@@ -138,20 +177,27 @@ class _HeadLogprobs(torch.autograd.Function):
         for start in reversed(range(0, hidden_ND.shape[0], chunk)):
             rows = slice(start, start + chunk)
             hidden_CD = hidden_ND[rows].float()
+            slope_CV = None
             if ctx.last_logp_CV is not None:
                 probs_CV, ctx.last_logp_CV = ctx.last_logp_CV.exp_(), None
             else:
                 logits_CV = F.linear(hidden_CD, weight_f)
+                if cap is not None:
+                    slope_CV, logits_CV = cap.slope(logits_CV), cap(logits_CV)
                 probs_CV = torch.softmax(logits_CV.div_(T) if T != 1.0 else logits_CV, dim=-1)
                 del logits_CV
             # d logp(target) / d logits = onehot(target) - softmax, times 1 / T.
             grad_CV = probs_CV.neg_()
             grad_CV.scatter_add_(-1, targets_N[rows, None], torch.ones_like(grad_N[rows, None]))
             grad_CV.mul_(grad_N[rows, None].float() / T)
+            if slope_CV is not None:  # through the cap, back to the projection's logits
+                grad_CV.mul_(slope_CV)
+                del slope_CV
             grad_hidden[rows] = grad_CV @ weight_f
             grad_weight.addmm_(grad_CV.t(), hidden_CD)
             del probs_CV, grad_CV
-        return grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype), None, None, None
+        grad_hidden, grad_weight = grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 class _VocabParallelHeadLogprobs(torch.autograd.Function):
@@ -162,14 +208,14 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
     gradient (each rank holds its share). The hidden states must be the same on every rank."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk, group, first):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk, group, first, cap):
         rows = weight_VD.shape[0]
         mine_N = (targets_N >= first) & (targets_N < first + rows)
         local_N = (targets_N - first).clamp(0, rows - 1)
         logprobs, entropies, maxima, log_norms = [], [], [], []
         for start in range(0, hidden_ND.shape[0], chunk):
             span = slice(start, start + chunk)
-            logits_CV = _scaled(F.linear(hidden_ND[span], weight_VD), temperature)
+            logits_CV = _scaled(_capped(F.linear(hidden_ND[span], weight_VD), cap), temperature)
             max_C = logits_CV.max(-1).values
             dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=group)
             shifted_CV = logits_CV.sub_(max_C[:, None])
@@ -187,7 +233,7 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
             del logits_CV, shifted_CV, logp_CV
         max_N, log_norm_N = _cat(maxima, hidden_ND), _cat(log_norms, hidden_ND)
         ctx.save_for_backward(hidden_ND, weight_VD, local_N, mine_N, max_N, log_norm_N)
-        ctx.temperature, ctx.chunk, ctx.group = temperature, chunk, group
+        ctx.temperature, ctx.chunk, ctx.group, ctx.cap = temperature, chunk, group, cap
         entropy_N = _cat(entropies, hidden_ND)
         ctx.mark_non_differentiable(entropy_N)
         return _cat(logprobs, hidden_ND), entropy_N
@@ -195,25 +241,29 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_N, _grad_entropy_N):
         hidden_ND, weight_VD, local_N, mine_N, max_N, log_norm_N = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
+        T, chunk, cap = ctx.temperature, ctx.chunk, ctx.cap
         weight_f = weight_VD.float()
         grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
         grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         for start in range(0, hidden_ND.shape[0], chunk):
             span = slice(start, start + chunk)
             hidden_CD = hidden_ND[span].float()
-            logits_CV = _scaled(F.linear(hidden_CD, weight_f), T)
+            logits_CV = F.linear(hidden_CD, weight_f)
+            slope_CV = None if cap is None else cap.slope(logits_CV)
+            logits_CV = _scaled(_capped(logits_CV, cap), T)
             # This rank's share of softmax, from the forward's all-reduced max and normalizer.
             grad_CV = logits_CV.sub_((max_N[span] + log_norm_N[span])[:, None]).exp_().neg_()
             onehot_C = mine_N[span, None].to(grad_CV.dtype)
             grad_CV.scatter_add_(-1, local_N[span, None], onehot_C)
             grad_CV.mul_(grad_N[span, None].float() / T)
+            if slope_CV is not None:
+                grad_CV.mul_(slope_CV)
             grad_hidden[span] = grad_CV @ weight_f
             grad_weight.addmm_(grad_CV.t(), hidden_CD)
             del logits_CV, grad_CV
         dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's vocabulary rows' share
         grad_hidden, grad_weight = grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _scaled(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -256,6 +306,7 @@ def head_logprobs(
     chunk: int | None = None,
     group: dist.ProcessGroup | None = None,
     first: int = 0,
+    cap: SoftCap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N] (fp32, with gradient to `hidden_ND` and `weight_VD`) and entropies [N] (no
     gradient) of `targets_N` under the output projection `weight_VD` of the final hidden
@@ -271,10 +322,13 @@ def head_logprobs(
     [chunk]-sized figures cross ranks (`_VocabParallelHeadLogprobs`). Not bitwise equal to the
     unsharded head (the softmax is reduced in another order), which batch-invariant mode
     refuses with TP anyway.
+
+    `cap`: the head's transform of its logits (`soft_cap(lm_head)`: Muse Glimmer's tanh cap),
+    applied to each chunk's logits before the softmax and differentiated through in backward.
     """
     chunk = chunk or head_chunk(weight_VD.shape[0])  # a chunk's block: [chunk, V_local]
     if group is not None:
         return _VocabParallelHeadLogprobs.apply(
-            hidden_ND, weight_VD, targets_N, temperature, chunk, group, first
+            hidden_ND, weight_VD, targets_N, temperature, chunk, group, first, cap
         )
-    return _HeadLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk)
+    return _HeadLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk, cap)

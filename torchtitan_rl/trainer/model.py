@@ -102,7 +102,7 @@ def check_hf_checkpoint(
             "DeepSeek-V3 and Kimi K2): convert it to bf16 first (docs/moe.md, DeepSeek-V3)"
         )
     mtp = mtp_layers(expected, read_json(path, "config.json", field))
-    found = {key: shape for key, shape in found.items() if not is_mtp_key(key, mtp)}
+    found = {key: shape for key, shape in found.items() if not is_unread_key(key, mtp)}
     fix = "pick the flavor the checkpoint was saved from"
     for key, shape in expected.items():
         if key not in found:
@@ -136,10 +136,18 @@ def mtp_layers(expected, config) -> range:
     return range(layers, layers + (config.get("num_nextn_predict_layers") or 0))
 
 
-def is_mtp_key(key: str, mtp: range) -> bool:
-    """Whether HF tensor `key` is in one of the decoder layers `mtp` (`mtp_layers`)."""
+VISION_TOWER = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
+"""Where a vision-language checkpoint (Muse Glimmer's) keeps its vision tower, beside the text
+tower under `model.language_model.`: the text tower is what the trainer and the generator run
+(a flavor with a vision tower is refused: models.refused_parts)."""
+
+
+def is_unread_key(key: str, mtp: range) -> bool:
+    """Whether the model leaves HF tensor `key` unread: one of the decoder layers `mtp`
+    (`mtp_layers`), or the vision tower's."""
     parts = key.split(".")
-    return parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) in mtp
+    in_mtp = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) in mtp
+    return in_mtp or key.startswith(VISION_TOWER)
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -38,7 +38,7 @@ from torchtitan_rl.errors import StopRun
 from torchtitan_rl.models import moe, weights
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing, parallel
-from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, token_logprobs
+from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, soft_cap, token_logprobs
 from torchtitan_rl.trainer.model import STUDENT, build_spec, load_hf_weights
 from torchtitan_rl.types import LossScale, RolloutBatch
 
@@ -304,7 +304,13 @@ class PolicyTrainer:
         hidden_ND = hidden_1LD[0].index_select(0, row.predictors_N)
         weight, group, first = head_weight(self.model.lm_head)
         logprobs_N, entropy_N = head_logprobs(
-            hidden_ND, weight, row.targets_N, self.temperature, group=group, first=first
+            hidden_ND,
+            weight,
+            row.targets_N,
+            self.temperature,
+            group=group,
+            first=first,
+            cap=soft_cap(self.model.lm_head),
         )
         shape, scored = micro.tokens_BT.shape, (row.rows_N, row.cols_N)
         logprobs_BT = torch.zeros(shape, device=self.device).index_put(scored, logprobs_N)
