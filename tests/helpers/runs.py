@@ -36,6 +36,10 @@ GPT_OSS_MODEL = (
     *("--model.name", "gpt_oss", "--model.flavor", "tiny"),
     *("--model.hf_checkpoint", "assets/tiny_gpt_oss", "--parallelism.ep", "2"),
 )
+MUSE_GLIMMER_MODEL = (
+    *("--model.name", "muse_glimmer", "--model.flavor", "tiny"),
+    *("--model.hf_checkpoint", "assets/tiny_muse_glimmer"),
+)
 # DeepSeek-V3 with group-limited routing, and Kimi K2's text tower: latent attention, shared
 # experts, sigmoid routing with the correction bias; the experts over the 2 ranks (EP = 2).
 DEEPSEEK_V3_MODEL = (

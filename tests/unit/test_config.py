@@ -202,24 +202,38 @@ def test_families_not_supported_yet_are_refused_with_the_reason():
     message = str(error.value)
     assert message.startswith("model.name = 'qwen3_5' is not supported yet: ")
     assert "\n" not in message and "Gated DeltaNet" in message
-    assert message.endswith("use one of qwen3, llama3, gpt_oss, deepseek_v3, kimi_k2_7")
+    assert message.endswith(
+        "use one of qwen3, llama3, gpt_oss, deepseek_v3, kimi_k2_7, muse_glimmer"
+    )
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "Kimi-K2.5", "Kimi-VL-A3B"])
-def test_a_flavor_with_a_vision_tower_is_refused_naming_the_text_only_ones(flavor):
-    """Kimi K2.5's flavors build a vision tower (its debugmodel too); moonlight-16B-A3B and the
-    tiny one are text-only."""
+KIMI_TEXT, MUSE_TEXT = ("moonlight-16B-A3B", "tiny"), ("30B", "debugmodel", "tiny")
+
+
+@pytest.mark.parametrize(
+    ("name", "flavor", "text_only"),
+    [
+        ("kimi_k2_7", "debugmodel", KIMI_TEXT),
+        ("kimi_k2_7", "Kimi-K2.5", KIMI_TEXT),
+        ("kimi_k2_7", "Kimi-VL-A3B", KIMI_TEXT),
+        ("muse_glimmer", "30B_mm", MUSE_TEXT),
+        ("muse_glimmer", "debugmodel_mm", MUSE_TEXT),
+    ],
+)
+def test_a_flavor_with_a_vision_tower_is_refused_naming_the_text_only_ones(name, flavor, text_only):
+    """Kimi K2.5's flavors build a vision tower (its debugmodel too), as Muse Glimmer's `_mm`
+    ones do; the others are text-only."""
     from torchtitan_rl.config import ConfigError
 
-    flags = ["--job.config_file", DEBUG_TOML, "--model.name", "kimi_k2_7"]
+    flags = ["--job.config_file", DEBUG_TOML, "--model.name", name]
     with pytest.raises(ConfigError) as error:
         parse_args([*flags, "--model.flavor", flavor])
     assert str(error.value) == (
         f"model.flavor = {flavor!r} builds a vision tower (image and video inputs), which this "
-        "project does not run: use a text-only flavor (moonlight-16B-A3B, tiny)"
+        f"project does not run: use a text-only flavor ({', '.join(text_only)})"
     )
-    for text_only in ("moonlight-16B-A3B", "tiny"):
-        assert parse_args([*flags, "--model.flavor", text_only]).model.flavor == text_only
+    for flavor in text_only:
+        assert parse_args([*flags, "--model.flavor", flavor]).model.flavor == flavor
 
 
 def test_mixture_of_experts_flavors_are_accepted():

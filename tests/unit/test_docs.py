@@ -28,6 +28,7 @@ GPU_RECIPES = {
     "run_configs/gpt_oss_20b.toml": 8,
     "run_configs/deepseek_v3_671b.toml": 256,
     "run_configs/moonlight_16b_a3b.toml": 8,
+    "run_configs/muse_glimmer_30b.toml": 8,
 }
 
 
