@@ -16,7 +16,7 @@ from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.algorithms.losses import AGGREGATIONS, PolicyLoss
 from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import attention, logprobs, packing
-from torchtitan_rl.trainer.logprobs import head_logprobs, token_logprobs
+from torchtitan_rl.trainer.logprobs import SoftCap, head_logprobs, token_logprobs
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import RolloutBatch
 
@@ -105,8 +105,14 @@ def test_packed_attention_equals_each_document_alone(lengths):
     torch.testing.assert_close(masked, alone, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_head_equals_full_logits_in_value_and_gradient(temperature):
+@pytest.mark.parametrize(
+    ("temperature", "cap"),
+    [(1.0, None), (0.7, None), (1.0, SoftCap(4.0, 3.0)), (0.7, SoftCap(2.0, None))],
+)
+def test_chunked_head_equals_full_logits_in_value_and_gradient(temperature, cap):
+    """The fused head against full logits through autograd; with a soft cap (Muse Glimmer's
+    head: `3 tanh(4 z / 3)`, logits of ~1.2 bent well into the tanh), against the cap's own
+    torch ops, so that its hand-written backward is checked by autograd's."""
     g = torch.Generator().manual_seed(0)
     N, D, V = 37, 16, 50
     hidden = torch.randn(N, D, generator=g, dtype=torch.float64).float().requires_grad_()
@@ -116,6 +122,8 @@ def test_chunked_head_equals_full_logits_in_value_and_gradient(temperature):
 
     # Reference: full logits, then token_logprobs' alignment (a leading column).
     logits_1NV = F.linear(hidden, weight)[None]
+    if cap is not None:
+        logits_1NV = cap(logits_1NV)
     tokens_1N = torch.cat([torch.zeros(1, dtype=torch.long), targets])[None]
     padded_1NV = torch.cat([logits_1NV, torch.zeros(1, 1, V)], dim=1)
     ref, ref_entropy = token_logprobs(padded_1NV, tokens_1N, temperature, with_entropy=True)
@@ -123,7 +131,7 @@ def test_chunked_head_equals_full_logits_in_value_and_gradient(temperature):
     ref_grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
 
-    logprobs, entropy = head_logprobs(hidden, weight, targets, temperature, chunk=8)
+    logprobs, entropy = head_logprobs(hidden, weight, targets, temperature, chunk=8, cap=cap)
     (logprobs * upstream).sum().backward()
     torch.testing.assert_close(logprobs, ref[0, 1:].detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(entropy, ref_entropy[0, 1:], rtol=1e-6, atol=1e-6)
