@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl import console
 from torchtitan_rl.config import ConfigError, ModelSection, read_json
 from torchtitan_rl.trainer.lora import is_lora_key
+from torchtitan_rl.trainer.model import is_unread_key, mtp_layers
 
 HF_SIDE_FILES = (
     "config.json",
@@ -40,7 +41,8 @@ def export_hf(
     """Write `model_state` (torchtitan names; DTensors are gathered) as an HF safetensors folder.
 
     Every rank must call this (gathering is collective); rank 0 writes. config.json and the
-    tokenizer files come from the HF checkpoint the run started from; weights are cast to its
+    tokenizer files come from the HF checkpoint the run started from, and so do the tensors the
+    model does not run (a vision tower, multi-token-prediction layers); weights are cast to its
     config's dtype. The folder appears complete or not at all (written aside, then renamed).
     """
     from safetensors.torch import save_file
@@ -67,6 +69,8 @@ def export_hf(
     dtype = getattr(torch, hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = {k: v.to(dtype).contiguous() for k, v in adapter.to_hf(full).items()}
+    if hf_source:
+        hf_state |= _unread_tensors(Path(hf_source), hf_state, hf_config)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -81,6 +85,23 @@ def export_hf(
     os.replace(tmp, out)
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def _unread_tensors(source: Path, exported: dict, hf_config: dict) -> dict:
+    """The source checkpoint's tensors that the model leaves unread (`is_unread_key`: a
+    vision-language model's vision tower, multi-token-prediction layers), as they are: the
+    export is then the source's whole model with the trained text tower, as its config.json
+    (copied) describes it, and vLLM and transformers load it as they loaded the source."""
+    from safetensors import safe_open
+
+    mtp = mtp_layers(exported, hf_config)
+    found = {}
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(path, "pt") as shard:
+            for key in shard.keys():
+                if is_unread_key(key, mtp):
+                    found[key] = shard.get_tensor(key)
+    return found
 
 
 def export_policy(trainer, model: ModelSection, out: Path, group=None) -> None:

@@ -18,6 +18,7 @@ from torchtitan_rl.config import (
     ParallelismSection,
     TrainingSection,
 )
+from torchtitan_rl.hf_export import export_hf
 from torchtitan_rl.trainer.policy_trainer import NonFiniteError, PolicyTrainer
 from torchtitan_rl.types import RolloutBatch
 
@@ -145,6 +146,31 @@ def test_multi_token_prediction_layers_of_a_checkpoint_are_left_unread(tmp_path)
     (tmp_path / "undeclared" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="has 'model.layers.2.[a-z_.]+', unknown to"):
         trainer(name="deepseek_v3", hf_checkpoint=str(tmp_path / "undeclared"))
+
+
+def test_a_vision_language_checkpoints_vision_tower_is_left_unread_and_exported(tmp_path):
+    """Muse Glimmer's checkpoints are a vision-language model's: the text tower under
+    `model.language_model.`, the vision tower beside it. The trainer loads the text tower and
+    leaves the vision tower unread (the tiny checkpoint has none: a copy gets three of its
+    tensors); the HF export writes the trained text tower and copies the vision tower as is."""
+    shutil.copytree(REPO / "assets" / "tiny_muse_glimmer", tmp_path / "ckpt")
+    state = load_file(tmp_path / "ckpt" / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    vision = {
+        "model.vision_tower.ln_pre.weight": torch.randn(32, generator=g),
+        "model.vision_adapter.fc1.weight": torch.randn(64, 128, generator=g),
+        "model.vision_projection.weight": torch.randn(128, 64, generator=g),
+    }
+    save_file(state | vision, tmp_path / "ckpt" / "model.safetensors")
+    policy = trainer(name="muse_glimmer", hf_checkpoint=str(tmp_path / "ckpt"))
+    loaded = full_state(policy)
+    embedding = state["model.language_model.embed_tokens.weight"]
+    assert torch.equal(loaded["tok_embeddings.embedding.weight"], embedding)
+    assert not [k for k in loaded if "vision" in k]
+    export_hf(loaded, policy.spec, str(tmp_path / "ckpt"), str(tmp_path / "ckpt"), tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == state.keys() | vision.keys()
+    assert all(torch.equal(exported[k], v) for k, v in vision.items())
 
 
 def test_an_fp8_checkpoint_is_refused_with_the_fix(tmp_path):
