@@ -94,8 +94,13 @@ def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     """The tiny Qwen3 on 2 torchrun ranks, the generator's and the weight sync's checks: first
     on one engine per rank ("qwen3"), then on one engine over both ranks, tensor parallel
     ("qwen3@tp2", both ranks with rank 0's prompts and seeds; the sampling checks, not those
-    of stop ids and bad prompts, which do not depend on the layout)."""
-    checks = {"qwen3": "generator,weight_sync", "qwen3@tp2": "sampling,weight_sync,lora_sync"}
+    of stop ids and bad prompts, which do not depend on the layout); then Muse Glimmer's engine
+    over both ranks (its sampling and weight sync checks)."""
+    checks = {
+        "qwen3": "generator,weight_sync",
+        "qwen3@tp2": "sampling,weight_sync,lora_sync",
+        "muse_glimmer@tp2": "sampling,weight_sync",
+    }
     return engine_world(tmp_path_factory, 2, checks)
 
 

@@ -186,6 +186,27 @@ def test_a_tensor_parallel_engine_spans_both_ranks_with_half_the_weights(engines
     assert local[0] == local[1] < 0.51 * tp1["local_numel"]  # norms are replicated
 
 
+def test_muse_glimmer_runs_tensor_parallel_on_local_shards(engines_two_ranks, engines_plain):
+    """Muse Glimmer's engine over the 2 ranks runs on plain local shards, compiled, as Qwen3's:
+    the vocabulary-parallel embedding is summed before its norm, the attention's gate is
+    column-parallel (each rank gates its heads), the soft cap runs on each rank's slice of the
+    vocabulary before the gather. Both ranks sample the one-engine run's tokens (the same
+    prompts and seed), the trainer agrees, and weight sync writes each rank's half in place."""
+    plain = engines_plain["muse_glimmer"][0]
+    ranks = engines_two_ranks["muse_glimmer@tp2"]
+    for rank in ranks:
+        run, sync = rank["sampling"], rank["weight_sync"]
+        assert run["sampled"] == plain["generator"]["sampled"]
+        assert max(run["logprob_diffs"]) <= MUSE_GLIMMER_BOUND, run["logprob_diffs"]
+        assert all(run["greedy_match"])
+        assert rank["engine_compiled"] and rank["plain_parameters"]
+        assert rank["local_numel"] < 0.51 * plain["local_numel"]
+        assert sync["mismatched_after_sync"] == [] and sync["num_params"] == 51
+        # Half the bytes, and the norms whole on each rank.
+        assert sync["generator_bytes"] < 0.51 * plain["weight_sync"]["generator_bytes"]
+        assert max(sync["diff_before_step"], sync["diff_long"], sync["diff_short"]) <= 1e-4
+
+
 def test_the_kv_cache_cap_reckons_blocks_as_vllm_allocates_them(engines_two_ranks, engines_plain):
     # Unset num_kv_blocks: vLLM fills kv_cache_space_gib (1 GiB) with whole blocks, each the
     # size generator.num_kv_blocks is capped by (engine.kv_block_bytes): dense, one tensor

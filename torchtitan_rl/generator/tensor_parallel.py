@@ -24,7 +24,8 @@ on the token count, so the batch needs no padding and the decoder compiles. Weig
 sees DTensors (`as_dtensors`: views of the local parameters with the plan's layouts), and
 writes each rank's shard in place. Supported where the plan has only these layouts: dense
 models with a vocabulary the ranks split evenly and no biases on row-parallel layers (qwen3,
-llama3); others (MoE experts, gpt-oss) keep the DTensor path, eager.
+llama3, Muse Glimmer: its embedding's norm runs after the embedding's sum, its attention gate
+is column-parallel); others (MoE experts, gpt-oss) keep the DTensor path, eager.
 """
 
 import torch
@@ -40,7 +41,7 @@ def supported(spec, tp: int) -> bool:
     config = spec.model
     if any(getattr(layer, "moe", None) is not None for layer in config.layers):
         return False
-    return config.vocab_size % tp == 0 and spec.name in ("qwen3", "llama3")
+    return config.vocab_size % tp == 0 and spec.name in ("qwen3", "llama3", "muse_glimmer")
 
 
 def compiles(spec, tp: int) -> bool:
