@@ -103,12 +103,14 @@ class SoftCap:
             return logits * self.multiplier
         return self.cap * torch.tanh(logits * self.multiplier / self.cap)
 
-    def slope(self, logits: torch.Tensor) -> torch.Tensor:
-        """d capped / d logits at fp32 `logits`, elementwise."""
+    def with_slope(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(logits)` (the same ops, so the same bits) and d capped / d logits, elementwise,
+        at fp32 `logits`, from one tanh."""
         if self.cap is None:
-            return torch.full_like(logits, self.multiplier)
+            return logits * self.multiplier, torch.full_like(logits, self.multiplier)
         tanh = torch.tanh(logits * self.multiplier / self.cap)
-        return tanh.square_().neg_().add_(1.0).mul_(self.multiplier)
+        capped = self.cap * tanh
+        return capped, tanh.square_().neg_().add_(1.0).mul_(self.multiplier)
 
 
 def soft_cap(head: torch.nn.Module) -> SoftCap | None:
@@ -183,7 +185,7 @@ class _HeadLogprobs(torch.autograd.Function):
             else:
                 logits_CV = F.linear(hidden_CD, weight_f)
                 if cap is not None:
-                    slope_CV, logits_CV = cap.slope(logits_CV), cap(logits_CV)
+                    logits_CV, slope_CV = cap.with_slope(logits_CV)
                 probs_CV = torch.softmax(logits_CV.div_(T) if T != 1.0 else logits_CV, dim=-1)
                 del logits_CV
             # d logp(target) / d logits = onehot(target) - softmax, times 1 / T.
@@ -248,9 +250,10 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden_ND.shape[0], chunk):
             span = slice(start, start + chunk)
             hidden_CD = hidden_ND[span].float()
-            logits_CV = F.linear(hidden_CD, weight_f)
-            slope_CV = None if cap is None else cap.slope(logits_CV)
-            logits_CV = _scaled(_capped(logits_CV, cap), T)
+            logits_CV, slope_CV = F.linear(hidden_CD, weight_f), None
+            if cap is not None:
+                logits_CV, slope_CV = cap.with_slope(logits_CV)
+            logits_CV = _scaled(logits_CV, T)
             # This rank's share of softmax, from the forward's all-reduced max and normalizer.
             grad_CV = logits_CV.sub_((max_N[span] + log_norm_N[span])[:, None]).exp_().neg_()
             onehot_C = mine_N[span, None].to(grad_CV.dtype)
