@@ -82,6 +82,8 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 def hf_config(name: str, model_config, eos_id: int, pad_id: int) -> dict:
     """HF `config.json` (Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM or
     GptOssForCausalLM) with the shapes of the flavor."""
+    if name == "qwen3_5":
+        return _qwen3_5_config(model_config, eos_id, pad_id)
     layer = model_config.layers[0]
     attention = layer.attention
     rope = attention.rope
@@ -303,6 +305,64 @@ def _muse_glimmer_config(model_config, eos_id: int, pad_id: int) -> dict:
     }
 
 
+def _qwen3_5_config(model_config, eos_id: int, pad_id: int) -> dict:
+    """Qwen3.5's text-only config.json (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`): the
+    layer kinds in `layer_types`, the Gated DeltaNet sizes in `linear_*`, RoPE on
+    `partial_rotary_factor` of each full-attention head (MRoPE's sections, which text-only
+    positions make equivalent to plain RoPE)."""
+    layers = model_config.layers
+    attention = next(layer.attention for layer in layers if layer.attention is not None)
+    delta_net = next(layer.delta_net for layer in layers if layer.delta_net is not None)
+    rope = attention.rope
+    moe = layers[0].moe
+    config = {
+        "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.dim,
+        "num_hidden_layers": len(layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads,
+        "head_dim": attention.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": rope.max_seq_len,
+        "rms_norm_eps": model_config.norm.eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(rope.theta),
+            "partial_rotary_factor": attention.rotary_dim / attention.head_dim,
+            "mrope_section": list(rope.mrope_section),
+            "mrope_interleaved": True,
+        },
+        "layer_types": [
+            "full_attention" if layer.attention is not None else "linear_attention"
+            for layer in layers
+        ],
+        "linear_conv_kernel_dim": delta_net.conv_kernel_size,
+        "linear_key_head_dim": delta_net.key_head_dim,
+        "linear_value_head_dim": delta_net.value_head_dim,
+        "linear_num_key_heads": delta_net.in_proj_q.out_features // delta_net.key_head_dim,
+        "linear_num_value_heads": delta_net.in_proj_v.out_features // delta_net.value_head_dim,
+        **_common_fields(model_config, eos_id, pad_id),
+    }
+    if moe is None:
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "intermediate_size": layers[0].feed_forward.w1.out_features,
+            **config,
+        }
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": moe.routed_experts.inner_experts.hidden_dim,
+        "shared_expert_intermediate_size": moe.shared_experts.w1.out_features,
+        "num_experts": moe.router.num_experts,
+        "num_experts_per_tok": moe.router.top_k,
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        **config,
+    }
+
+
 def _common_fields(model_config, eos_id: int, pad_id: int) -> dict:
     """The config.json fields every family's checkpoint writes alike."""
     return {
@@ -397,9 +457,12 @@ def write_checkpoint(
             if buffer_name.endswith("moe.expert_bias_E"):
                 buffer.normal_(0.0, 0.05)
     for module in model.modules():  # gains off their centre (init: the centre), as trained
-        if hasattr(module, "gain_center"):
+        centre = getattr(module, "gain_center", None)
+        if name == "qwen3_5" and hasattr(module, "eps"):  # (1 + w) norms, the gated norm's w
+            centre = 1.0 if type(module).__name__ == "OffsetRMSNorm" else 0.0
+        if centre is not None:
             with torch.no_grad():
-                module.weight.normal_(1.0 - module.gain_center, 0.1)
+                module.weight.normal_(1.0 - centre, 0.1)
     if mean_tokens:
         p_stop = raise_stop_logit(model, eos_id, mean_tokens, seed)
         print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")
@@ -423,7 +486,7 @@ def write_checkpoint(
         "eos_token": EOS,
         "pad_token": PAD,
         "unk_token": UNK,
-        "model_max_length": spec.model.layers[0].attention.rope.max_seq_len,
+        "model_max_length": config.get("text_config", config)["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
@@ -437,7 +500,7 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="qwen3",
-        choices=["qwen3", "llama3", "gpt_oss", *MLA_FAMILIES, "muse_glimmer"],
+        choices=["qwen3", "llama3", "gpt_oss", *MLA_FAMILIES, "muse_glimmer", "qwen3_5"],
     )
     parser.add_argument(
         "--flavor",

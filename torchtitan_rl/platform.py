@@ -238,6 +238,33 @@ def packed_attention_kernel(dtype: str = "float32"):
     return packed_attention.varlen
 
 
+def gated_delta_rule():
+    """Qwen3.5's Gated DeltaNet recurrence, fn(q, k, v, g, beta, state=None) -> (outputs,
+    final state), q/k/v [B, L, H, *], g/beta [B, L, H]: `fla`'s chunked Triton kernel on CUDA
+    where `fla` is installed, else the chunked form in plain torch (models/gated_delta.py),
+    which computes the same (the kernels take q and k unnormed and L2-norm them)."""
+    from torchtitan_rl.models import gated_delta, qwen3_5
+
+    if device_type() == "cuda" and qwen3_5.fla_installed():
+        return _fla_gated_delta_rule
+    return gated_delta.chunked
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, state=None):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g.float(),
+        beta,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+
+
 @functools.cache
 def _note_no_varlen_kernel(dtype: str) -> None:
     """Say once per process (the policy and the reference model both build their attention)

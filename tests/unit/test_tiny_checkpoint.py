@@ -39,6 +39,8 @@ def test_tokenizer_round_trips_task_text():
         ("deepseek_v3", "tiny_grouped", "DeepseekV3ForCausalLM"),
         ("kimi_k2_7", "tiny", "DeepseekV3ForCausalLM"),
         ("muse_glimmer", "tiny", "MuseGlimmerForConditionalGeneration"),
+        ("qwen3_5", "tiny", "Qwen3_5ForCausalLM"),
+        ("qwen3_5", "tiny_moe", "Qwen3_5MoeForCausalLM"),
     ],
 )
 def test_transformers_loads_it_with_torchtitan_logits(name, flavor, architecture):
@@ -54,11 +56,15 @@ def test_transformers_loads_it_with_torchtitan_logits(name, flavor, architecture
     model's, whose 1-layer vision tower the text's logits do not read. Its bound is 1e-4, not
     1e-5: QK-norm then the query scale make attention logits up to ~44, whose softmax
     amplifies the fp32 rounding of two RoPE formulas (measured 4.4e-5); a window one key off,
-    a post-norm eps of 1e-6 or the query scale 7.7 for 7.74 each move a logit by 0.07 to 5.7."""
+    a post-norm eps of 1e-6 or the query scale 7.7 for 7.74 each move a logit by 0.07 to 5.7.
+    Qwen3.5's (dense and MoE, 167 tokens: three of the recurrence's 64-token chunks) goes
+    through three Gated DeltaNet layers (HF's own PyTorch recurrence against gated_delta.py's)
+    and the gated full-attention layer with RoPE on a quarter of each head (measured: 2.4e-7)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     path = REPO / "assets" / f"{flavor}_{name}"
-    prompt = PROMPT if name in ("qwen3", "llama3") else " ".join([PROMPT] * 4)
+    repeats = {"qwen3": 1, "llama3": 1, "qwen3_5": 12}.get(name, 4)
+    prompt = " ".join([PROMPT] * repeats)
     ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
     auto = AutoModelForImageTextToText if name == "muse_glimmer" else AutoModelForCausalLM
     model = auto.from_pretrained(path, attn_implementation="eager")

@@ -25,9 +25,19 @@ from torchtitan_rl.models.moe import use_project_moe
 from torchtitan_rl.models.tiny import EXTRA_FLAVORS
 
 
+def family_module(name: str):
+    """torchtitan's package of model family `name` (Qwen3.5's through models/qwen3_5.py, which
+    stands in for `fla` where it is not installed)."""
+    if name == "qwen3_5":
+        from torchtitan_rl.models import qwen3_5
+
+        return qwen3_5.family()
+    return importlib.import_module(f"torchtitan.models.{name}")
+
+
 def flavors(name: str) -> list[str]:
     """All flavor names available for model `name` (torchtitan's and ours)."""
-    module = importlib.import_module(f"torchtitan.models.{name}")
+    module = family_module(name)
     registry = getattr(module, FAMILIES[name].registry)
     return sorted({*registry, *EXTRA_FLAVORS.get(name, {})})
 
@@ -66,8 +76,12 @@ def _config(name: str, flavor: str, attn_backend: str = "flex"):
         return extra[flavor](attn_backend)
     # Through the family's model_registry: its factories' arguments differ (gpt_oss's need a
     # moe_comm_backend).
-    module = importlib.import_module(f"torchtitan.models.{name}")
-    return module.model_registry(flavor, attn_backend=attn_backend).model
+    config = family_module(name).model_registry(flavor, attn_backend=attn_backend).model
+    if name == "qwen3_5":  # every flavor of torchtitan's builds a vision encoder
+        from torchtitan_rl.models.qwen3_5 import text_only
+
+        return text_only(config)
+    return config
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +121,7 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     # Process-wide, as torchtitan's Trainer sets it before building: Muse Glimmer's forward
     # asserts "spmd_types" placements (the default) against a mesh nothing here sets.
     dist_utils.set_spmd_backend(platform.spmd_backend())
-    module = importlib.import_module(f"torchtitan.models.{name}")
-    spec = module.model_registry("debugmodel", attn_backend=attn_backend)
+    spec = family_module(name).model_registry("debugmodel", attn_backend=attn_backend)
     spec.name = name  # kimi_k2_7's spec names itself kimi_k2_5
     spec.flavor = flavor
     spec.model = _config(name, flavor, attn_backend)
@@ -122,6 +135,10 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
         from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
         spec.parallelize_fn = parallelize_qwen3
+    if name == "qwen3_5":
+        from torchtitan_rl.models.qwen3_5 import adapter_class
+
+        spec.state_dict_adapter = adapter_class()
     use_project_moe(spec.model)
     return spec
 

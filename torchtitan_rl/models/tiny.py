@@ -315,6 +315,59 @@ def muse_glimmer_tiny(attn_backend: str):
     return config
 
 
+def qwen3_5_tiny(attn_backend: str, moe: bool = False):
+    """Qwen3.5's text model at the tiny size: 4 layers, three Gated DeltaNet (2 key heads
+    repeated to 4 value heads of 32, a width-4 causal convolution) and the fourth gated full
+    attention (QK-norm, RoPE on the first quarter of each head: 8 of 32 dims), offset norms,
+    untied. `moe`: each MLP replaced by 8 experts of width 64, 2 per token, plus the
+    sigmoid-gated shared expert (Qwen3.5-35B-A3B's structure)."""
+    from torchtitan.models.common import Embedding, Linear
+
+    from torchtitan_rl.models.qwen3_5 import family, text_only
+
+    q35 = family()
+    sizes = dict(
+        n_layers=4,
+        dim=DIM,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=HEAD_DIM,
+        rotary_dim=HEAD_DIM // 4,
+        rope=q35.MRoPE.Config(
+            dim=HEAD_DIM // 4, max_seq_len=4096, theta=10_000_000.0, mrope_section=[2, 1, 1]
+        ),
+        n_key_heads=2,
+        n_value_heads=4,
+        key_head_dim=HEAD_DIM,
+        value_head_dim=HEAD_DIM,
+        attn_backend=attn_backend,
+    )
+    if moe:
+        layers = q35._build_qwen35_moe_layers(
+            moe_hidden_dim=64, num_experts=8, top_k=2, shared_expert_hidden_dim=64, **sizes
+        )
+    else:
+        layers = q35._build_qwen35_layers(hidden_dim=256, **sizes)
+    config = q35.Qwen35Model.Config(
+        vocab_size=VOCAB_SIZE,
+        dim=DIM,
+        norm=q35._offset_norm(DIM),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=q35._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB_SIZE, param_init=q35._output_linear_init(DIM)
+        ),
+        layers=layers,
+        vision_encoder=None,
+    )
+    return text_only(config)
+
+
+def qwen3_5_tiny_moe(attn_backend: str):
+    return qwen3_5_tiny(attn_backend, moe=True)
+
+
 # {model name: {flavor: config factory(attn_backend)}}
 EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "qwen3": {"tiny": qwen3_tiny, "tiny_moe": qwen3_tiny_moe},
@@ -323,4 +376,5 @@ EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "deepseek_v3": {"tiny": deepseek_v3_tiny, "tiny_grouped": deepseek_v3_tiny_grouped},
     "kimi_k2_7": {"tiny": kimi_k2_7_tiny},
     "muse_glimmer": {"tiny": muse_glimmer_tiny},
+    "qwen3_5": {"tiny": qwen3_5_tiny, "tiny_moe": qwen3_5_tiny_moe},
 }

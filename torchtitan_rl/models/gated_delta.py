@@ -1,0 +1,108 @@
+"""The gated delta rule of Qwen3.5's linear-attention layers, in plain torch: the chunked form
+the trainer runs over whole sequences (with autograd), the recurrent form the generator runs
+token by token, and the short causal convolution before it. Both forms take and return the
+recurrent state, so a sequence may be cut anywhere (a prefill, then decodes).
+
+    .venv/bin/python -m pytest tests/unit/test_gated_delta.py
+
+Per value head, with the state S (K x V), a token's decay g (< 0), its write strength beta in
+(0, 1), its L2-normed key k and query q (the query scaled by K^-1/2), and its value v:
+
+    S <- exp(g) S;    S <- S + k (beta (v - k^T S))^T;    o = S^T q
+
+The chunked form computes the same over chunks of `CHUNK` tokens with the WY representation
+(one triangular solve per chunk, then one state update per chunk); it is what `fla`'s
+`chunk_gated_delta_rule` computes, which the trainer runs instead on CUDA where `fla` is
+installed (platform.gated_delta_kernels). Shapes: B sequences, L tokens, H value heads, K key
+dim, V value dim, C chunk length, N chunks. Computed in fp32; outputs in the inputs' dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+"""The chunk length of the chunked form (fla's and HF's)."""
+
+
+def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x` over its last dim's L2 norm, as fla's kernels take q and k (`use_qk_l2norm`)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH):
+    """fp32, heads first, q and k L2-normed and q scaled: [B, H, L, *]."""
+    scale = q_BLHK.shape[-1] ** -0.5
+    q = l2_normed(q_BLHK.float()).transpose(1, 2) * scale
+    k = l2_normed(k_BLHK.float()).transpose(1, 2)
+    return q, k, v_BLHV.float().transpose(1, 2), g_BLH.float().transpose(1, 2), beta_BLH.float().transpose(1, 2)
+
+
+def chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None, chunk: int = CHUNK):
+    """The outputs [B, L, H, V] and the final state [B, H, K, V] (fp32) of the gated delta
+    rule over L tokens from `state_BHKV` (zeros where None), chunk by chunk; differentiable."""
+    dtype = v_BLHV.dtype
+    q, k, v, g, beta = _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH)
+    B, H, L, K = k.shape
+    pad = -L % chunk
+    # Padded tokens write nothing (beta 0, k 0) and decay nothing (g 0).
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    N = (L + pad) // chunk
+    q, k, v = (x.reshape(B, H, N, chunk, -1) for x in (q, k, v))
+    g = g.reshape(B, H, N, chunk).cumsum(-1)
+    beta = beta.reshape(B, H, N, chunk, 1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    # decay[i, j] = exp(g_i - g_j) for j <= i: the decay from token j's write to token i.
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta, v_beta = k * beta, v * beta
+    # WY: T = (I + strictly lower(beta k k^T decay))^-1 turns the chunk's sequential writes
+    # into u = T v_beta (what each token writes from a zero state) and w = T k_beta exp(g)
+    # (how much of the incoming state each token's write removes).
+    lower = ((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    t = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    u = t @ v_beta
+    w = t @ (k_beta * g.exp()[..., None])
+    scores = (q @ k.transpose(-1, -2)) * decay
+    S = q.new_zeros(B, H, K, v.shape[-1]) if state_BHKV is None else state_BHKV.float()
+    outputs = []
+    for n in range(N):
+        g_n = g[:, :, n]
+        new = u[:, :, n] - w[:, :, n] @ S
+        outputs.append((q[:, :, n] * g_n.exp()[..., None]) @ S + scores[:, :, n] @ new)
+        last = g_n[..., -1:]
+        S = S * last.exp()[..., None] + (k[:, :, n] * (last - g_n).exp()[..., None]).transpose(-1, -2) @ new
+    o = torch.cat(outputs, dim=2)[:, :, :L]
+    return o.transpose(1, 2).to(dtype), S
+
+
+def recurrent(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None):
+    """`chunked`'s outputs and final state, one token at a time (the generator's decode)."""
+    dtype = v_BLHV.dtype
+    q, k, v, g, beta = _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH)
+    B, H, L, K = k.shape
+    S = q.new_zeros(B, H, K, v.shape[-1]) if state_BHKV is None else state_BHKV.float()
+    outputs = []
+    for t in range(L):
+        S = S * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t, :, None]
+        delta = (v[:, :, t] - (S * k_t).sum(-2)) * beta[:, :, t, None]
+        S = S + k_t * delta[..., None, :]
+        outputs.append((S * q[:, :, t, :, None]).sum(-2))
+    o = torch.stack(outputs, dim=2) if outputs else v.new_zeros(B, H, 0, v.shape[-1])
+    return o.transpose(1, 2).to(dtype), S
+
+
+def causal_conv(x_BLC: torch.Tensor, weight_C1W: torch.Tensor, state_BCW=None):
+    """The depthwise causal convolution (width W) then SiLU over L tokens [B, L, C], after
+    the W - 1 inputs `state_BCW` holds (zeros where None: a sequence's start); returns the
+    outputs and the last W - 1 inputs, the next call's state."""
+    width = weight_C1W.shape[-1]
+    x_BCL = x_BLC.transpose(1, 2)
+    if state_BCW is None:
+        x_BCL = F.pad(x_BCL, (width - 1, 0))
+    else:
+        x_BCL = torch.cat([state_BCW.to(x_BCL.dtype), x_BCL], dim=-1)
+    y = F.conv1d(x_BCL, weight_C1W.to(x_BCL.dtype), groups=x_BCL.shape[1])
+    return F.silu(y).transpose(1, 2), x_BCL[..., x_BCL.shape[-1] - (width - 1) :]
