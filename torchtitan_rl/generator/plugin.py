@@ -8,13 +8,14 @@ that starts a vLLM engine finds the architecture without importing this package 
 
 # The architecture name engines are told to use via hf_overrides={"architectures": [ARCH]}.
 ARCH = "TorchTitanForCausalLM"
+HYBRID_ARCH = "TorchTitanHybridForCausalLM"
+"""The architecture of models with Gated DeltaNet layers (Qwen3.5): vLLM keeps their states."""
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    if ARCH not in ModelRegistry.get_supported_archs():
-        # A "module:Class" string: vLLM imports the wrapper only when an engine builds it.
-        ModelRegistry.register_model(
-            ARCH, "torchtitan_rl.generator.vllm_model:TorchTitanForCausalLM"
-        )
+    for arch in (ARCH, HYBRID_ARCH):
+        if arch not in ModelRegistry.get_supported_archs():
+            # A "module:Class" string: vLLM imports the wrapper only when an engine builds it.
+            ModelRegistry.register_model(arch, f"torchtitan_rl.generator.vllm_model:{arch}")

@@ -26,6 +26,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from torchtitan_rl.batch_invariant import make_linears_invariant
 from torchtitan_rl.generator import tensor_parallel
@@ -110,9 +116,13 @@ class TorchTitanForCausalLM(nn.Module):
         invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         layer_configs = self.spec.model.layers
         for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
-            attention = layer.attention
+            if getattr(config, "delta_net", None) is not None:  # Qwen3.5's linear attention
+                layer.attn.paged = _state_layer(config.delta_net, f"{prefix}layers.{index}.attn.paged")
+                layer.attn.recurrent_prefill = invariant
+                continue
+            attention = attention_of(layer)
             shape = attention_shape(attention, self.spec.model.dim)
-            layer.attention.inner_attention = PagedAttention(
+            attention.inner_attention = PagedAttention(
                 n_heads=shape.heads // self.tp,
                 n_kv_heads=shape.kv_heads // self.tp,
                 head_dim=shape.head_dim,
@@ -204,6 +214,10 @@ class TorchTitanForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, D] of the flat token batch (positions always given)."""
+        if positions.ndim == 2:
+            # MRoPE's [3, T] (Qwen3.5's config.json names its sections): text's three rows
+            # (temporal, height, width) are the same positions.
+            positions = positions[0]
         T = positions.shape[0]
         if self.tp > 1 and not self.local_shards:
             input_ids, positions, inputs_embeds = self._padded(input_ids, positions, inputs_embeds)
@@ -298,6 +312,58 @@ class TorchTitanForCausalLM(nn.Module):
                 self.repack()
             tensor_parallel.add_all_reduces(self.model, reduced)
         return names
+
+
+class TorchTitanHybridForCausalLM(TorchTitanForCausalLM, IsHybrid, HasInnerState):
+    """`TorchTitanForCausalLM` for a model with Gated DeltaNet layers (Qwen3.5): vLLM keeps a
+    state slot per request for each of them (generator/hybrid.py) beside the paged KV cache of
+    the full-attention layers. Its own architecture name: vLLM would take any model of a class
+    declaring `IsHybrid` for hybrid when its config.json lists no `layer_types`. The state's
+    shapes and dtypes come from the checkpoint's config.json (`linear_*`), as for vLLM's own
+    Qwen3.5."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        config = vllm_config.model_config.hf_text_config
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size,
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.linear_conv_kernel_dim,
+        )
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype,
+            vllm_config.cache_config.mamba_cache_dtype,
+            vllm_config.cache_config.mamba_ssm_cache_dtype,
+        )
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+def attention_of(layer: nn.Module) -> nn.Module:
+    """A decoder layer's attention module (Qwen3.5's is named `attn`)."""
+    return layer.attention if hasattr(layer, "attention") else layer.attn
+
+
+def _state_layer(config, prefix: str) -> nn.Module:
+    """The vLLM state layer of a Gated DeltaNet layer of `config` (generator/hybrid.py)."""
+    from torchtitan_rl.generator.hybrid import GatedDeltaState
+
+    return GatedDeltaState(
+        key_heads=config.in_proj_q.out_features // config.key_head_dim,
+        value_heads=config.in_proj_v.out_features // config.value_head_dim,
+        key_dim=config.key_head_dim,
+        value_dim=config.value_head_dim,
+        width=config.conv_kernel_size,
+        prefix=prefix,
+    )
 
 
 def _pack(model: nn.Module) -> None:

@@ -53,8 +53,6 @@ FAMILIES = {
             "qwen3_5",
             "qwen3_5_configs",
             ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-            refused="its Gated DeltaNet layers need the `fla` Triton GPU kernels (not "
-            "installed) and a recurrent state the generator does not keep",
         ),
     )
 }

@@ -104,13 +104,35 @@ def _classes():
         class Config(model.GatedDeltaNet.Config):
             pass
 
+        def __init__(self, config):
+            super().__init__(config)
+            self.paged = None
+            """In the generator: its vLLM state layer (generator/hybrid.py
+            `GatedDeltaState`), whose slots hold each request's convolution inputs and
+            recurrent state."""
+            self.recurrent_prefill = False
+            """In the generator: run prefills with the recurrent form (batch-invariant)."""
+
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
             B, L, _ = x_BLD.shape
             qkv_BLC = torch.cat([self.in_proj_q(x_BLD), self.in_proj_k(x_BLD), self.in_proj_v(x_BLD)], dim=-1)
             weight = torch.cat([self.conv_q.weight, self.conv_k.weight, self.conv_v.weight])
             g_BLH, beta_BLH = self.gates(x_BLD)
+            if self.paged is not None:  # vLLM's flat batch of requests, [1, T, D]
+                out_THV = torch.ops.torchtitan_rl.gated_delta_paged(
+                    qkv_BLC[0],
+                    g_BLH[0],
+                    beta_BLH[0],
+                    weight,
+                    self.paged.layer_name,
+                    self.in_proj_q.weight.shape[0] // self.key_head_dim,
+                    self.key_head_dim,
+                    self.value_head_dim,
+                    self.recurrent_prefill,
+                )
+                return self.output(out_THV[None], x_BLD)
             runs = [(0, L)] if attention_masks is None else spans(attention_masks)
-            rule = _platform().gated_delta_rule()
+            rule = gated_delta.recurrent if _invariant() else _platform().gated_delta_rule()
             outputs = []
             for start, end in runs:
                 mixed, _ = gated_delta.causal_conv(qkv_BLC[:, start:end], weight)
@@ -189,6 +211,14 @@ def _no_vision_plan(sharding):
         yield
     finally:
         sharding._set_vision_encoder_sharding = plan
+
+
+def _invariant() -> bool:
+    """Batch-invariant mode: the trainer runs the recurrent form, token by token, as the
+    generator then does for its prefills and decodes (generator/hybrid.py)."""
+    from torchtitan_rl import batch_invariant
+
+    return batch_invariant.is_enabled()
 
 
 def _platform():
