@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.protocols.module import Module
 
 from torchtitan_rl.batch_invariant import ops
@@ -74,11 +75,18 @@ def _invariant_capped_forward(self: nn.Linear, x, cap):
     return cap(ops.linear(x, self.weight, self.bias))
 
 
+def _invariant_gated_forward(self, x):
+    return ops.pointwise(torch.sigmoid, self.gate(x)) * FeedForward.forward(self, x)
+
+
 def make_linears_invariant(model: nn.Module) -> None:
     """Run every nn.Linear of `model` through `ops.linear` (parameters and names unchanged),
     then its soft cap where it has one (Muse Glimmer's head: `logprobs.soft_cap`), and this
     project's MoE experts and routers (models/moe.py: the modules with a
-    `batch_invariant` switch) through their batch-invariant kernels."""
+    `batch_invariant` switch) through their batch-invariant kernels. A shared expert's sigmoid
+    gate (Qwen3.5-MoE's: one value a token) goes through `ops.pointwise`."""
+    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
+
     from torchtitan_rl.trainer.logprobs import soft_cap
 
     for module in model.modules():
@@ -89,6 +97,8 @@ def make_linears_invariant(model: nn.Module) -> None:
             module.forward = types.MethodType(forward, module)
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True
+        if isinstance(module, SigmoidGatedFeedForward):
+            module.forward = types.MethodType(_invariant_gated_forward, module)
 
 
 class CausalAttention(Module):

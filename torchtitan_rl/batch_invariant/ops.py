@@ -12,6 +12,11 @@ Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; docs/batch_invariant
   products are exact in fp32, so `linear` multiplies bf16 inputs as fp32 (invariant wherever
   fp32 is) and rounds the result to bf16 once; without AMX fp32 GEMM is also the faster one.
 - RMSNorm, log_softmax and logsumexp are row-invariant as they are.
+- Elementwise sigmoid, softplus and SiLU are not where a row is narrower than ATen's vector
+  loop: ATen runs a tensor's elements in vectors of 2 x 16 (fp32, AVX-512) and the remainder
+  with scalar code, and the two differ in the last bit (measured: sigmoid 3.9%, softplus 11%
+  of 100,000 values). Rows of 4 (Qwen3.5's per-head gates) land in one or the other by the
+  tensor's size. `pointwise` pads a tensor to whole vectors; exp and rsqrt agree as they are.
 - SDPA is not: decoding one row alone differs from the same row in a causal forward. For P @ V
   the contraction length must not change (trailing zero keys are not neutral past ~144 keys),
   while QK^T and softmax are neutral to trailing zero keys / -inf scores. `attention` therefore
@@ -52,6 +57,22 @@ class _Linear(torch.autograd.Function):
         grad_w = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad_rows.dtype)
         grad_b = grad_rows.sum(0) if ctx.has_bias else None
         return grad_x, grad_w.to(weight.dtype), grad_b
+
+
+LANES = 64
+"""A multiple of every ATen CPU vector loop's step (2 x 32 bf16 lanes at AVX-512)."""
+GRAIN = 32768
+"""ATen's grain: a tensor of more elements may be split over threads at any element."""
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """Elementwise `fn` of `x` with every element computed by ATen's vector code, whatever
+    `x`'s size: flattened, padded to a multiple of LANES, run in pieces of at most GRAIN
+    elements (one thread each). Differentiable."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = F.pad(flat, (0, -n % LANES))
+    return torch.cat([fn(piece) for piece in padded.split(GRAIN)])[:n].view(x.shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

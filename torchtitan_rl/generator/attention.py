@@ -108,12 +108,13 @@ def _layer_context(layer_name: str):
 
 
 def metadata_of(metadata, layer_name: str | None):
-    """`layer_name`'s metadata of a forward context's, or any layer's (None: none)."""
+    """`layer_name`'s metadata of a forward context's, or (None) any attention layer's."""
     if isinstance(metadata, list):
         metadata = metadata[0] if metadata else None
     if isinstance(metadata, dict):
-        if layer_name is None:
-            return next(iter(metadata.values()), None)
+        if layer_name is None:  # an attention layer's (not a Gated DeltaNet state layer's)
+            found = [m for m in metadata.values() if hasattr(m, "query_start_loc")]
+            return next(iter(found or metadata.values()), None)
         return metadata.get(layer_name)
     return metadata
 

@@ -77,7 +77,7 @@ def gated_delta_paged(
     key_heads: int,
     key_dim: int,
     value_dim: int,
-    recurrent_prefill: bool,
+    invariant: bool,
 ) -> torch.Tensor:
     """The Gated DeltaNet outputs [T, H, V] of vLLM's flat batch of T tokens: the convolution
     over each request's tokens after the inputs its slot holds, then the rule from its slot's
@@ -93,7 +93,7 @@ def gated_delta_paged(
     slots = metadata.non_spec_state_indices_tensor[: len(starts) - 1].long()
     has_state = metadata.has_initial_state
     decodes = metadata.num_decodes  # first in the batch, one token each
-    rule = gated_delta.recurrent if recurrent_prefill else gated_delta.chunked
+    rule = gated_delta.recurrent if invariant else gated_delta.chunked  # for prefills
 
     def conv_state(rows):  # [B, C, W - 1]
         return conv_states[rows] if is_conv_state_dim_first() else conv_states[rows].transpose(1, 2)
@@ -109,7 +109,8 @@ def gated_delta_paged(
 
     def run(first, last, rows, fresh, form):
         x_BLC = qkv_TC[first:last].view(len(rows), -1, qkv_TC.shape[-1])
-        mixed, conv_after = gated_delta.causal_conv(x_BLC, conv_weight, None if fresh else conv_state(rows))
+        state = None if fresh else conv_state(rows)
+        mixed, conv_after = gated_delta.causal_conv(x_BLC, conv_weight, state)
         state = None if fresh else ssm_states[rows].transpose(-1, -2)
         L = x_BLC.shape[1]
         g, beta = (t[first:last].view(len(rows), L, H) for t in (g_TH, beta_TH))
@@ -126,7 +127,7 @@ def gated_delta_paged(
 
 
 @gated_delta_paged.register_fake
-def _(qkv_TC, g_TH, beta_TH, conv_weight, layer_name, key_heads, key_dim, value_dim, recurrent_prefill):
+def _(qkv_TC, g_TH, beta_TH, conv_weight, layer_name, key_heads, key_dim, value_dim, invariant):
     return qkv_TC.new_empty(g_TH.shape[0], g_TH.shape[1], value_dim)
 
 

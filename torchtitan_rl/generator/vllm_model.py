@@ -118,7 +118,7 @@ class TorchTitanForCausalLM(nn.Module):
         for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
             if getattr(config, "delta_net", None) is not None:  # Qwen3.5's linear attention
                 layer.attn.paged = _state_layer(config.delta_net, f"{prefix}layers.{index}.attn.paged")
-                layer.attn.recurrent_prefill = invariant
+                layer.attn.invariant = invariant
                 continue
             attention = attention_of(layer)
             shape = attention_shape(attention, self.spec.model.dim)

@@ -37,6 +37,14 @@ def _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH):
     return q, k, v_BLHV.float().transpose(1, 2), g_BLH.float().transpose(1, 2), beta_BLH.float().transpose(1, 2)
 
 
+def _state(state_BHKV: torch.Tensor) -> torch.Tensor:
+    """An incoming state as fp32 and contiguous in (K, V): the reductions over K then run in
+    one order whatever the caller's layout (vLLM's slots hold it (V, K): read transposed,
+    a decode's sums over K ran in another order than the trainer's and moved its output by an
+    ulp, measured)."""
+    return state_BHKV.float().contiguous()
+
+
 def chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None, chunk: int = CHUNK):
     """The outputs [B, L, H, V] and the final state [B, H, K, V] (fp32) of the gated delta
     rule over L tokens from `state_BHKV` (zeros where None), chunk by chunk; differentiable."""
@@ -65,7 +73,7 @@ def chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None, chunk: int
     u = t @ v_beta
     w = t @ (k_beta * g.exp()[..., None])
     scores = (q @ k.transpose(-1, -2)) * decay
-    S = q.new_zeros(B, H, K, v.shape[-1]) if state_BHKV is None else state_BHKV.float()
+    S = q.new_zeros(B, H, K, v.shape[-1]) if state_BHKV is None else _state(state_BHKV)
     outputs = []
     for n in range(N):
         g_n = g[:, :, n]
@@ -82,7 +90,7 @@ def recurrent(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None):
     dtype = v_BLHV.dtype
     q, k, v, g, beta = _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH)
     B, H, L, K = k.shape
-    S = q.new_zeros(B, H, K, v.shape[-1]) if state_BHKV is None else state_BHKV.float()
+    S = q.new_zeros(B, H, K, v.shape[-1]) if state_BHKV is None else _state(state_BHKV)
     outputs = []
     for t in range(L):
         S = S * g[:, :, t].exp()[..., None, None]
@@ -97,7 +105,9 @@ def recurrent(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None):
 def causal_conv(x_BLC: torch.Tensor, weight_C1W: torch.Tensor, state_BCW=None):
     """The depthwise causal convolution (width W) then SiLU over L tokens [B, L, C], after
     the W - 1 inputs `state_BCW` holds (zeros where None: a sequence's start); returns the
-    outputs and the last W - 1 inputs, the next call's state."""
+    outputs and the last W - 1 inputs, the next call's state. A token's output is the same
+    bits whether the call has its sequence or only it (measured in fp32 and bf16: the tests
+    check it), so batch-invariant mode runs it as it is."""
     width = weight_C1W.shape[-1]
     x_BCL = x_BLC.transpose(1, 2)
     if state_BCW is None:

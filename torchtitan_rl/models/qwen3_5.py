@@ -110,8 +110,10 @@ def _classes():
             """In the generator: its vLLM state layer (generator/hybrid.py
             `GatedDeltaState`), whose slots hold each request's convolution inputs and
             recurrent state."""
-            self.recurrent_prefill = False
-            """In the generator: run prefills with the recurrent form (batch-invariant)."""
+            self.invariant = False
+            """In the generator: batch-invariant mode (prefills in the recurrent form, the
+            gates through `ops.pointwise`), which the trainer reads from
+            `batch_invariant.is_enabled`."""
 
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
             B, L, _ = x_BLD.shape
@@ -128,11 +130,12 @@ def _classes():
                     self.in_proj_q.weight.shape[0] // self.key_head_dim,
                     self.key_head_dim,
                     self.value_head_dim,
-                    self.recurrent_prefill,
+                    self.invariant,
                 )
                 return self.output(out_THV[None], x_BLD)
             runs = [(0, L)] if attention_masks is None else spans(attention_masks)
-            rule = gated_delta.recurrent if _invariant() else _platform().gated_delta_rule()
+            invariant = _invariant()
+            rule = gated_delta.recurrent if invariant else _platform().gated_delta_rule()
             outputs = []
             for start, end in runs:
                 mixed, _ = gated_delta.causal_conv(qkv_BLC[:, start:end], weight)
@@ -143,9 +146,17 @@ def _classes():
             return self.output(out_BLHV, x_BLD)
 
         def gates(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """Each token's decay g (< 0, fp32) and write strength beta per value head."""
-            g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(x_BLD).float() + self.dt_bias)
-            return g, torch.sigmoid(self.in_proj_b(x_BLD))
+            """Each token's decay g (< 0, fp32) and write strength beta per value head; in
+            batch-invariant mode through `ops.pointwise` (rows of H values are narrower than
+            ATen's vector loop, whose scalar remainder rounds differently)."""
+            from torchtitan_rl.batch_invariant import ops
+
+            def each(fn, x):
+                return ops.pointwise(fn, x) if self.invariant or _invariant() else fn(x)
+
+            a = self.in_proj_a(x_BLD).float() + self.dt_bias
+            g = -torch.exp(self.A_log.float()) * each(F.softplus, a)
+            return g, each(torch.sigmoid, self.in_proj_b(x_BLD))
 
         def heads(self, mixed_BLC: torch.Tensor):
             """q, k [B, L, H, K] (key heads repeated to the value heads) and v [B, L, H, V]
