@@ -40,6 +40,16 @@ MUSE_GLIMMER_MODEL = (
     *("--model.name", "muse_glimmer", "--model.flavor", "tiny"),
     *("--model.hf_checkpoint", "assets/tiny_muse_glimmer"),
 )
+# Qwen3.5: three Gated DeltaNet layers and a gated full-attention one; its MoE with a
+# sigmoid-gated shared expert, the experts over the 2 ranks (EP = 2).
+QWEN3_5_MODEL = (
+    *("--model.name", "qwen3_5", "--model.flavor", "tiny"),
+    *("--model.hf_checkpoint", "assets/tiny_qwen3_5"),
+)
+QWEN3_5_MOE_MODEL = (
+    *("--model.name", "qwen3_5", "--model.flavor", "tiny_moe"),
+    *("--model.hf_checkpoint", "assets/tiny_moe_qwen3_5", "--parallelism.ep", "2"),
+)
 # DeepSeek-V3 with group-limited routing, and Kimi K2's text tower: latent attention, shared
 # experts, sigmoid routing with the correction bias; the experts over the 2 ranks (EP = 2).
 DEEPSEEK_V3_MODEL = (

@@ -22,7 +22,9 @@ os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 def greedy(path: str, prompt: str, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=path, dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+    # GREEDY_DTYPE=bfloat16: vLLM's CPU kernels for Qwen3.5's Gated DeltaNet take bf16 only.
+    dtype = os.environ.get("GREEDY_DTYPE", "float32")
+    llm = LLM(model=path, dtype=dtype, max_model_len=128, enforce_eager=True, seed=0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, out.token_ids, strict=True)]

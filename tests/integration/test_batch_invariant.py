@@ -38,16 +38,20 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_p
     logprobs are equal, it learns, and on the trained weights every batch composition gives
     the trainer's logprobs exactly. Then, in the same world, Muse Glimmer's text tower in bf16
     (3 steps and the probes): its prompts of up to 206 tokens cross the 16-token window of its
-    sliding layers, and both sides soft-cap the head's logits with one routine."""
+    sliding layers, and both sides soft-cap the head's logits with one routine. Then Qwen3.5's
+    dense hybrid in bf16: both sides run the Gated DeltaNet recurrence token by token (the
+    generator from its state slots: prefills, then decodes of varying batch), its gates through
+    `ops.pointwise`."""
     results = probe(
         tmp_path,
         ("demo", ("--batch_invariant", "true")),
         ("muse_glimmer", (*STEPS, *runs.MUSE_GLIMMER_MODEL, *BF16, "--batch_invariant", "true")),
+        ("qwen3_5", (*STEPS, *runs.QWEN3_5_MODEL, *BF16, "--batch_invariant", "true")),
     )
-    muse = results["muse_glimmer"]
-    assert diffs(muse) == [0.0] * 6, muse
-    assert muse["alone_equals_among_16"]
-    assert len(metric_rows(tmp_path / "muse_glimmer")) == 3
+    for name in ("muse_glimmer", "qwen3_5"):
+        assert diffs(results[name]) == [0.0] * 6, (name, results[name])
+        assert results[name]["alone_equals_among_16"], name
+        assert len(metric_rows(tmp_path / name)) == 3
     result = results["demo"]
     rows = metric_rows(tmp_path / "demo")
     assert len(rows) == 100 == len(result["steps"])
@@ -89,12 +93,15 @@ def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_p
       attention, whose values are narrower than its keys (the generator pads them in vLLM's
       cache and reads them back unpadded), sigmoid routing with the correction bias, shared
       experts. Kimi's run trains the bias (training.expert_bias_update_rate): each step's
-      sync carries the moved bias, so the generator routes as the trainer does."""
+      sync carries the moved bias, so the generator routes as the trainer does;
+    - Qwen3.5-MoE: Gated DeltaNet layers (above), a sigmoid-gated shared expert (its gate
+      through `ops.pointwise`: one value a token is narrower than ATen's vector loop)."""
     models = {
         "moe": runs.MOE_MODEL,
         "gpt_oss": runs.GPT_OSS_MODEL,
         "deepseek_v3": runs.DEEPSEEK_V3_MODEL,
         "kimi_k2_7": (*runs.KIMI_MODEL, "--training.expert_bias_update_rate", "1e-2"),
+        "qwen3_5_moe": runs.QWEN3_5_MOE_MODEL,
     }
     results = probe(
         tmp_path,
@@ -107,8 +114,8 @@ def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_p
         assert diffs(result) == [0.0] * 6, (name, result)
         assert [step["offpolicy/ratio_max"] for step in result["steps"]] == [1.0] * 3, name
         assert result["alone_equals_among_16"], name
-    # Four models, not one four times: each run's last step has its own entropy.
-    assert len({metric_rows(tmp_path / name)[-1]["entropy"] for name in results}) == 4
+    # Five models, not one five times: each run's last step has its own entropy.
+    assert len({metric_rows(tmp_path / name)[-1]["entropy"] for name in results}) == 5
 
 
 def test_without_the_mode_the_same_probes_differ_in_fp32_and_bf16(tmp_path):

@@ -283,10 +283,10 @@ BAD_INPUTS = {
         [],
         ["task.reward_fn = 'no_such_module:score': cannot import 'no_such_module'"],
     ),
-    "model the generator cannot run": (
-        '[model]\nname = "qwen3_5"\n',
+    "tensor parallel over Gated DeltaNet layers": (
+        '[model]\nname = "qwen3_5"\n[parallelism]\ntp = 2\n',
         [],
-        ["model.name = 'qwen3_5' is not supported", "qwen3"],
+        ["parallelism.tp = 2: qwen3_5's Gated DeltaNet layers run whole", "use 1"],
     ),
     "a flavor with a vision tower": (
         '[model]\nname = "kimi_k2_7"\nflavor = "Kimi-K2.5"\n',

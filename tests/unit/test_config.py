@@ -192,19 +192,21 @@ def test_run_configs_are_left_unchanged_by_resolve_and_validate(name, entry):
         assert config.algorithm == AlgorithmSection()
 
 
-def test_families_not_supported_yet_are_refused_with_the_reason():
-    """torchtitan ships qwen3_5; picking it is one line naming it and why, at config time (its
-    module does not even import here: the check never imports it)."""
+def test_qwen3_5_runs_whole_heads_and_refuses_tensor_parallel():
+    """Every torchtitan family runs now (qwen3_5 last); its Gated DeltaNet layers run whole on
+    each rank, so tensor parallel on either side is one line naming the field, at config time."""
     from torchtitan_rl.config import ConfigError
+    from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS
 
-    with pytest.raises(ConfigError) as error:
-        parse_args(["--job.config_file", DEBUG_TOML, "--model.name", "qwen3_5"])
-    message = str(error.value)
-    assert message.startswith("model.name = 'qwen3_5' is not supported yet: ")
-    assert "\n" not in message and "Gated DeltaNet" in message
-    assert message.endswith(
-        "use one of qwen3, llama3, gpt_oss, deepseek_v3, kimi_k2_7, muse_glimmer"
-    )
+    assert set(SUPPORTED_MODELS) == set(FAMILIES)
+    qwen3_5 = ["--job.config_file", DEBUG_TOML, "--model.name", "qwen3_5"]
+    assert parse_args([*qwen3_5, "--model.flavor", "tiny_moe"]).model.flavor == "tiny_moe"
+    for field in ("parallelism.tp", "generator.parallelism.tensor_parallel_degree"):
+        with pytest.raises(ConfigError) as error:
+            parse_args([*qwen3_5, f"--{field}", "2"], world_size=2)
+        message = str(error.value)
+        assert message.startswith(f"{field} = 2: qwen3_5's Gated DeltaNet layers run whole")
+        assert "\n" not in message
 
 
 KIMI_TEXT, MUSE_TEXT = ("moonlight-16B-A3B", "tiny"), ("30B", "debugmodel", "tiny")

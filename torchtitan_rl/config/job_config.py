@@ -179,6 +179,29 @@ class JobConfig:
             "pick an ep that divides them",
         )
 
+    def _validate_linear_attention(self) -> None:
+        """Qwen3.5's Gated DeltaNet layers run per rank: this project's forward of them
+        (models/qwen3_5.py) and the generator's state op (generator/hybrid.py) take whole
+        heads, not tensor-parallel shards."""
+        from torchtitan_rl.models import model_spec
+
+        layers = model_spec(self.model.name, self.model.flavor).model.layers
+        if not any(getattr(layer, "delta_net", None) for layer in layers):
+            return
+        for field_name, tp in (
+            ("parallelism.tp", self.parallelism.tp),
+            (
+                "generator.parallelism.tensor_parallel_degree",
+                self.generator.parallelism.tensor_parallel_degree,
+            ),
+        ):
+            require(
+                tp == 1,
+                f"{field_name} = {tp}: {self.model.name}'s Gated DeltaNet layers run whole on "
+                "each rank here (no tensor-parallel split of their heads yet): use 1 (FSDP and "
+                "expert parallel shard the trainer; one engine per rank generates)",
+            )
+
     def _validate_heads(self) -> None:
         from torchtitan_rl.models import attention_shape, model_spec
 
@@ -340,6 +363,7 @@ class JobConfig:
             "lora.enable = true trains adapters on frozen weights, but model.hf_checkpoint is "
             "unset (random weights): set model.hf_checkpoint to the model to adapt",
         )
+        self._validate_linear_attention()
         self._validate_heads()
         self._validate_experts()
         if entry == "sft":

@@ -317,7 +317,8 @@ def muse_glimmer_tiny(attn_backend: str):
 
 def qwen3_5_tiny(attn_backend: str, moe: bool = False):
     """Qwen3.5's text model at the tiny size: 4 layers, three Gated DeltaNet (2 key heads
-    repeated to 4 value heads of 32, a width-4 causal convolution) and the fourth gated full
+    repeated to 4 value heads of 64, the smallest vLLM's own CPU kernels take, and a width-4
+    causal convolution) and the fourth gated full
     attention (QK-norm, RoPE on the first quarter of each head: 8 of 32 dims), offset norms,
     untied. `moe`: each MLP replaced by 8 experts of width 64, 2 per token, plus the
     sigmoid-gated shared expert (Qwen3.5-35B-A3B's structure)."""
@@ -338,8 +339,8 @@ def qwen3_5_tiny(attn_backend: str, moe: bool = False):
         ),
         n_key_heads=2,
         n_value_heads=4,
-        key_head_dim=HEAD_DIM,
-        value_head_dim=HEAD_DIM,
+        key_head_dim=2 * HEAD_DIM,
+        value_head_dim=2 * HEAD_DIM,
         attn_backend=attn_backend,
     )
     if moe:
