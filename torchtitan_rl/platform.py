@@ -243,11 +243,18 @@ def gated_delta_rule():
     final state), q/k/v [B, L, H, *], g/beta [B, L, H]: `fla`'s chunked Triton kernel on CUDA
     where `fla` is installed, else the chunked form in plain torch (models/gated_delta.py),
     which computes the same (the kernels take q and k unnormed and L2-norm them)."""
-    from torchtitan_rl.models import gated_delta, qwen3_5
+    from torchtitan_rl.models import gated_delta
 
-    if device_type() == "cuda" and qwen3_5.fla_installed():
+    if device_type() == "cuda" and fla_installed():
         return _fla_gated_delta_rule
     return gated_delta.chunked
+
+
+def fla_installed() -> bool:
+    """Whether flash-linear-attention (`fla`: Triton kernels, CUDA) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
 
 
 def _fla_gated_delta_rule(q, k, v, g, beta, state=None):

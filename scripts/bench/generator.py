@@ -14,6 +14,11 @@ on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3
 debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel; `assets/debug_deepseek_v3`:
 DeepSeek-V3's, whose 512 + 64 latent vLLM's CPU MLA kernel reads).
 
+Qwen3.5 (`--checkpoint assets/tiny_qwen3_5 --dtype bfloat16`): vLLM's own model runs its Gated
+DeltaNet layers with its C++ CPU kernels, which take bf16 only, so both sides run in bf16; its
+processes get tests/helpers/stand_ins on their path (vLLM's qwen3_5 module imports
+torchvision, which has no CPU wheel for this torch).
+
 Multi-head latent attention (DeepSeek-V3): "native" is vLLM's own model as it runs it, with
 its MLA kernel over the latent KV cache (on CPU it then turns prefix caching off);
 "native_decompressed" is vLLM's model without MLA (VLLM_MLA_DISABLE=1: keys and values
@@ -48,6 +53,7 @@ def measure(args: argparse.Namespace) -> dict:
             max_model_len=args.prompt_len + args.max_tokens + 8,
             sampling=SamplingSection(n=args.n, max_tokens=args.max_tokens),
             enforce_eager=True if args.side.endswith("eager") else None,
+            dtype=args.dtype,
         ),
         model=ModelSection(
             name=recipe["name"], flavor=recipe["flavor"], hf_checkpoint=args.checkpoint
@@ -87,6 +93,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per engine")
     parser.add_argument("--trials", type=int, default=3, help="engines started per side")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--side", choices=LATENT_SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -108,6 +115,8 @@ def main() -> None:
         for side in sides:
             command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
             env = {"VLLM_MLA_DISABLE": "1"} if side == "native_decompressed" else {}
+            if side.startswith("native") and "linear_num_value_heads" in config:  # Qwen3.5
+                env["PYTHONPATH"] = str(REPO / "tests" / "helpers" / "stand_ins")
             child = run_child(command, env)
             rates[side] += child["rates"]
             starts[side] += child["start_s"]
@@ -128,6 +137,7 @@ def main() -> None:
                 "prompt_len": args.prompt_len,
                 "n": args.n,
                 "max_tokens": args.max_tokens,
+                "dtype": args.dtype,
                 "ours_tokens_per_s": round(medians["ours"], 1),
                 "native_tokens_per_s": round(medians["native"], 1),
                 "ratio": round(medians["ours"] / medians["native"], 3),

@@ -5,12 +5,14 @@
         (several checkpoints, one engine after another: a JSON list, one entry each)
 
 Runs in its own process: vLLM's CPU worker binds threads, which must not leak into pytest.
+A Qwen3.5 checkpoint runs in bf16 and needs tests/helpers/stand_ins on PYTHONPATH.
 """
 
 import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -22,8 +24,11 @@ os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 def greedy(path: str, prompt: str, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    # GREEDY_DTYPE=bfloat16: vLLM's CPU kernels for Qwen3.5's Gated DeltaNet take bf16 only.
-    dtype = os.environ.get("GREEDY_DTYPE", "float32")
+    # Qwen3.5 (its config names Gated DeltaNet sizes) in bf16: vLLM's CPU kernels for those
+    # layers take bf16 only. Its vLLM module imports torchvision: run this script with
+    # tests/helpers/stand_ins on PYTHONPATH.
+    config = json.loads((Path(path) / "config.json").read_text())
+    dtype = "bfloat16" if "linear_num_value_heads" in config else "float32"
     llm = LLM(model=path, dtype=dtype, max_model_len=128, enforce_eager=True, seed=0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, run, run_helper
+from helpers.launch import REPO, run
 from helpers.titan import torchtitan_logits
 
 TINY = REPO / "assets" / "tiny_qwen3"
@@ -54,19 +54,32 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 
 MAX_TOKENS = {"qwen3": 6, "gpt_oss": 30, "deepseek_v3": 30, "kimi_k2_7": 30}
+QWEN3_5, QWEN3_5_TOKENS, QWEN3_5_PROMPT = ("tiny", "tiny_moe"), 20, " ".join([PROMPT] * 2)
 
 
 @pytest.fixture(scope="module")
 def native_greedy() -> dict[str, dict]:
     """vLLM's own model class greedy-decoding each tiny checkpoint, one engine after another in
-    one process: {name: {"token_ids": ..., "logprobs": ...}}."""
+    one process: {name: {"token_ids": ..., "logprobs": ...}}; Qwen3.5's ("tiny_qwen3_5",
+    "tiny_moe_qwen3_5") in bf16. A stand-in torchvision (tests/helpers/stand_ins) is on that
+    process's path: vLLM's qwen3_5 module imports vision code that imports torchvision, which
+    has no CPU wheel for this torch; a text model never calls it."""
+    runs = {name: (f"tiny_{name}", PROMPT, n) for name, n in MAX_TOKENS.items()}
+    for flavor in QWEN3_5:
+        runs[f"{flavor}_qwen3_5"] = (f"{flavor}_qwen3_5", QWEN3_5_PROMPT, QWEN3_5_TOKENS)
     args = [
         str(part)
-        for name, n in MAX_TOKENS.items()
-        for part in (REPO / "assets" / f"tiny_{name}", PROMPT, n)
+        for folder, prompt, n in runs.values()
+        for part in (REPO / "assets" / folder, prompt, n)
     ]
-    result = run_helper("vllm_greedy.py", *args)
-    return dict(zip(MAX_TOKENS, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
+    result = run(
+        [sys.executable, str(REPO / "tests" / "helpers" / "vllm_greedy.py"), *args],
+        env={"PYTHONPATH": str(REPO / "tests" / "helpers" / "stand_ins")},
+        timeout_s=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    outs = json.loads(result.stdout.strip().splitlines()[-1])
+    return dict(zip(runs, outs, strict=True))
 
 
 @pytest.mark.parametrize("name", list(MAX_TOKENS))
@@ -95,50 +108,19 @@ def test_vllm_loads_it_and_greedy_matches_torchtitan(name, native_greedy):
         assert abs(float(row[token]) - out["logprobs"][i]) < 1e-4
 
 
-QWEN3_5_TOKENS = 20
-QWEN3_5_PROMPT = " ".join([PROMPT] * 2)
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_native_greedy() -> dict[str, dict]:
-    """vLLM's own Qwen3.5 greedy-decoding the dense and the MoE tiny checkpoints in bf16, one
-    engine after the other in one process: {flavor: {"token_ids": ..., "logprobs": ...}}.
-
-    A stand-in torchvision (tests/helpers/stand_ins) is on that process's path: vLLM's
-    qwen3_5 module imports vision code that imports torchvision, which has no CPU wheel for
-    this torch; a text model never calls it."""
-    flavors = ("tiny", "tiny_moe")
-    args = [
-        str(part)
-        for flavor in flavors
-        for part in (REPO / "assets" / f"{flavor}_qwen3_5", QWEN3_5_PROMPT, QWEN3_5_TOKENS)
-    ]
-    result = run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "vllm_greedy.py"), *args],
-        env={
-            "PYTHONPATH": str(REPO / "tests" / "helpers" / "stand_ins"),
-            "GREEDY_DTYPE": "bfloat16",
-        },
-        timeout_s=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return dict(zip(flavors, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
-
-
-@pytest.mark.parametrize("flavor", ["tiny", "tiny_moe"])
-def test_vllm_qwen3_5_reads_it_in_bf16_and_greedy_follows_torchtitan(
-    flavor, qwen3_5_native_greedy
-):
+@pytest.mark.parametrize("flavor", QWEN3_5)
+def test_vllm_qwen3_5_reads_it_in_bf16_and_greedy_follows_torchtitan(flavor, native_greedy):
     """vLLM's own Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, with its C++ CPU kernels for the
     Gated DeltaNet layers (bf16 only, head dims 64 or 128: the tiny's are 64), reads the
     checkpoint the adapter wrote and greedy-decodes 20 tokens. Replayed through torchtitan in
     fp32: each token's logprob within 0.03 of vLLM's bf16 one (measured: 0.011 dense, 0.013
     MoE), and each token torchtitan's argmax wherever its top two are more than 0.03 apart
-    (bf16 can swap closer ones: the MoE's 4th token, 0.003 apart, measured)."""
+    (bf16 can swap closer ones: the MoE's 4th token, 0.003 apart, measured). vLLM's process
+    has a stand-in torchvision on its path (`native_greedy`)."""
     from transformers import AutoTokenizer
 
     path = REPO / "assets" / f"{flavor}_qwen3_5"
-    out = qwen3_5_native_greedy[flavor]
+    out = native_greedy[f"{flavor}_qwen3_5"]
     assert len(out["token_ids"]) == QWEN3_5_TOKENS
     ids = AutoTokenizer.from_pretrained(path)(QWEN3_5_PROMPT)["input_ids"]
     logprobs_TV = torch.log_softmax(

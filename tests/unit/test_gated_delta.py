@@ -75,7 +75,9 @@ def test_chunked_gradients_equal_the_recurrent_forms():
         (form(*args)[0] * weights).sum().backward()
         return [x.grad.clone() for x in args]
 
-    for chunked, recurrent in zip(grads(gated_delta.chunked), grads(gated_delta.recurrent)):
+    for chunked, recurrent in zip(
+        grads(gated_delta.chunked), grads(gated_delta.recurrent), strict=True
+    ):
         # The forms compute in fp32 (as the kernels): their gradients agree to its rounding.
         torch.testing.assert_close(chunked, recurrent, rtol=1e-4, atol=1e-5)
         assert chunked.abs().max() > 0
@@ -116,12 +118,17 @@ def test_cuda_runs_flas_kernel_with_its_conventions(monkeypatch):
     import sys
     import types
 
-    from torchtitan_rl.models import qwen3_5
-
     calls = []
 
     def chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
     ):
         calls.append((g.dtype, use_qk_l2norm_in_kernel, output_final_state))
         return gated_delta.chunked(q, k, v, g, beta, initial_state)
@@ -130,7 +137,7 @@ def test_cuda_runs_flas_kernel_with_its_conventions(monkeypatch):
     fla.chunk_gated_delta_rule = chunk_gated_delta_rule
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fla)
     monkeypatch.setattr(platform, "device_type", lambda: "cuda")
-    monkeypatch.setattr(qwen3_5, "fla_installed", lambda: True)
+    monkeypatch.setattr(platform, "fla_installed", lambda: True)
     rule = platform.gated_delta_rule()
     args = _inputs(B=1, L=20)
     out, _ = rule(*args)

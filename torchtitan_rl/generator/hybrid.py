@@ -39,7 +39,16 @@ class GatedDeltaState(MambaBase, nn.Module):
     `get_state_shape`, binds this layer's slots to `kv_cache` by `prefix`, and hands the
     forward its `GDNAttentionMetadata` under the same name."""
 
-    def __init__(self, *, key_heads: int, value_heads: int, key_dim: int, value_dim: int, width: int, prefix: str):
+    def __init__(
+        self,
+        *,
+        key_heads: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        width: int,
+        prefix: str,
+    ):
         super().__init__()
         config = get_current_vllm_config()
         self.model_config, self.cache_config = config.model_config, config.cache_config
@@ -104,7 +113,10 @@ def gated_delta_paged(
 
     def heads(mixed_BLC):
         q, k, v = mixed_BLC.split([key_dim * key_heads, key_dim * key_heads, value_dim * H], dim=-1)
-        q, k = (x.unflatten(-1, (key_heads, key_dim)).repeat_interleave(H // key_heads, dim=2) for x in (q, k))
+        q, k = (
+            x.unflatten(-1, (key_heads, key_dim)).repeat_interleave(H // key_heads, dim=2)
+            for x in (q, k)
+        )
         return q, k, v.unflatten(-1, (H, value_dim))
 
     def run(first, last, rows, fresh, form):

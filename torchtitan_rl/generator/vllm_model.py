@@ -117,8 +117,9 @@ class TorchTitanForCausalLM(nn.Module):
         layer_configs = self.spec.model.layers
         for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
             if getattr(config, "delta_net", None) is not None:  # Qwen3.5's linear attention
-                layer.attn.paged = _state_layer(config.delta_net, f"{prefix}layers.{index}.attn.paged")
-                layer.attn.invariant = invariant
+                layer.attn.paged = _state_layer(
+                    config.delta_net, f"{prefix}layers.{index}.attn.paged"
+                )
                 continue
             attention = attention_of(layer)
             shape = attention_shape(attention, self.spec.model.dim)

@@ -34,7 +34,13 @@ def _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH):
     scale = q_BLHK.shape[-1] ** -0.5
     q = l2_normed(q_BLHK.float()).transpose(1, 2) * scale
     k = l2_normed(k_BLHK.float()).transpose(1, 2)
-    return q, k, v_BLHV.float().transpose(1, 2), g_BLH.float().transpose(1, 2), beta_BLH.float().transpose(1, 2)
+    return (
+        q,
+        k,
+        v_BLHV.float().transpose(1, 2),
+        g_BLH.float().transpose(1, 2),
+        beta_BLH.float().transpose(1, 2),
+    )
 
 
 def _state(state_BHKV: torch.Tensor) -> torch.Tensor:
@@ -69,7 +75,9 @@ def chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None, chunk: int
     # (how much of the incoming state each token's write removes).
     lower = ((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    t = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    t = torch.linalg.solve_triangular(
+        eye + lower, eye.expand_as(lower), upper=False, unitriangular=True
+    )
     u = t @ v_beta
     w = t @ (k_beta * g.exp()[..., None])
     scores = (q @ k.transpose(-1, -2)) * decay
@@ -80,7 +88,10 @@ def chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None, chunk: int
         new = u[:, :, n] - w[:, :, n] @ S
         outputs.append((q[:, :, n] * g_n.exp()[..., None]) @ S + scores[:, :, n] @ new)
         last = g_n[..., -1:]
-        S = S * last.exp()[..., None] + (k[:, :, n] * (last - g_n).exp()[..., None]).transpose(-1, -2) @ new
+        S = (
+            S * last.exp()[..., None]
+            + (k[:, :, n] * (last - g_n).exp()[..., None]).transpose(-1, -2) @ new
+        )
     o = torch.cat(outputs, dim=2)[:, :, :L]
     return o.transpose(1, 2).to(dtype), S
 

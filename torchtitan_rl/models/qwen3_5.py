@@ -42,15 +42,11 @@ _FLA_NAMES = {
 }
 
 
-def fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
-
-
 def family() -> types.ModuleType:
     """torchtitan's `qwen3_5` package, imported with stand-ins for `fla` where it is absent
     (removed from `sys.modules` again, so that nothing else takes them for `fla`)."""
     name = "torchtitan.models.qwen3_5"
-    if name in sys.modules or fla_installed():
+    if name in sys.modules or _platform().fla_installed():
         return importlib.import_module(name)
     with _fla_stand_ins():
         return importlib.import_module(name)
@@ -104,20 +100,23 @@ def _classes():
         class Config(model.GatedDeltaNet.Config):
             pass
 
+        batch_invariant = False
+        """Batch-invariant mode (`batch_invariant.make_linears_invariant` sets it, in the
+        trainer and the generator): the recurrent form, token by token, on both sides (the
+        generator's prefills too), and the gates through `ops.pointwise`."""
+
         def __init__(self, config):
             super().__init__(config)
             self.paged = None
             """In the generator: its vLLM state layer (generator/hybrid.py
             `GatedDeltaState`), whose slots hold each request's convolution inputs and
             recurrent state."""
-            self.invariant = False
-            """In the generator: batch-invariant mode (prefills in the recurrent form, the
-            gates through `ops.pointwise`), which the trainer reads from
-            `batch_invariant.is_enabled`."""
 
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
             B, L, _ = x_BLD.shape
-            qkv_BLC = torch.cat([self.in_proj_q(x_BLD), self.in_proj_k(x_BLD), self.in_proj_v(x_BLD)], dim=-1)
+            qkv_BLC = torch.cat(
+                [self.in_proj_q(x_BLD), self.in_proj_k(x_BLD), self.in_proj_v(x_BLD)], dim=-1
+            )
             weight = torch.cat([self.conv_q.weight, self.conv_k.weight, self.conv_v.weight])
             g_BLH, beta_BLH = self.gates(x_BLD)
             if self.paged is not None:  # vLLM's flat batch of requests, [1, T, D]
@@ -130,12 +129,11 @@ def _classes():
                     self.in_proj_q.weight.shape[0] // self.key_head_dim,
                     self.key_head_dim,
                     self.value_head_dim,
-                    self.invariant,
+                    self.batch_invariant,
                 )
                 return self.output(out_THV[None], x_BLD)
             runs = [(0, L)] if attention_masks is None else spans(attention_masks)
-            invariant = _invariant()
-            rule = gated_delta.recurrent if invariant else _platform().gated_delta_rule()
+            rule = gated_delta.recurrent if self.batch_invariant else _platform().gated_delta_rule()
             outputs = []
             for start, end in runs:
                 mixed, _ = gated_delta.causal_conv(qkv_BLC[:, start:end], weight)
@@ -152,7 +150,7 @@ def _classes():
             from torchtitan_rl.batch_invariant import ops
 
             def each(fn, x):
-                return ops.pointwise(fn, x) if self.invariant or _invariant() else fn(x)
+                return ops.pointwise(fn, x) if self.batch_invariant else fn(x)
 
             a = self.in_proj_a(x_BLD).float() + self.dt_bias
             g = -torch.exp(self.A_log.float()) * each(F.softplus, a)
@@ -224,14 +222,6 @@ def _no_vision_plan(sharding):
         sharding._set_vision_encoder_sharding = plan
 
 
-def _invariant() -> bool:
-    """Batch-invariant mode: the trainer runs the recurrent form, token by token, as the
-    generator then does for its prefills and decodes (generator/hybrid.py)."""
-    from torchtitan_rl import batch_invariant
-
-    return batch_invariant.is_enabled()
-
-
 def _platform():
     from torchtitan_rl import platform
 
@@ -248,7 +238,9 @@ def text_only(config):
     for layer in text.layers:
         if layer.delta_net is not None:
             old = layer.delta_net
-            layer.delta_net = delta_net.Config(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})
+            layer.delta_net = delta_net.Config(
+                **{f.name: getattr(old, f.name) for f in dataclasses.fields(old)}
+            )
     return text
 
 
@@ -273,7 +265,9 @@ def adapter_class():
             out = {}
             for key, value in super().to_hf(state_dict).items():
                 key = _text_name(key)
-                match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", key)
+                match = re.fullmatch(
+                    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", key
+                )
                 if match is None:
                     out[key] = value
                     continue
