@@ -16,11 +16,12 @@ RESULT = "RESULT "
 def ensure_checkpoint(path: str) -> None:
     """Write the tiny (or, for a path naming "debug", the debugmodel-sized) checkpoint once;
     a path naming "moe" gets qwen3's mixture-of-experts flavor of that size, one naming
-    "gpt_oss" gpt-oss's, one naming "deepseek_v3" DeepSeek-V3's."""
+    "gpt_oss" gpt-oss's, one naming "deepseek_v3" DeepSeek-V3's, one naming "qwen3_5"
+    Qwen3.5's."""
     if (Path(path) / "torchtitan.json").is_file():
         return
     name = Path(path).name
-    model = next((m for m in ("gpt_oss", "deepseek_v3") if m in name), "qwen3")
+    model = next((m for m in ("gpt_oss", "deepseek_v3", "qwen3_5") if m in name), "qwen3")
     flavor = "debugmodel" if "debug" in name else "tiny"
     flavor = f"{flavor}_moe" if "moe" in name else flavor
     script = str(REPO / "scripts" / "make_tiny_checkpoint.py")

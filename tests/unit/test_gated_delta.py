@@ -145,3 +145,42 @@ def test_cuda_runs_flas_kernel_with_its_conventions(monkeypatch):
     assert torch.equal(out, gated_delta.chunked(*args)[0])
     monkeypatch.setattr(platform, "device_type", lambda: "cpu")
     assert platform.gated_delta_rule() is gated_delta.chunked
+
+
+def test_the_adapter_reads_hfs_text_only_layout_and_refuses_unknown_keys():
+    """HF's text-only Qwen3.5-MoE checkpoint (`model.layers.`, each expert's gate/up/down
+    stored alone): the adapter maps it onto torchtitan's fused experts and back to the same
+    tensors; a key no Qwen3.5 text model has is an error naming it (torchtitan's adapter
+    skips it without a word)."""
+    from helpers.launch import REPO
+    from safetensors.torch import load_file
+
+    from torchtitan_rl.models import qwen3_5
+
+    spec = model_spec("qwen3_5", "tiny_moe")
+    adapter = spec.state_dict_adapter(spec.model, None)
+    hf = load_file(REPO / "assets" / "tiny_moe_qwen3_5" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in hf
+    assert not any(key.startswith("model.language_model.") for key in hf)
+    ours = adapter.from_hf(dict(hf))
+    assert ours["layers.0.moe.routed_experts.inner_experts.w1_EFD"].shape == (8, 64, 128)
+    torch.testing.assert_close(
+        ours["layers.0.moe.routed_experts.inner_experts.w3_EFD"][7],
+        hf["model.layers.0.mlp.experts.7.up_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
+    back = adapter.to_hf(ours)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[key], hf[key]) for key in hf)
+    extra = {**hf, "model.layers.0.linear_attn.in_proj_ba.weight": torch.zeros(8, 128)}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.linear_attn\.in_proj_ba\.weight"):
+        adapter.from_hf(extra)
+    # torchtitan's own adapter drops it silently.
+    base = qwen3_5.family().state_dict_adapter.Qwen35StateDictAdapter(spec.model, None)
+    unknown = "model.language_model.layers.0.linear_attn.in_proj_ba.weight"
+    embedding = {"model.language_model.embed_tokens.weight": torch.zeros(1)}
+    assert base.from_hf({unknown: torch.zeros(1), **embedding}).keys() == {
+        "tok_embeddings.weight",
+        "lm_head.weight",
+    }

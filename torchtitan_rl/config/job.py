@@ -70,10 +70,12 @@ class JobSection:
 class ModelSection:
     name: str = "qwen3"
     """torchtitan model family (a module under torchtitan.models): qwen3, llama3, gpt_oss,
-    deepseek_v3, kimi_k2_7 or muse_glimmer (its text tower)."""
+    deepseek_v3, kimi_k2_7, muse_glimmer (its text tower) or qwen3_5 (its text models: Gated
+    DeltaNet hybrids)."""
     flavor: str = "tiny"
     """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b
-    (gpt_oss), 671B (deepseek_v3), moonlight-16B-A3B (kimi_k2_7), 30B (muse_glimmer); `tiny`,
+    (gpt_oss), 671B (deepseek_v3), moonlight-16B-A3B (kimi_k2_7), 30B (muse_glimmer), 9B and
+    35B-A3B (qwen3_5); `tiny`,
     `tiny_moe` and `tiny_grouped` are this project's CPU models."""
     hf_checkpoint: str | None = None
     """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""

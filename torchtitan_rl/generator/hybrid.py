@@ -9,9 +9,10 @@ cache: paged KV blocks for the full-attention layers (PagedAttention) and, per G
 layer, one state slot per running request (`GatedDeltaState`, a `MambaBase` layer): the last
 W - 1 inputs of its convolution and its recurrent state S (H x K x V; vLLM's layout is
 H x V x K, which the op reads transposed). `gated_delta_paged` runs a forward's flat batch:
-each prefill from zeros (a request's first step; prefixes are not cached: the engine turns
-prefix caching off for hybrid models) with the chunked form, the decodes together, one
-recurrent step, each request's state read from and written back to its slot.
+the prefills from zeros (a request's first step; prefixes are not cached: the engine turns
+prefix caching off for hybrid models) with the chunked form, those of equal length together,
+the decodes together, one recurrent step, each request's state read from and written back to
+its slot.
 
 vLLM's own CPU kernels for these layers take bf16 only and head dims of 64 or 128; this op
 runs the trainer's routines in any dtype. In batch-invariant mode the prefill runs the
@@ -119,22 +120,29 @@ def gated_delta_paged(
         )
         return q, k, v.unflatten(-1, (H, value_dim))
 
-    def run(first, last, rows, fresh, form):
-        x_BLC = qkv_TC[first:last].view(len(rows), -1, qkv_TC.shape[-1])
+    def run(tokens_BL, rows, fresh, form):
+        """Requests `rows`, of equal length, whose tokens are at `tokens_BL`, together."""
+        x_BLC = qkv_TC[tokens_BL]
         state = None if fresh else conv_state(rows)
         mixed, conv_after = gated_delta.causal_conv(x_BLC, conv_weight, state)
         state = None if fresh else ssm_states[rows].transpose(-1, -2)
-        L = x_BLC.shape[1]
-        g, beta = (t[first:last].view(len(rows), L, H) for t in (g_TH, beta_TH))
-        out, state = form(*heads(mixed), g, beta, state)
-        out_THV[first:last] = out.reshape(-1, H, value_dim)
+        out, state = form(*heads(mixed), g_TH[tokens_BL], beta_TH[tokens_BL], state)
+        out_THV[tokens_BL.reshape(-1)] = out.reshape(-1, H, value_dim)
         store(rows, conv_after, state)
 
     if decodes:
-        run(0, decodes, slots[:decodes], False, gated_delta.recurrent)
+        tokens = torch.arange(decodes, device=qkv_TC.device)[:, None]
+        run(tokens, slots[:decodes], False, gated_delta.recurrent)
+    # Prefills of equal length together: a prompt's n samples (each its own request, as a
+    # hybrid engine caches no prefix) are one call, not n.
+    groups: dict[tuple[int, bool], list[int]] = {}
     for i in range(decodes, len(starts) - 1):
         fresh = has_state is None or not bool(has_state[i])
-        run(starts[i], starts[i + 1], slots[i : i + 1], fresh, rule)
+        groups.setdefault((starts[i + 1] - starts[i], fresh), []).append(i)
+    for (length, fresh), requests in groups.items():
+        first = torch.tensor([starts[i] for i in requests], device=qkv_TC.device)
+        tokens = first[:, None] + torch.arange(length, device=qkv_TC.device)
+        run(tokens, slots[requests], fresh, rule)
     return out_THV
 
 
