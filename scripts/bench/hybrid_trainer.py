@@ -72,7 +72,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - start
             if step == 0:
-                first_loss[name] = float(loss)
+                first_loss[name] = float(loss.detach())
             else:
                 rates[name].append(args.batch * args.seq / seconds)
     medians = {name: statistics.median(values) for name, values in rates.items()}
