@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
 from torchtitan.protocols.module import Module
 
 from torchtitan_rl.batch_invariant import ops
@@ -85,8 +85,6 @@ def make_linears_invariant(model: nn.Module) -> None:
     project's MoE experts and routers (models/moe.py: the modules with a
     `batch_invariant` switch) through their batch-invariant kernels. A shared expert's sigmoid
     gate (Qwen3.5-MoE's: one value a token) goes through `ops.pointwise`."""
-    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
-
     from torchtitan_rl.trainer.logprobs import soft_cap
 
     for module in model.modules():

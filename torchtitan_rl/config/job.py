@@ -75,8 +75,7 @@ class ModelSection:
     flavor: str = "tiny"
     """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b
     (gpt_oss), 671B (deepseek_v3), moonlight-16B-A3B (kimi_k2_7), 30B (muse_glimmer), 9B and
-    35B-A3B (qwen3_5); `tiny`,
-    `tiny_moe` and `tiny_grouped` are this project's CPU models."""
+    35B-A3B (qwen3_5); `tiny`, `tiny_moe` and `tiny_grouped` are this project's CPU models."""
     hf_checkpoint: str | None = None
     """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
     tokenizer_path: str | None = None

@@ -183,10 +183,9 @@ class JobConfig:
         """Qwen3.5's Gated DeltaNet layers run per rank: this project's forward of them
         (models/qwen3_5.py) and the generator's state op (generator/hybrid.py) take whole
         heads, not tensor-parallel shards."""
-        from torchtitan_rl.models import model_spec
+        from torchtitan_rl.models import has_linear_attention
 
-        layers = model_spec(self.model.name, self.model.flavor).model.layers
-        if not any(getattr(layer, "delta_net", None) for layer in layers):
+        if not has_linear_attention(self.model.name, self.model.flavor):
             return
         for field_name, tp in (
             ("parallelism.tp", self.parallelism.tp),

@@ -35,7 +35,12 @@ from torchtitan_rl.config import (
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.plugin import ARCH, HYBRID_ARCH
 from torchtitan_rl.generator.routing import RoutingLog
-from torchtitan_rl.models import attention_shape, checkpoint_stop_ids, model_spec
+from torchtitan_rl.models import (
+    attention_shape,
+    checkpoint_stop_ids,
+    has_linear_attention,
+    model_spec,
+)
 from torchtitan_rl.tasks.render import read_tokenizer_json
 from torchtitan_rl.trainer.model import read_hf_shapes
 from torchtitan_rl.types import Completions, Delta, Sample
@@ -254,7 +259,7 @@ class LocalGenerator:
             _name_segments_by_world()
             remove_stale_segments()
             segments_before = _shared_memory_segments()
-        hybrid = is_hybrid(model)
+        hybrid = has_linear_attention(model.name, model.flavor)
         overrides = {
             "architectures": [HYBRID_ARCH if hybrid else ARCH],
             "torchtitan_model": model.name,
@@ -685,12 +690,6 @@ def _text_positions(model: ModelSection) -> dict:
         return {}
     keep = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
     return {"rope_parameters": keep}
-
-
-def is_hybrid(model: ModelSection) -> bool:
-    """Whether the model has Gated DeltaNet layers (Qwen3.5), whose states vLLM keeps."""
-    layers = model_spec(model.name, model.flavor).model.layers
-    return any(getattr(layer, "delta_net", None) for layer in layers)
 
 
 def _is_moe(model: ModelSection) -> bool:

@@ -112,21 +112,14 @@ def gated_delta_paged(
         conv_states[rows] = conv_BCW if is_conv_state_dim_first() else conv_BCW.transpose(1, 2)
         ssm_states[rows] = ssm_BHKV.transpose(-1, -2).to(ssm_states.dtype)
 
-    def heads(mixed_BLC):
-        q, k, v = mixed_BLC.split([key_dim * key_heads, key_dim * key_heads, value_dim * H], dim=-1)
-        q, k = (
-            x.unflatten(-1, (key_heads, key_dim)).repeat_interleave(H // key_heads, dim=2)
-            for x in (q, k)
-        )
-        return q, k, v.unflatten(-1, (H, value_dim))
-
     def run(tokens_BL, rows, fresh, form):
         """Requests `rows`, of equal length, whose tokens are at `tokens_BL`, together."""
         x_BLC = qkv_TC[tokens_BL]
         state = None if fresh else conv_state(rows)
         mixed, conv_after = gated_delta.causal_conv(x_BLC, conv_weight, state)
         state = None if fresh else ssm_states[rows].transpose(-1, -2)
-        out, state = form(*heads(mixed), g_TH[tokens_BL], beta_TH[tokens_BL], state)
+        q, k, v = gated_delta.heads(mixed, key_heads, key_dim, value_dim)
+        out, state = form(q, k, v, g_TH[tokens_BL], beta_TH[tokens_BL], state)
         out_THV[tokens_BL.reshape(-1)] = out.reshape(-1, H, value_dim)
         store(rows, conv_after, state)
 

@@ -65,6 +65,12 @@ def is_mixture_of_experts(name: str, flavor: str) -> bool:
     return bool(expert_counts(name, flavor))
 
 
+def has_linear_attention(name: str, flavor: str) -> bool:
+    """Whether any layer of `name`/`flavor` is Gated DeltaNet (Qwen3.5's linear attention),
+    whose per-sequence state the generator keeps in vLLM's slots."""
+    return any(getattr(layer, "delta_net", None) for layer in _config(name, flavor).layers)
+
+
 def hf_architecture(name: str, flavor: str) -> str | None:
     """The HF architecture of `name`/`flavor`'s checkpoints (Qwen3MoeForCausalLM, ...)."""
     return FAMILIES[name].hf_architectures[int(is_mixture_of_experts(name, flavor))]

@@ -13,7 +13,7 @@ Per value head, with the state S (K x V), a token's decay g (< 0), its write str
 The chunked form computes the same over chunks of `CHUNK` tokens with the WY representation
 (one triangular solve per chunk, then one state update per chunk); it is what `fla`'s
 `chunk_gated_delta_rule` computes, which the trainer runs instead on CUDA where `fla` is
-installed (platform.gated_delta_kernels). Shapes: B sequences, L tokens, H value heads, K key
+installed (platform.gated_delta_rule). Shapes: B sequences, L tokens, H value heads, K key
 dim, V value dim, C chunk length, N chunks. Computed in fp32; outputs in the inputs' dtype.
 """
 
@@ -27,6 +27,19 @@ CHUNK = 64
 def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x` over its last dim's L2 norm, as fla's kernels take q and k (`use_qk_l2norm`)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def heads(mixed_BLC: torch.Tensor, key_heads: int, key_dim: int, value_dim: int):
+    """q, k [B, L, H, K] (the `key_heads` heads repeated to the H value heads) and v
+    [B, L, H, V] from a layer's convolved q|k|v channels."""
+    width = key_heads * key_dim
+    q, k, v = mixed_BLC.split([width, width, mixed_BLC.shape[-1] - 2 * width], dim=-1)
+    v = v.unflatten(-1, (-1, value_dim))
+    q, k = (
+        x.unflatten(-1, (key_heads, key_dim)).repeat_interleave(v.shape[2] // key_heads, dim=2)
+        for x in (q, k)
+    )
+    return q, k, v
 
 
 def _prepared(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH):

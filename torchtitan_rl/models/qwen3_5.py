@@ -113,7 +113,8 @@ def _classes():
             recurrent state."""
 
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
-            B, L, _ = x_BLD.shape
+            L = x_BLD.shape[1]
+            key_heads = self.in_proj_q.weight.shape[0] // self.key_head_dim
             qkv_BLC = torch.cat(
                 [self.in_proj_q(x_BLD), self.in_proj_k(x_BLD), self.in_proj_v(x_BLD)], dim=-1
             )
@@ -126,7 +127,7 @@ def _classes():
                     beta_BLH[0],
                     weight,
                     self.paged.layer_name,
-                    self.in_proj_q.weight.shape[0] // self.key_head_dim,
+                    key_heads,
                     self.key_head_dim,
                     self.value_head_dim,
                     self.batch_invariant,
@@ -137,7 +138,9 @@ def _classes():
             outputs = []
             for start, end in runs:
                 mixed, _ = gated_delta.causal_conv(qkv_BLC[:, start:end], weight)
-                q, k, v = self.heads(mixed)
+                q, k, v = gated_delta.heads(
+                    mixed, key_heads, self.key_head_dim, self.value_head_dim
+                )
                 out, _ = rule(q, k, v, g_BLH[:, start:end], beta_BLH[:, start:end])
                 outputs.append(out)
             out_BLHV = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -155,19 +158,6 @@ def _classes():
             a = self.in_proj_a(x_BLD).float() + self.dt_bias
             g = -torch.exp(self.A_log.float()) * each(F.softplus, a)
             return g, each(torch.sigmoid, self.in_proj_b(x_BLD))
-
-        def heads(self, mixed_BLC: torch.Tensor):
-            """q, k [B, L, H, K] (key heads repeated to the value heads) and v [B, L, H, V]
-            from the convolved q|k|v channels."""
-            key_dim = self.in_proj_q.weight.shape[0]
-            q, k, v = mixed_BLC.split([key_dim, key_dim, mixed_BLC.shape[-1] - 2 * key_dim], dim=-1)
-            q = q.unflatten(-1, (-1, self.key_head_dim))
-            k = k.unflatten(-1, (-1, self.key_head_dim))
-            v = v.unflatten(-1, (-1, self.value_head_dim))
-            repeat = v.shape[2] // q.shape[2]
-            if repeat > 1:
-                q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-            return q, k, v
 
         def output(self, out_BLHV: torch.Tensor, x_BLD: torch.Tensor) -> torch.Tensor:
             """The gated norm of the recurrence's outputs and the output projection."""
