@@ -430,8 +430,9 @@ def test_cuda_batch_invariance_without_its_package_is_one_line(on_cuda, mode_off
 
 def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatch):
     """`device_type()` is "cuda" exactly when torch sees a GPU; on a GPU build of vLLM
-    (`current_platform.is_cpu()` False) the generator keeps plain GEMMs: the oneDNN-packed
-    copies are a CPU kernel."""
+    (`current_platform.is_cpu()` False) the generator keeps plain GEMMs and Qwen3.5's
+    Gated DeltaNet layers this project's routines: the oneDNN-packed copies and vLLM's
+    Gated DeltaNet kernels are CPU kernels."""
     from vllm.platforms import current_platform
 
     from torchtitan_rl.generator.packed import onednn_available as _onednn_available
@@ -440,8 +441,12 @@ def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatc
     assert platform.device_type() == "cuda" and platform.vllm_can_sleep()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert platform.device_type() == "cpu" and not platform.vllm_can_sleep()
+    from torchtitan_rl.generator.hybrid import uses_vllm_kernels
+
+    assert uses_vllm_kernels(torch.bfloat16, 64, 64)
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     assert _onednn_available(torch.float32) is False
+    assert not uses_vllm_kernels(torch.bfloat16, 64, 64)  # Gated DeltaNet: our routines
 
 
 def test_gpu_check_runs_its_checks_at_small_shapes(monkeypatch, capsys):

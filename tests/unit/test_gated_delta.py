@@ -63,6 +63,87 @@ def test_a_sequence_cut_anywhere_carries_its_state():
     assert torch.equal(last, x[:, -3:].transpose(1, 2))
 
 
+def test_the_decode_step_updates_the_state_in_place_as_the_recurrent_form():
+    """The generator's decode step (mode off): a prefill of 100 tokens then 50 single steps,
+    each writing the state it is handed in place, give the whole sequence's outputs and
+    state to fp32 rounding."""
+    q, k, v, g, beta = _inputs()
+    whole, whole_state = gated_delta.chunked(q, k, v, g, beta)
+    _, state = gated_delta.chunked(q[:, :100], k[:, :100], v[:, :100], g[:, :100], beta[:, :100])
+    outs = []
+    for t in range(100, 150):
+        one = slice(t, t + 1)
+        out, updated = gated_delta.step(
+            q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state
+        )
+        assert updated is state
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), whole[:, 100:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(state, whole_state, rtol=0, atol=1e-6)
+
+
+def test_vllms_cpu_kernels_compute_the_layer_on_the_slots():
+    """The generator's convolution and rule on vLLM's CPU kernels (bf16, mode off;
+    generator/hybrid.py `_vllm_conv`, `_vllm_rule`): 2 decodes and 3 prefills (fresh and
+    carried, 5 to 70 tokens) in one flat batch whose q|k|v channels are a strided view (as
+    the stacked projections give them), q and k unrepeated, both states read and written in
+    place in each request's slot (vLLM's layouts: the convolution's (W - 1, C), the rule's
+    (V, K)-shaped slot read as (K, V)). Convolved channels, outputs and both states are the
+    trainer's routines' on the same bf16 inputs, to bf16 rounding; other slots untouched."""
+    import types
+
+    from torchtitan_rl.generator import hybrid
+
+    assert hybrid.uses_vllm_kernels(torch.bfloat16, 64, 64)
+    assert not hybrid.uses_vllm_kernels(torch.float32, 64, 64)
+    assert not hybrid.uses_vllm_kernels(torch.bfloat16, 32, 64)
+    H, KH, K, V, W = 4, 2, 64, 64, 4
+    C = 2 * KH * K + H * V
+    lengths = [1, 1, 5, 70, 16]
+    carried = [True, True, False, True, False]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, C + 8, generator=g).bfloat16()[:, :C]  # strided
+    conv_weight = (torch.randn(C, 1, W, generator=g) * 0.5).bfloat16()
+    a, b = (torch.randn(T, H, generator=g).bfloat16() for _ in range(2))
+    A_log, dt_bias = (torch.randn(H, generator=g).bfloat16() for _ in range(2))
+    conv_slots = torch.randn(8, W - 1, C, generator=g).bfloat16()  # vLLM's (W - 1, C)
+    slots_VK = torch.randn(8, H, V, K, generator=g) * 0.3  # vLLM's shape
+    conv_before, before = conv_slots.clone(), slots_VK.clone()
+    slots = torch.tensor([6, 1, 3, 0, 5], dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = types.SimpleNamespace(
+        non_spec_query_start_loc=starts,
+        non_spec_state_indices_tensor=slots,
+        num_decodes=2,
+        num_prefills=3,
+        has_initial_state=torch.tensor(carried),  # over all requests, decodes first
+    )
+    out = torch.zeros(T, H, V, dtype=torch.bfloat16)
+    mixed = hybrid._vllm_conv(qkv, conv_weight, conv_slots, metadata)
+    hybrid._vllm_rule(mixed, a, b, A_log, dt_bias, metadata, slots_VK.view(8, H, K, V), out)
+    gates = gated_delta.gates(a, b, A_log, dt_bias)
+    for i, n in enumerate(lengths):
+        span = slice(starts[i], starts[i + 1])
+        conv_state = conv_before[slots[i]].transpose(0, 1)[None] if carried[i] else None
+        ref_mixed, ref_conv = gated_delta.causal_conv(qkv[None, span], conv_weight, conv_state)
+        torch.testing.assert_close(mixed[span], ref_mixed[0], rtol=0.01, atol=0)  # 1 ulp
+        assert torch.equal(conv_slots[slots[i]].transpose(0, 1), ref_conv[0])
+        q, k, v = gated_delta.heads(mixed[None, span], KH, K, V)
+        state = before[slots[i]].view(1, H, K, V) if carried[i] else None
+        form = gated_delta.recurrent if n == 1 else gated_delta.chunked
+        ref, ref_state = form(q, k, v, *(x[None, span] for x in gates), state)
+        # measured: 9.8e-4 (2 bf16 ulps at 0.11) and 5.3e-3 on states of ~1
+        torch.testing.assert_close(out[span], ref[0], rtol=0, atol=2e-3)
+        torch.testing.assert_close(
+            slots_VK[slots[i]].view(1, H, K, V), ref_state, rtol=0, atol=1e-2
+        )
+        assert ref.abs().max() > 0.02
+    untouched = [i for i in range(8) if i not in slots.tolist()]
+    assert torch.equal(slots_VK[untouched], before[untouched])
+    assert torch.equal(conv_slots[untouched], conv_before[untouched])
+
+
 def test_chunked_gradients_equal_the_recurrent_forms():
     """The trainer backpropagates through the chunked form: its gradients with respect to
     every input equal autograd's through the recurrent definition."""

@@ -160,3 +160,33 @@ def test_packed_feed_forward_runs_w1_and_w3_in_one_gemm_and_follows_weight_updat
     assert not torch.allclose(packed(x), updated, atol=1e-4)  # the stale stacked copy
     repack()
     torch.testing.assert_close(packed(x), updated, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gated_deltanets_six_projections_run_as_one_stacked_gemm():
+    """`PackedStack` on Qwen3.5's Gated DeltaNet (as the generator's `_pack` sets it): the
+    six input projections in one oneDNN GEMM give the layer's output to fp32 rounding, leave
+    every parameter under its FQN, and follow an in-place weight update after `repack`."""
+    from torchtitan_rl.generator.packed import PackedStack
+    from torchtitan_rl.models import model_spec
+
+    torch.manual_seed(0)
+    model = model_spec("qwen3_5", "tiny").model.build()
+    with torch.no_grad():
+        model.init_states()
+    layer = model.layers["0"].attn
+    x = torch.randn(2, 7, layer.in_proj_q.weight.shape[1])
+    names = {name for name, _ in layer.named_parameters()}
+    expected = layer(x)
+    assert PackedStack.fits(layer)
+    layer.stacked = PackedStack([getattr(layer, name) for name in layer.PROJECTIONS])
+    layer.stacked.repack()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert {name for name, _ in layer.named_parameters()} == names
+    with torch.no_grad():
+        layer.in_proj_b.weight.mul_(2)
+    stale = layer(x)
+    layer.stacked.repack()
+    updated = layer(x)
+    assert not torch.allclose(stale, updated, atol=1e-4)
+    layer.stacked = None
+    torch.testing.assert_close(updated, layer(x), rtol=1e-5, atol=1e-5)

@@ -176,3 +176,34 @@ class PackedFeedForward(nn.Module):
         gate_TF, up_TF = h_TG.chunk(2, dim=-1)
         out = self.w2(nn.functional.silu(gate_TF) * up_TF)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class PackedStack(nn.Module):
+    """Linear layers without biases that read the same input, in one oneDNN GEMM over a
+    packed copy of their weights stacked, as vLLM's merged projections run them (Qwen3.5's
+    Gated DeltaNet: six projections, one call); returns their outputs concatenated, in
+    order. The layers stay their owner's modules (same FQNs), whose weights weight sync
+    writes, not run; `repack()` refreshes the stacked copy."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        super().__init__()
+        self.linears = tuple(linears)  # a tuple: not submodules, so no second FQN
+        self._handler = None
+
+    @staticmethod
+    def fits(module: nn.Module) -> bool:
+        """A module naming its stackable linears (`PROJECTIONS`), none with a bias."""
+        return all(getattr(module, name).bias is None for name in module.PROJECTIONS)
+
+    def repack(self) -> None:
+        from vllm import _custom_ops as ops
+
+        with torch.no_grad():
+            stacked_GD = torch.cat([linear.weight for linear in self.linears])
+            self._handler = ops.create_onednn_mm(stacked_GD.t(), 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), None)
+        return y.view(*x.shape[:-1], y.shape[-1])

@@ -40,6 +40,7 @@ from torchtitan_rl.generator.packed import (
     PackedExperts,
     PackedFeedForward,
     PackedLinear,
+    PackedStack,
     onednn_available,
 )
 from torchtitan_rl.generator.routing import RoutingLog
@@ -114,11 +115,17 @@ class TorchTitanForCausalLM(nn.Module):
             self.dims = _tp_layout(self.spec, self.tp, ep)
         model = self.spec.model.build()
         invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
+        vllm_kernels = not invariant and getattr(hf_config, "torchtitan_packed_gemm", True)
+        """vLLM's own CPU kernels where they apply (packed GEMMs, fused MoE, Gated DeltaNet):
+        `generator.cpu_packed_gemm`, never in batch-invariant mode."""
         layer_configs = self.spec.model.layers
         for (index, layer), config in zip(model.layers.items(), layer_configs, strict=True):
             if getattr(config, "delta_net", None) is not None:  # Qwen3.5's linear attention
                 layer.attn.paged = _state_layer(
-                    config.delta_net, f"{prefix}layers.{index}.attn.paged"
+                    config.delta_net,
+                    f"{prefix}layers.{index}.attn.paged",
+                    vllm_kernels,
+                    vllm_config.model_config.dtype,
                 )
                 continue
             attention = attention_of(layer)
@@ -155,9 +162,8 @@ class TorchTitanForCausalLM(nn.Module):
             # The trainer's kernels on the generator side; no packed copies.
             make_linears_invariant(model)
         self.packed = (
-            not invariant
+            vllm_kernels
             and (self.tp == 1 or self.local_shards)  # DTensor shards run plain GEMMs
-            and getattr(hf_config, "torchtitan_packed_gemm", True)
             and onednn_available(vllm_config.model_config.dtype)
         )
         """GEMMs on oneDNN-packed copies of the weights (on local shards: once loaded)."""
@@ -193,13 +199,13 @@ class TorchTitanForCausalLM(nn.Module):
     def repack(self) -> None:
         """Refresh derived copies of the weights; call after every in-place weight update."""
         for module in self.model.modules():
-            if isinstance(module, (PackedLinear, PackedExperts, PackedFeedForward)):
+            if isinstance(module, (PackedLinear, PackedExperts, PackedFeedForward, PackedStack)):
                 module.repack()
 
     def drop_packed(self) -> None:
         """Free the packed copies of the weights (until the next `repack`)."""
         for module in self.model.modules():
-            if isinstance(module, (PackedLinear, PackedFeedForward)):
+            if isinstance(module, (PackedLinear, PackedFeedForward, PackedStack)):
                 module._handler = None
             elif isinstance(module, PackedExperts):
                 module._w13_EGD = module._w2_EDF = None
@@ -353,9 +359,10 @@ def attention_of(layer: nn.Module) -> nn.Module:
     return layer.attention if hasattr(layer, "attention") else layer.attn
 
 
-def _state_layer(config, prefix: str) -> nn.Module:
-    """The vLLM state layer of a Gated DeltaNet layer of `config` (generator/hybrid.py)."""
-    from torchtitan_rl.generator.hybrid import GatedDeltaState
+def _state_layer(config, prefix: str, vllm_kernels: bool, dtype: torch.dtype) -> nn.Module:
+    """The vLLM state layer of a Gated DeltaNet layer of `config` (generator/hybrid.py), on
+    vLLM's kernels where `vllm_kernels` and they take the layer."""
+    from torchtitan_rl.generator.hybrid import GatedDeltaState, uses_vllm_kernels
 
     return GatedDeltaState(
         key_heads=config.in_proj_q.out_features // config.key_head_dim,
@@ -364,21 +371,29 @@ def _state_layer(config, prefix: str) -> nn.Module:
         value_dim=config.value_head_dim,
         width=config.conv_kernel_size,
         prefix=prefix,
+        vllm_kernels=vllm_kernels
+        and uses_vllm_kernels(dtype, config.key_head_dim, config.value_head_dim),
     )
 
 
 def _pack(model: nn.Module) -> None:
     """Run `model`'s GEMMs on oneDNN-packed copies (packed.py), in place: its feed-forwards'
-    w1 and w3 stacked, every other linear alone, MoE experts on the fused kernel."""
+    w1 and w3 stacked, a Gated DeltaNet's input projections stacked, every other linear
+    alone, MoE experts on the fused kernel."""
+    stacked = set()
     for name, module in list(model.named_modules()):
         parent, _, child = name.rpartition(".")
         if PackedFeedForward.fits(module):
             setattr(model.get_submodule(parent), child, PackedFeedForward(module))
+        elif hasattr(module, "stacked") and PackedStack.fits(module):  # Qwen3.5's DeltaNet
+            module.stacked = PackedStack([getattr(module, n) for n in module.PROJECTIONS])
+            stacked.update(module.stacked.linears)
     for name, module in list(model.named_modules()):
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         if isinstance(module, nn.Linear) and not isinstance(owner, PackedFeedForward):
-            setattr(owner, child, PackedLinear(module))
+            if module not in stacked:
+                setattr(owner, child, PackedLinear(module))
         elif child == "routed_experts" and PackedExperts.fits(module.inner_experts):
             setattr(owner, child, PackedExperts(module))
 

@@ -26,7 +26,6 @@ import types
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from torchtitan_rl.models import gated_delta
 
@@ -105,34 +104,42 @@ def _classes():
         trainer and the generator): the recurrent form, token by token, on both sides (the
         generator's prefills too), and the gates through `ops.pointwise`."""
 
+        PROJECTIONS = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b")
+        """The linear layers that read the layer's input, in the order `projected` returns
+        their outputs."""
+
         def __init__(self, config):
             super().__init__(config)
             self.paged = None
             """In the generator: its vLLM state layer (generator/hybrid.py
             `GatedDeltaState`), whose slots hold each request's convolution inputs and
             recurrent state."""
+            self.stacked = None
+            """In the generator: the PROJECTIONS in one GEMM (generator/packed.py
+            `PackedStack`), as vLLM's own model merges them."""
 
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
             L = x_BLD.shape[1]
             key_heads = self.in_proj_q.weight.shape[0] // self.key_head_dim
-            qkv_BLC = torch.cat(
-                [self.in_proj_q(x_BLD), self.in_proj_k(x_BLD), self.in_proj_v(x_BLD)], dim=-1
-            )
+            qkv_BLC, z_BLC, a_BLH, b_BLH = self.projected(x_BLD)
             weight = torch.cat([self.conv_q.weight, self.conv_k.weight, self.conv_v.weight])
-            g_BLH, beta_BLH = self.gates(x_BLD)
             if self.paged is not None:  # vLLM's flat batch of requests, [1, T, D]
                 out_THV = torch.ops.torchtitan_rl.gated_delta_paged(
                     qkv_BLC[0],
-                    g_BLH[0],
-                    beta_BLH[0],
+                    a_BLH[0],
+                    b_BLH[0],
+                    self.A_log,
+                    self.dt_bias,
                     weight,
                     self.paged.layer_name,
                     key_heads,
                     self.key_head_dim,
                     self.value_head_dim,
                     self.batch_invariant,
+                    self.paged.vllm_kernels,
                 )
-                return self.output(out_THV[None], x_BLD)
+                return self.output(out_THV[None], z_BLC)
+            g_BLH, beta_BLH = self.gates(a_BLH, b_BLH)
             runs = [(0, L)] if attention_masks is None else spans(attention_masks)
             rule = gated_delta.recurrent if self.batch_invariant else _platform().gated_delta_rule()
             outputs = []
@@ -144,24 +151,28 @@ def _classes():
                 out, _ = rule(q, k, v, g_BLH[:, start:end], beta_BLH[:, start:end])
                 outputs.append(out)
             out_BLHV = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-            return self.output(out_BLHV, x_BLD)
+            return self.output(out_BLHV, z_BLC)
 
-        def gates(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def projected(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """The q|k|v channels (concatenated), z, a and b of the PROJECTIONS."""
+            if self.stacked is not None:
+                widths = [getattr(self, name).weight.shape[0] for name in self.PROJECTIONS]
+                return self.stacked(x_BLD).split([sum(widths[:3]), *widths[3:]], dim=-1)
+            q, k, v, z, a, b = (getattr(self, name)(x_BLD) for name in self.PROJECTIONS)
+            return torch.cat([q, k, v], dim=-1), z, a, b
+
+        def gates(self, a_BLH: torch.Tensor, b_BLH: torch.Tensor) -> tuple[torch.Tensor, ...]:
             """Each token's decay g (< 0, fp32) and write strength beta per value head; in
             batch-invariant mode through `ops.pointwise` (rows of H values are narrower than
             ATen's vector loop, whose scalar remainder rounds differently)."""
             from torchtitan_rl.batch_invariant import ops
 
-            def each(fn, x):
-                return ops.pointwise(fn, x) if self.batch_invariant else fn(x)
+            pointwise = ops.pointwise if self.batch_invariant else None
+            return gated_delta.gates(a_BLH, b_BLH, self.A_log, self.dt_bias, pointwise)
 
-            a = self.in_proj_a(x_BLD).float() + self.dt_bias
-            g = -torch.exp(self.A_log.float()) * each(F.softplus, a)
-            return g, each(torch.sigmoid, self.in_proj_b(x_BLD))
-
-        def output(self, out_BLHV: torch.Tensor, x_BLD: torch.Tensor) -> torch.Tensor:
+        def output(self, out_BLHV: torch.Tensor, z_BLC: torch.Tensor) -> torch.Tensor:
             """The gated norm of the recurrence's outputs and the output projection."""
-            z_BLHV = self.in_proj_z(x_BLD).unflatten(-1, (-1, self.value_head_dim))
+            z_BLHV = z_BLC.unflatten(-1, (-1, self.value_head_dim))
             return self.out_proj(self.norm(out_BLHV, z_BLHV).flatten(2))
 
     class TextModel(model.Qwen35Model):
