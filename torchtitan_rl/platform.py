@@ -130,7 +130,9 @@ def vllm_can_sleep() -> bool:
     return device_type() == "cuda"
 
 
-def generator_compilation(*, compiled: bool, own_invariant_kernels: bool, captures_routing: bool):
+def generator_compilation(
+    *, compiled: bool, own_invariant_kernels: bool, captures_routing: bool, host_ops=()
+):
     """The generator engine's `compilation_config` (vLLM's EngineArgs), and on CUDA the model
     runner it may use (set in the environment, which vLLM reads at the engine's build).
 
@@ -146,7 +148,11 @@ def generator_compilation(*, compiled: bool, own_invariant_kernels: bool, captur
       forward (generator/routing.py): piecewise only, so that the wrapper's forward, outside
       the compiled decoder, runs at every step instead of being replayed from a graph. And
       vLLM's V1 model runner, pinned: the routing capture reads its `input_batch`, which the
-      V2 runner (vLLM's default on CUDA) does not have.
+      V2 runner (vLLM's default on CUDA) does not have. `host_ops`: the model's ops that run
+      code on the host (Qwen3.5's `torchtitan_rl::gated_delta_paged` splits its batch by
+      request there): the graph is split at them, beside vLLM's attention ops, so they run
+      eagerly between captured pieces, and piecewise only (a full graph would replay the
+      batch split of its capture).
     """
     if not compiled:
         return {"mode": 0}  # CompilationMode.NONE
@@ -160,6 +166,11 @@ def generator_compilation(*, compiled: bool, own_invariant_kernels: bool, captur
             return {"mode": 2, "backend": "eager"}  # CompilationMode.DYNAMO_TRACE_ONCE
         return {"mode": 3}  # VLLM_COMPILE, which vLLM's CPU platform turns into the above
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if host_ops:
+        from vllm.config import CompilationConfig
+
+        splitting = [*CompilationConfig._attention_ops, *host_ops]
+        return {"mode": 3, "cudagraph_mode": "PIECEWISE", "splitting_ops": splitting}
     return {"mode": 3, "cudagraph_mode": "PIECEWISE" if captures_routing else "FULL_AND_PIECEWISE"}
 
 

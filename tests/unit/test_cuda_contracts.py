@@ -339,9 +339,18 @@ def test_generator_compilation_on_cuda_and_cpu(device, monkeypatch):
     each forward, which a full graph would replay without running), and the V1 model runner
     pinned (the capture reads its `input_batch`; vLLM's V2 runner, its CUDA default, has none);
     on CPU vLLM's own (which its CPU platform turns into trace-once inductor), or the eager
-    backend under this project's batch-invariant kernels; mode NONE when eager."""
+    backend under this project's batch-invariant kernels; mode NONE when eager. A hybrid
+    model's op that runs host code (Qwen3.5's state op) splits the CUDA graph and runs
+    between piecewise captures; the host op is registered under the name the config gives."""
     from vllm import envs
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    import torchtitan_rl.generator.hybrid  # noqa: F401  (registers the op)
+    from torchtitan_rl.generator.plugin import HYBRID_HOST_OPS
+
+    for op in HYBRID_HOST_OPS:
+        namespace, name = op.split("::")
+        assert hasattr(getattr(torch.ops, namespace), name), op
 
     monkeypatch.setattr(platform, "device_type", lambda: device)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -366,6 +375,20 @@ def test_generator_compilation_on_cuda_and_cpu(device, monkeypatch):
             assert config.cudagraph_mode == graphs
         assert envs.VLLM_USE_V2_MODEL_RUNNER is False
         assert envs.VLLM_USE_AOT_COMPILE  # left as vLLM's on CUDA
+        # Qwen3.5: the graph split at the op that runs host code, which no graph captures.
+        hybrid = CompilationConfig(
+            **platform.generator_compilation(
+                compiled=True,
+                own_invariant_kernels=False,
+                captures_routing=False,
+                host_ops=HYBRID_HOST_OPS,
+            )
+        )
+        assert hybrid.cudagraph_mode == CUDAGraphMode.PIECEWISE
+        assert set(hybrid.splitting_ops) >= {
+            *HYBRID_HOST_OPS,
+            "vllm::unified_attention_with_output",
+        }
     else:
         for (invariant, _), config in built.items():
             mode = CompilationMode.DYNAMO_TRACE_ONCE if invariant else CompilationMode.VLLM_COMPILE

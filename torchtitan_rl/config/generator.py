@@ -136,7 +136,8 @@ class GeneratorSection:
     """On CPU, run GEMMs on oneDNN-packed weight copies as vLLM's own models do: ~1.8x faster
     generation for debugmodel-sized models, twice the weight memory, and a repack (~3x a
     memcpy of the weights) in every weight sync. Mixture-of-experts layers likewise run
-    vLLM's CPU fused-MoE kernel on packed expert weights. No effect on GPU."""
+    vLLM's CPU fused-MoE kernel on packed expert weights, and Qwen3.5's Gated DeltaNet
+    layers, in bf16, vLLM's CPU kernels (docs/qwen3_5.md). No effect on GPU."""
     weight_sync_bucket_mb: float = 64.0
     """Weight sync gathers and copies parameters in buckets of about this size (peak extra
     memory); a larger parameter forms a bucket of its own."""

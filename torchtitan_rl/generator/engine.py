@@ -33,7 +33,7 @@ from torchtitan_rl.config import (
     text_fields,
 )
 from torchtitan_rl.errors import EngineError
-from torchtitan_rl.generator.plugin import ARCH, HYBRID_ARCH
+from torchtitan_rl.generator.plugin import ARCH, HYBRID_ARCH, HYBRID_HOST_OPS
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import (
     attention_shape,
@@ -281,6 +281,7 @@ class LocalGenerator:
                 compiled=compiled,
                 own_invariant_kernels=batch_invariant.uses_own_kernels() and not native,
                 captures_routing=not native and _is_moe(model),
+                host_ops=HYBRID_HOST_OPS if hybrid and not native else (),
             ),
             gpu_memory_utilization=generator.gpu_memory_utilization,
             tensor_parallel_size=generator.parallelism.tensor_parallel_degree,

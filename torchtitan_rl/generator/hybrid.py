@@ -1,24 +1,28 @@
-"""Qwen3.5's Gated DeltaNet layers inside vLLM: each keeps its recurrent state in vLLM's
-per-request state cache, as vLLM's own hybrid models do, and runs gated_delta.py's routines
-on it as one opaque op.
+"""Qwen3.5's Gated DeltaNet layers inside vLLM: each keeps its convolution inputs and
+recurrent state in vLLM's per-request state cache, as vLLM's own hybrid models do, and runs
+on it as one opaque op, on vLLM's CPU kernels or on gated_delta.py's routines.
 
     .venv/bin/python -m pytest tests/integration/test_generator.py -k qwen3_5
 
 vLLM schedules a hybrid model (`TorchTitanHybridForCausalLM`: `IsHybrid`) with two kinds of
 cache: paged KV blocks for the full-attention layers (PagedAttention) and, per Gated DeltaNet
 layer, one state slot per running request (`GatedDeltaState`, a `MambaBase` layer): the last
-W - 1 inputs of its convolution and its recurrent state S (H x K x V; vLLM's layout is
-H x V x K, which the op reads transposed). `gated_delta_paged` runs a forward's flat batch:
-the prefills from zeros (a request's first step; prefixes are not cached: the engine turns
-prefix caching off for hybrid models) with the chunked form, those of equal length together,
-the decodes together, one recurrent step, each request's state read from and written back to
-its slot.
+W - 1 inputs of its convolution and its recurrent state S (vLLM shapes the slot H x V x K;
+the op and vLLM's kernels read it as the trainer's H x K x V, a view). `gated_delta_paged`
+runs a forward's flat batch: the prefills (a request's first step; prefixes are not cached:
+the engine turns prefix caching off for hybrid models) and the decodes, each request's
+states read from and written back to its slots.
 
-vLLM's own CPU kernels for these layers take bf16 only and head dims of 64 or 128; this op
-runs the trainer's routines in any dtype. In batch-invariant mode the prefill runs the
-recurrent form too, as the trainer then does (models/qwen3_5.py), so both sides compute every
-token's state by the same steps. The recurrent state stays fp32 between steps (the engine
-sets `mamba_ssm_cache_dtype`), as the trainer keeps it within a sequence.
+- vLLM's CPU kernels (`uses_vllm_kernels`: bf16, heads of 64 or 128, mode off), as vLLM's
+  own Qwen3.5 runs them: the convolution, then the gating and the rule, in place on the
+  slots, a call for the decodes and one for the prefills of each.
+- Else the trainer's routines: the prefills of equal length together with the chunked form,
+  the decodes together with one step (`gated_delta.step`). In batch-invariant mode the
+  prefills and decodes run the recurrent form, as the trainer then does
+  (models/qwen3_5.py), so both sides compute every token's state by the same steps.
+
+The recurrent state stays fp32 between steps (the engine sets `mamba_ssm_cache_dtype`), as
+the trainer keeps it within a sequence.
 """
 
 import torch

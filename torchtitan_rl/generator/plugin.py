@@ -10,6 +10,9 @@ that starts a vLLM engine finds the architecture without importing this package 
 ARCH = "TorchTitanForCausalLM"
 HYBRID_ARCH = "TorchTitanHybridForCausalLM"
 """The architecture of models with Gated DeltaNet layers (Qwen3.5): vLLM keeps their states."""
+HYBRID_HOST_OPS = ("torchtitan_rl::gated_delta_paged",)
+"""The hybrid wrapper's ops that run code on the host (generator/hybrid.py): on CUDA the
+compiled graph is split at them (platform.generator_compilation)."""
 
 
 def register() -> None:
