@@ -9,7 +9,8 @@ weight sync's checks (one engine start per rank for both).
 Generator: each rank samples its own prompts (one short, one longer than a 128-token KV
 block), then a trainer recomputes the logprobs of every sampled token; a greedy pass is
 replayed through the trainer's argmax (these alone: "sampling"); stop ids, stop strings,
-seeds, bad prompts. "qwen3@tp2": one engine over each 2 ranks (generator tensor parallel).
+seeds, bad prompts. "qwen3@tp2": one engine over each 2 ranks (generator tensor parallel);
+"qwen3_5@bf16": the engine in bf16.
 Compiled ("compiled"): the run's engines compile their decoder (the default); an eager engine
 of the same model samples the same batches, which must give the same tokens.
 
@@ -356,8 +357,10 @@ def main() -> None:
         # "qwen3@tp2": one engine over each 2 consecutive ranks, which share its prompts and
         # seeds (the group's first rank's).
         # "moe@ep2": the same, the experts whole over the 2 ranks (expert parallel).
+        # "qwen3_5@bf16": the engine in bf16 (Qwen3.5's Gated DeltaNet layers then run
+        # vLLM's CPU kernels); the trainer recomputes in fp32.
         family, _, layout = name.partition("@")
-        tp = int(layout[2:] or 1)
+        tp = int(layout[2:] or 1) if layout.startswith(("tp", "ep")) else 1
         replica = rank // tp * tp
         model = MODELS.get(family) or ModelSection(
             name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
@@ -368,6 +371,7 @@ def main() -> None:
                 parallelism=GeneratorParallelismSection(
                     tensor_parallel_degree=tp, expert_parallel=layout.startswith("ep")
                 ),
+                dtype="bfloat16" if layout == "bf16" else "float32",
             ),
             model=model,
             seed=replica,
@@ -383,6 +387,11 @@ def main() -> None:
         # The KV cache vLLM allocated, and the block size the CPU cap reckons with.
         results["kv_cache_bytes"] = generator.kv_cache_bytes()
         results["kv_block_bytes"] = kv_block_bytes(model, generator.config)
+        # Qwen3.5: what each Gated DeltaNet layer runs on (vLLM's kernels; stacked projections).
+        layers = [m for m in generator.model().modules() if hasattr(m, "PROJECTIONS")]
+        results["gated_delta"] = [
+            {"vllm_kernels": m.paged.vllm_kernels, "stacked": m.stacked is not None} for m in layers
+        ]
         torch.save(results, out / f"{name}.rank{rank}.pt")
         generator.close()  # its groups: the next engine builds its own
         del generator
