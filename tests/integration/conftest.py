@@ -115,7 +115,8 @@ def engines_plain(tmp_path_factory) -> dict[str, list[dict]]:
     """One plain process (a world of one), one engine after another: the tiny Qwen3's weight
     sync checks, the tiny Llama3's generator checks, the tiny gpt-oss's, DeepSeek-V3's, Muse
     Glimmer's and Qwen3.5's generator and weight sync checks, and for each of them and the tiny
-    Qwen3-MoE the compiled engine against an eager one (one process start for the seven)."""
+    Qwen3-MoE the compiled engine against an eager one; then Qwen3.5 in bf16, on vLLM's
+    kernels (one process start for the eight)."""
     checks = {
         "qwen3": "weight_sync,compiled",
         "llama3": "generator,compiled",
@@ -124,6 +125,7 @@ def engines_plain(tmp_path_factory) -> dict[str, list[dict]]:
         "deepseek_v3": "generator,weight_sync,compiled",
         "muse_glimmer": "generator,weight_sync,compiled",
         "qwen3_5": "generator,weight_sync,compiled",
+        "qwen3_5@bf16": "sampling",
     }
     return engine_world(tmp_path_factory, 0, checks)
 
