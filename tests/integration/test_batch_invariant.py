@@ -7,6 +7,7 @@ The kernels themselves: tests/unit/test_batch_invariant.py.
 import json
 from pathlib import Path
 
+import pytest
 from helpers import runs
 from helpers.launch import DEBUG_TOML, metric_rows, run_dist
 
@@ -33,7 +34,26 @@ def probe(out: Path, *named_flags: tuple[str, tuple[str, ...]]) -> dict[str, dic
     return results
 
 
-def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_path):
+@pytest.fixture(scope="module")
+def demo_world(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """One world: the dense tiny Qwen3 with the mode off, in float32 and in bf16, then (the
+    mode stays on in a process once a run turns it on) the echo demo, Muse Glimmer and
+    Qwen3.5 with it on. (its folder, {run: figures})."""
+    out = tmp_path_factory.mktemp("demo_world")
+    results = probe(
+        out,
+        *(
+            (dtype, (*STEPS, "--model.dtype", dtype, "--generator.dtype", dtype))
+            for dtype in ("float32", "bfloat16")
+        ),
+        ("demo", ("--batch_invariant", "true")),
+        ("muse_glimmer", (*STEPS, *runs.MUSE_GLIMMER_MODEL, *BF16, "--batch_invariant", "true")),
+        ("qwen3_5", (*STEPS, *runs.QWEN3_5_MODEL, *BF16, "--batch_invariant", "true")),
+    )
+    return out, results
+
+
+def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(demo_world):
     """The echo demo (100 steps) in batch-invariant mode: every step's generator and trainer
     logprobs are equal, it learns, and on the trained weights every batch composition gives
     the trainer's logprobs exactly. Then, in the same world, Muse Glimmer's text tower in bf16
@@ -42,12 +62,7 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(tmp_p
     dense hybrid in bf16: both sides run the Gated DeltaNet recurrence token by token (the
     generator from its state slots: prefills, then decodes of varying batch), its gates through
     `ops.pointwise`."""
-    results = probe(
-        tmp_path,
-        ("demo", ("--batch_invariant", "true")),
-        ("muse_glimmer", (*STEPS, *runs.MUSE_GLIMMER_MODEL, *BF16, "--batch_invariant", "true")),
-        ("qwen3_5", (*STEPS, *runs.QWEN3_5_MODEL, *BF16, "--batch_invariant", "true")),
-    )
+    tmp_path, results = demo_world
     for name in ("muse_glimmer", "qwen3_5"):
         assert diffs(results[name]) == [0.0] * 6, (name, results[name])
         assert results[name]["alone_equals_among_16"], name
@@ -118,15 +133,9 @@ def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_p
     assert len({metric_rows(tmp_path / name)[-1]["entropy"] for name in results}) == 5
 
 
-def test_without_the_mode_the_same_probes_differ_in_fp32_and_bf16(tmp_path):
+def test_without_the_mode_the_same_probes_differ_in_fp32_and_bf16(demo_world):
     """The same measurement with the mode off is not 0.0, in float32 and in bf16 (so the
-    tests above can fail), on the dense tiny Qwen3, the two runs in one world."""
-    results = probe(
-        tmp_path,
-        *(
-            (dtype, (*STEPS, "--model.dtype", dtype, "--generator.dtype", dtype))
-            for dtype in ("float32", "bfloat16")
-        ),
-    )
-    for dtype, result in results.items():
-        assert max(diffs(result)) > 0.0, (dtype, result)
+    tests above can fail), on the dense tiny Qwen3: the demo world's first two runs."""
+    _, results = demo_world
+    for dtype in ("float32", "bfloat16"):
+        assert max(diffs(results[dtype])) > 0.0, (dtype, results[dtype])
