@@ -143,8 +143,20 @@ def gated_delta_paged(
 
 
 @gated_delta_paged.register_fake
-def _(qkv_TC, a_TH, b_TH, A_log_H, dt_bias_H, conv_weight, layer_name, *rest):
-    value_dim = rest[2]
+def _(
+    qkv_TC,
+    a_TH,
+    b_TH,
+    A_log_H,
+    dt_bias_H,
+    conv_weight,
+    layer_name,
+    key_heads,
+    key_dim,
+    value_dim,
+    invariant,
+    vllm_kernels,
+):
     return qkv_TC.new_empty(a_TH.shape[0], a_TH.shape[1], value_dim)
 
 
