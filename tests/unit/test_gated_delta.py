@@ -61,6 +61,11 @@ def test_a_sequence_cut_anywhere_carries_its_state():
     y2, last2 = gated_delta.causal_conv(x[:, 50:], weight, carried)
     assert torch.equal(torch.cat([y1, y2], 1), y) and torch.equal(last2, last)
     assert torch.equal(last, x[:, -3:].transpose(1, 2))
+    # bf16: each row's outputs are its bits alone, beside other rows or not (batch-invariant).
+    xb, wb = x.bfloat16(), weight.bfloat16()
+    together, _ = gated_delta.causal_conv(xb, wb)
+    for row in range(2):
+        assert torch.equal(together[row], gated_delta.causal_conv(xb[row : row + 1], wb)[0][0])
 
 
 def test_the_decode_step_updates_the_state_in_place_as_the_recurrent_form():
