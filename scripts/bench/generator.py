@@ -7,8 +7,10 @@ alternating over --trials): the same prompts, sampling parameters and per-reques
 untimed warm-up round per engine, then the median of all timed rounds of a side. Both sides
 compiled, as vLLM runs its own models (generator.enforce_eager unset), and, beside them, both
 eager. Prints one JSON line: `ours_tokens_per_s`, `native_tokens_per_s` and `ratio` = ours /
-native, compiled (target >= 0.95); `eager_ratio` and the eager rates; `start_s`, each side's
-median engine start (compilation included: inductor's cache warm after the first trial).
+native, compiled (target >= 0.95); `eager_ratio` and the eager rates; `tokens_per_round`,
+each side's median generated tokens in a round (both sides must process the same work);
+`start_s`, each side's median engine start (compilation included: inductor's cache warm
+after the first trial).
 `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
 on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3's
 debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel; `assets/debug_deepseek_v3`:
@@ -64,14 +66,15 @@ def measure(args: argparse.Namespace) -> dict:
     (kv_bytes,) = generator.engine.collective_rpc(_kv_bytes_per_token)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 60, (args.prompts, args.prompt_len), generator=g).tolist()
-    rates = []
+    rates, tokens = [], []
     for round_ in range(args.rounds + 1):
         start = time.perf_counter()
         completions = generator.generate(prompts, seed=round_ * len(prompts))
         seconds = time.perf_counter() - start
         if round_ > 0:  # round 0 warms up
             rates.append(completions.num_tokens / seconds)
-    return {"rates": rates, "start_s": [start_s], "kv_bytes_per_token": kv_bytes}
+            tokens.append(completions.num_tokens)
+    return {"rates": rates, "tokens": tokens, "start_s": [start_s], "kv_bytes_per_token": kv_bytes}
 
 
 def _kv_bytes_per_token(worker) -> int:
@@ -109,6 +112,7 @@ def main() -> None:
     sides = LATENT_SIDES if latent else SIDES
     # The sides alternate over trials so that slow phases of a shared machine hit both.
     rates = {side: [] for side in sides}
+    tokens = {side: [] for side in sides}
     starts = {side: [] for side in sides}
     kv_bytes = {}
     for _ in range(args.trials):
@@ -119,6 +123,7 @@ def main() -> None:
                 env["PYTHONPATH"] = str(REPO / "tests" / "helpers" / "stand_ins")
             child = run_child(command, env)
             rates[side] += child["rates"]
+            tokens[side] += child["tokens"]
             starts[side] += child["start_s"]
             kv_bytes[side] = child["kv_bytes_per_token"]
     medians = {side: statistics.median(values) for side, values in rates.items()}
@@ -146,6 +151,7 @@ def main() -> None:
                 "eager_ratio": round(medians["ours_eager"] / medians["native_eager"], 3),
                 **latent_figures,
                 "kv_bytes_per_token": kv_bytes,
+                "tokens_per_round": {side: statistics.median(v) for side, v in tokens.items()},
                 "start_s": {side: round(statistics.median(v), 1) for side, v in starts.items()},
             }
         )
