@@ -51,7 +51,12 @@ from torchtitan_rl.weight_sync import LocalTransport, base
 MODELS = {
     "moe": ModelSection(
         name="qwen3", flavor="tiny_moe", hf_checkpoint=str(REPO / "assets" / "tiny_moe_qwen3")
-    )
+    ),
+    "qwen3_5_moe": ModelSection(
+        name="qwen3_5",
+        flavor="tiny_moe",
+        hf_checkpoint=str(REPO / "assets" / "tiny_moe_qwen3_5"),
+    ),
 }
 TEMPERATURE = 0.7  # the generator checks'
 SYNC_TEMPERATURE = 0.8  # the weight sync checks'
@@ -359,8 +364,10 @@ def main() -> None:
         # "moe@ep2": the same, the experts whole over the 2 ranks (expert parallel).
         # "qwen3_5@bf16": the engine in bf16 (Qwen3.5's Gated DeltaNet layers then run
         # vLLM's CPU kernels); the trainer recomputes in fp32.
+        # "qwen3_5@tp2+bf16": both.
         family, _, layout = name.partition("@")
-        tp = int(layout[2:] or 1) if layout.startswith(("tp", "ep")) else 1
+        parts = layout.split("+")
+        tp = next((int(p[2:]) for p in parts if p.startswith(("tp", "ep"))), 1)
         replica = rank // tp * tp
         model = MODELS.get(family) or ModelSection(
             name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
@@ -371,7 +378,7 @@ def main() -> None:
                 parallelism=GeneratorParallelismSection(
                     tensor_parallel_degree=tp, expert_parallel=layout.startswith("ep")
                 ),
-                dtype="bfloat16" if layout == "bf16" else "float32",
+                dtype="bfloat16" if "bf16" in parts else "float32",
             ),
             model=model,
             seed=replica,

@@ -283,10 +283,10 @@ BAD_INPUTS = {
         [],
         ["task.reward_fn = 'no_such_module:score': cannot import 'no_such_module'"],
     ),
-    "tensor parallel over Gated DeltaNet layers": (
-        '[model]\nname = "qwen3_5"\n[parallelism]\ntp = 2\n',
+    "tensor parallel over more ranks than Gated DeltaNet heads": (
+        '[model]\nname = "qwen3_5"\n[parallelism]\ntp = 4\n',
         [],
-        ["parallelism.tp = 2: qwen3_5's Gated DeltaNet layers run whole", "use 1"],
+        ["parallelism.tp = 4 does not divide the 2 key heads and 4 value heads", "divides both"],
     ),
     "a flavor with a vision tower": (
         '[model]\nname = "kimi_k2_7"\nflavor = "Kimi-K2.5"\n',

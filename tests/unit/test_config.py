@@ -192,20 +192,27 @@ def test_run_configs_are_left_unchanged_by_resolve_and_validate(name, entry):
         assert config.algorithm == AlgorithmSection()
 
 
-def test_qwen3_5_runs_whole_heads_and_refuses_tensor_parallel():
-    """Every torchtitan family runs now (qwen3_5 last); its Gated DeltaNet layers run whole on
-    each rank, so tensor parallel on either side is one line naming the field, at config time."""
+def test_qwen3_5_splits_its_gated_deltanet_heads_over_tensor_parallel_ranks():
+    """Every torchtitan family runs now (qwen3_5 last); its Gated DeltaNet layers split their
+    key and value heads over the tensor-parallel ranks on either side, so a degree that does
+    not divide them is one line naming the field, at config time."""
     from torchtitan_rl.config import ConfigError
-    from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS
+    from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS, linear_attention_heads
 
     assert set(SUPPORTED_MODELS) == set(FAMILIES)
+    assert linear_attention_heads("qwen3_5", "tiny") == (2, 4)
+    assert linear_attention_heads("qwen3_5", "35B-A3B") == (16, 32)
+    assert linear_attention_heads("qwen3", "tiny") is None
     qwen3_5 = ["--job.config_file", DEBUG_TOML, "--model.name", "qwen3_5"]
     assert parse_args([*qwen3_5, "--model.flavor", "tiny_moe"]).model.flavor == "tiny_moe"
     for field in ("parallelism.tp", "generator.parallelism.tensor_parallel_degree"):
+        assert parse_args([*qwen3_5, f"--{field}", "2"], world_size=2)
         with pytest.raises(ConfigError) as error:
-            parse_args([*qwen3_5, f"--{field}", "2"], world_size=2)
+            parse_args([*qwen3_5, f"--{field}", "4"], world_size=4)
         message = str(error.value)
-        assert message.startswith(f"{field} = 2: qwen3_5's Gated DeltaNet layers run whole")
+        assert message.startswith(
+            f"{field} = 4 does not divide the 2 key heads and 4 value heads of qwen3_5/tiny"
+        )
         assert "\n" not in message
 
 

@@ -180,13 +180,14 @@ class JobConfig:
         )
 
     def _validate_linear_attention(self) -> None:
-        """Qwen3.5's Gated DeltaNet layers run per rank: this project's forward of them
-        (models/qwen3_5.py) and the generator's state op (generator/hybrid.py) take whole
-        heads, not tensor-parallel shards."""
-        from torchtitan_rl.models import has_linear_attention
+        """Qwen3.5's Gated DeltaNet layers split their key and value heads over the
+        tensor-parallel ranks (trainer and generator): each degree must divide both."""
+        from torchtitan_rl.models import linear_attention_heads
 
-        if not has_linear_attention(self.model.name, self.model.flavor):
+        heads = linear_attention_heads(self.model.name, self.model.flavor)
+        if heads is None:
             return
+        key_heads, value_heads = heads
         for field_name, tp in (
             ("parallelism.tp", self.parallelism.tp),
             (
@@ -195,10 +196,10 @@ class JobConfig:
             ),
         ):
             require(
-                tp == 1,
-                f"{field_name} = {tp}: {self.model.name}'s Gated DeltaNet layers run whole on "
-                "each rank here (no tensor-parallel split of their heads yet): use 1 (FSDP and "
-                "expert parallel shard the trainer; one engine per rank generates)",
+                key_heads % tp == 0 and value_heads % tp == 0,
+                f"{field_name} = {tp} does not divide the {key_heads} key heads and "
+                f"{value_heads} value heads of {self.model.name}/{self.model.flavor}'s Gated "
+                "DeltaNet layers: pick one that divides both",
             )
 
     def _validate_heads(self) -> None:

@@ -40,7 +40,8 @@ from torchtitan_rl.models import gated_delta
 
 
 class GatedDeltaState(MambaBase, nn.Module):
-    """vLLM's state cache of one Gated DeltaNet layer (no parameters): vLLM sizes it from
+    """vLLM's state cache of one Gated DeltaNet layer (no parameters; under tensor parallel,
+    of the rank's heads, `tp` ranks sharing the key and value heads): vLLM sizes it from
     `get_state_shape`, binds this layer's slots to `kv_cache` by `prefix`, and hands the
     forward its `GDNAttentionMetadata` under the same name."""
 
@@ -53,6 +54,7 @@ class GatedDeltaState(MambaBase, nn.Module):
         value_dim: int,
         width: int,
         prefix: str,
+        tp: int = 1,
         vllm_kernels: bool = False,
     ):
         super().__init__()
@@ -61,7 +63,7 @@ class GatedDeltaState(MambaBase, nn.Module):
         config = get_current_vllm_config()
         self.model_config, self.cache_config = config.model_config, config.cache_config
         self.shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
-            1, key_heads, value_heads, key_dim, value_dim, width
+            tp, key_heads, value_heads, key_dim, value_dim, width
         )
         self.prefix = self.layer_name = prefix
         context = config.compilation_config.static_forward_context

@@ -17,7 +17,11 @@ models do:
 - the vocabulary-parallel embedding (weight Shard(0); torchtitan's forward masks the ids of
   other ranks' rows) likewise;
 - a column-parallel linear (Shard(0)) keeps its output's shard, consumed locally (the
-  attention's heads, the MLP's hidden units); the LM head's is gathered in `compute_logits`.
+  attention's heads, the MLP's hidden units); the LM head's is gathered in `compute_logits`;
+- a Gated DeltaNet layer (Qwen3.5) likewise runs the rank's key and value heads: its input
+  projections column-parallel, its depthwise convolution on the rank's channels (Shard(0)),
+  its per-head A_log and dt_bias sharded, the state slots of the rank's heads
+  (generator/hybrid.py), the output projection row-parallel.
 
 Activations between layers are whole on every rank (no sequence parallelism): nothing depends
 on the token count, so the batch needs no padding and the decoder compiles. Weight sync still
@@ -25,7 +29,7 @@ sees DTensors (`as_dtensors`: views of the local parameters with the plan's layo
 writes each rank's shard in place. Supported where the plan has only these layouts: dense
 models with a vocabulary the ranks split evenly and no biases on row-parallel layers (qwen3,
 llama3, Muse Glimmer: its embedding's norm runs after the embedding's sum, its attention gate
-is column-parallel); others (MoE experts, gpt-oss) keep the DTensor path, eager.
+is column-parallel; Qwen3.5's dense hybrids); others (MoE experts, gpt-oss) keep the DTensor path, eager.
 """
 
 import torch
@@ -41,7 +45,12 @@ def supported(spec, tp: int) -> bool:
     config = spec.model
     if any(getattr(layer, "moe", None) is not None for layer in config.layers):
         return False
-    return config.vocab_size % tp == 0 and spec.name in ("qwen3", "llama3", "muse_glimmer")
+    return config.vocab_size % tp == 0 and spec.name in (
+        "qwen3",
+        "llama3",
+        "muse_glimmer",
+        "qwen3_5",
+    )
 
 
 def compiles(spec, tp: int) -> bool:
@@ -96,8 +105,8 @@ def _sums_over_ranks(name: str, module: nn.Module, placements) -> bool:
         if module.bias is not None:
             raise NotImplementedError(f"{name}: a row-parallel linear with a bias")
         return True
-    if isinstance(module, nn.Linear) and placement == Shard(0):
-        return False
+    if isinstance(module, (nn.Linear, nn.Conv1d)) and placement == Shard(0):
+        return False  # a Gated DeltaNet's depthwise convolution: the rank's channels
     raise NotImplementedError(f"{name}: {type(module).__name__} sharded as {placement}")
 
 

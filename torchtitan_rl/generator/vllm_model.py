@@ -126,6 +126,7 @@ class TorchTitanForCausalLM(nn.Module):
                     f"{prefix}layers.{index}.attn.paged",
                     vllm_kernels,
                     vllm_config.model_config.dtype,
+                    self.tp,
                 )
                 continue
             attention = attention_of(layer)
@@ -152,10 +153,11 @@ class TorchTitanForCausalLM(nn.Module):
             # vLLM's attention reads the sinks of the rank's heads: the local shard of each
             # layer's sinks parameter, so that weight sync's in-place writes reach it.
             for layer in model.layers.values():
-                if getattr(layer.attention, "sinks", None) is not None:
-                    sinks = layer.attention.sinks
-                    local = sinks.to_local() if isinstance(sinks, DTensor) else sinks
-                    layer.attention.inner_attention.attn.impl.sinks = local.detach()
+                attention = attention_of(layer)
+                if getattr(attention, "sinks", None) is not None:
+                    local = attention.sinks
+                    local = local.to_local() if isinstance(local, DTensor) else local
+                    attention.inner_attention.attn.impl.sinks = local.detach()
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
         if invariant:
@@ -246,7 +248,9 @@ class TorchTitanForCausalLM(nn.Module):
         T = positions.shape[0]
         pad = -T % math.lcm(self.tp, TP_BATCH_MULTIPLE)
         for layer in self.model.layers.values():
-            layer.attention.inner_attention.tokens = T
+            attention = attention_of(layer)
+            if isinstance(getattr(attention, "inner_attention", None), PagedAttention):
+                attention.inner_attention.tokens = T  # not a Gated DeltaNet layer's
         if input_ids is not None:
             input_ids = nn.functional.pad(input_ids, (0, pad))
         if inputs_embeds is not None:
@@ -359,9 +363,12 @@ def attention_of(layer: nn.Module) -> nn.Module:
     return layer.attention if hasattr(layer, "attention") else layer.attn
 
 
-def _state_layer(config, prefix: str, vllm_kernels: bool, dtype: torch.dtype) -> nn.Module:
-    """The vLLM state layer of a Gated DeltaNet layer of `config` (generator/hybrid.py), on
-    vLLM's kernels where `vllm_kernels` and they take the layer."""
+def _state_layer(
+    config, prefix: str, vllm_kernels: bool, dtype: torch.dtype, tp: int
+) -> nn.Module:
+    """The vLLM state layer of a Gated DeltaNet layer of `config` (generator/hybrid.py), its
+    slots holding a rank's heads of `tp`, on vLLM's kernels where `vllm_kernels` and they
+    take the layer."""
     from torchtitan_rl.generator.hybrid import GatedDeltaState, uses_vllm_kernels
 
     return GatedDeltaState(
@@ -370,6 +377,7 @@ def _state_layer(config, prefix: str, vllm_kernels: bool, dtype: torch.dtype) ->
         key_dim=config.key_head_dim,
         value_dim=config.value_head_dim,
         width=config.conv_kernel_size,
+        tp=tp,
         prefix=prefix,
         vllm_kernels=vllm_kernels
         and uses_vllm_kernels(dtype, config.key_head_dim, config.value_head_dim),

@@ -68,7 +68,19 @@ def is_mixture_of_experts(name: str, flavor: str) -> bool:
 def has_linear_attention(name: str, flavor: str) -> bool:
     """Whether any layer of `name`/`flavor` is Gated DeltaNet (Qwen3.5's linear attention),
     whose per-sequence state the generator keeps in vLLM's slots."""
-    return any(getattr(layer, "delta_net", None) for layer in _config(name, flavor).layers)
+    return linear_attention_heads(name, flavor) is not None
+
+
+def linear_attention_heads(name: str, flavor: str) -> tuple[int, int] | None:
+    """(key heads, value heads) of `name`/`flavor`'s Gated DeltaNet layers; None without."""
+    for layer in _config(name, flavor).layers:
+        delta_net = getattr(layer, "delta_net", None)
+        if delta_net is not None:
+            return (
+                delta_net.in_proj_q.out_features // delta_net.key_head_dim,
+                delta_net.in_proj_v.out_features // delta_net.value_head_dim,
+            )
+    return None
 
 
 def hf_architecture(name: str, flavor: str) -> str | None:
