@@ -2,12 +2,13 @@
 one step, save results: several layouts share one launch.
 
     torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR \
-        MICRO,ACTIVATION_CHECKPOINT,TP[,REPLICATE] [MICRO,ACTIVATION_CHECKPOINT,TP ...]
+        [MODEL:]MICRO,ACTIVATION_CHECKPOINT,TP[,REPLICATE] [MICRO,ACTIVATION_CHECKPOINT,TP ...]
 
+MODEL (default the tiny Qwen3) names another tiny model: qwen3_5 (its Gated DeltaNet layers).
 MICRO is a count of padded micro-batches (training.micro_batch_tokens = 0) or bN, packed
 micro-batches of at most N tokens. REPLICATE (default 1) is HSDP's replica count
 (parallelism.dp_replicate; FSDP shards over the world / (REPLICATE x TP) ranks of each). Each
-layout's results go to OUT_DIR/{MICRO}_{ACTIVATION_CHECKPOINT}_tp{TP}[_r{REPLICATE}].pt. Each
+layout's results go to OUT_DIR/[{MODEL}_]{MICRO}_{ACTIVATION_CHECKPOINT}_tp{TP}[_r{REPLICATE}].pt. Each
 data-parallel rank trains on its contiguous share of the same 8-sequence batch (the ranks
 of a TP group on the same share; packed layouts on 2 data-parallel ranks start from uneven
 shares, 6 and 2 rows). Rank 0 saves the logprobs of the whole batch (before the
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers.batches import fixed_batch, pg_loss, recorded_grads
-from helpers.launch import TINY
+from helpers.launch import REPO, TINY
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_rl import platform
@@ -46,13 +47,17 @@ def main() -> None:
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
     for layout in sys.argv[2:]:
+        name, _, layout = layout.rpartition(":")
         micro, checkpointing, tp, *replicate = layout.split(",")
         replicas = int(replicate[0]) if replicate else 1
-        result = step(micro, checkpointing, int(tp), rank, world, replicas)
+        model = ModelSection(hf_checkpoint=TINY)
+        if name:
+            model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
+        result = step(model, micro, checkpointing, int(tp), rank, world, replicas)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            suffix = f"_r{replicas}" if replicate else ""
-            torch.save(result, out / f"{micro}_{checkpointing}_tp{tp}{suffix}.pt")
+            prefix, suffix = f"{name}_" if name else "", f"_r{replicas}" if replicate else ""
+            torch.save(result, out / f"{prefix}{micro}_{checkpointing}_tp{tp}{suffix}.pt")
     if world == 2:
         result = vocabulary_parallel_head(rank, world)
         if rank == 0:
@@ -60,11 +65,19 @@ def main() -> None:
     platform.shutdown_distributed()
 
 
-def step(micro: str, checkpointing: str, tp: int, rank: int, world: int, replicas: int = 1) -> dict:
+def step(
+    model: ModelSection,
+    micro: str,
+    checkpointing: str,
+    tp: int,
+    rank: int,
+    world: int,
+    replicas: int = 1,
+) -> dict:
     """One layout's trainer: score, one step; what rank 0 saves (every rank must call it)."""
     packed = micro.startswith("b")
     trainer = PolicyTrainer(
-        model=ModelSection(hf_checkpoint=TINY),
+        model=model,
         training=TrainingSection(
             lr=1e-2,
             micro_batches=1 if packed else int(micro),

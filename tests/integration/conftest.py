@@ -95,11 +95,14 @@ def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     on one engine per rank ("qwen3"), then on one engine over both ranks, tensor parallel
     ("qwen3@tp2", both ranks with rank 0's prompts and seeds; the sampling checks, not those
     of stop ids and bad prompts, which do not depend on the layout); then Muse Glimmer's engine
-    over both ranks (its sampling and weight sync checks)."""
+    over both ranks (its sampling and weight sync checks); then Qwen3.5's, tensor parallel
+    (fp32), and its MoE's, expert parallel (bf16, on vLLM's kernels)."""
     checks = {
         "qwen3": "generator,weight_sync",
         "qwen3@tp2": "sampling,weight_sync,lora_sync",
         "muse_glimmer@tp2": "sampling,weight_sync",
+        "qwen3_5@tp2": "sampling,weight_sync",
+        "qwen3_5_moe@ep2+bf16": "sampling",
     }
     return engine_world(tmp_path_factory, 2, checks)
 

@@ -24,7 +24,7 @@ def worlds(tmp_path_factory, nproc: int, *layouts: tuple) -> list[dict]:
     results = []
     for m, c, tp, *replicas in layouts:
         suffix = f"_r{replicas[0]}" if replicas else ""
-        results.append(torch.load(out / f"{m}_{c}_tp{tp}{suffix}.pt"))
+        results.append(torch.load(out / f"{m}_{c}_tp{tp}{suffix}.pt".replace(":", "_")))
     if nproc == 2:  # and the vocabulary-parallel head's comparison
         results.append(torch.load(out / "head.pt"))
     return results
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
     single, selective, single_packed = worlds(
         tmp_path_factory, 0, (1, "none", 1), (1, "selective", 1), ("b16", "none", 1)
     )
-    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed, head = worlds(
+    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed, hybrid, hybrid_tp, head = worlds(
         tmp_path_factory,
         2,
         (1, "none", 1),
@@ -45,6 +45,8 @@ def runs(tmp_path_factory):
         (2, "full", 2),
         ("b16", "none", 1),
         ("b24", "full", 2),
+        ("qwen3_5:1", "none", 1),
+        ("qwen3_5:b24", "full", 2),
     )
     # HSDP on 4 ranks: 2 replicas x 2 FSDP shards, each rank 2 of the 8 rows.
     (hsdp,) = worlds(tmp_path_factory, 4, (1, "none", 1, 2))
@@ -62,6 +64,9 @@ def runs(tmp_path_factory):
         (2, "b24", "full", "tp2"): tp_packed,
         (4, 1, "hsdp"): hsdp,
         "head": head,
+        # The tiny Qwen3.5 (three Gated DeltaNet layers): FSDP, and TP packed, checkpointed.
+        ("qwen3_5", 2, 1): hybrid,
+        ("qwen3_5", 2, "b24", "full", "tp2"): hybrid_tp,
     }
 
 
@@ -145,6 +150,37 @@ def test_step_is_the_same_for_any_parallelism_micro_batches_and_checkpointing(ru
             candidate["weights_after"][name][clear], weight[clear], rtol=0, atol=1e-6
         )
     assert reference["params"].keys() == candidate["params"].keys()
+
+
+def test_qwen3_5_under_tensor_parallel_splits_its_gated_deltanet_heads_and_takes_the_same_step(
+    runs,
+):
+    """Trainer TP on the tiny Qwen3.5: each rank holds half of every Gated DeltaNet layer's
+    key and value heads (its input projections, convolution channels, A_log and dt_bias; the
+    output projection's input half), runs their convolution and recurrence per document of a
+    packed row, and the step equals FSDP's on padded rows."""
+    reference, candidate = runs[("qwen3_5", 2, 1)], runs[("qwen3_5", 2, "b24", "full", "tp2")]
+    local, whole = candidate["local_shapes"], candidate["params"]
+    for name in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b"):
+        key = f"layers.0.attn.{name}.weight"
+        assert local[key][0] * 2 == whole[key].shape[0], key
+    for name in ("conv_q.weight", "conv_v.weight", "A_log", "dt_bias"):
+        key = f"layers.0.attn.{name}"
+        assert local[key][0] * 2 == whole[key].shape[0], key
+    out = "layers.0.attn.out_proj.weight"
+    assert local[out][1] * 2 == whole[out].shape[1]
+    assert all(len(forwards) == 3 for forwards in candidate["forwards"])  # packed rows
+    torch.testing.assert_close(
+        candidate["logprobs_BT"], reference["logprobs_BT"], rtol=1e-6, atol=1e-6
+    )
+    assert candidate["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], rel=1e-5)
+    assert candidate["metrics"]["grad_norm"] == pytest.approx(
+        reference["metrics"]["grad_norm"], rel=1e-5
+    )
+    assert reference["grads"].keys() == candidate["grads"].keys()
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(candidate["grads"][name], grad, rtol=1e-4, atol=1e-6)
+    assert reference["grads"]["layers.0.attn.A_log"].abs().min() > 0
 
 
 def test_the_step_moved_the_weights(runs):
