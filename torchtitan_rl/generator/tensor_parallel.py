@@ -29,7 +29,8 @@ sees DTensors (`as_dtensors`: views of the local parameters with the plan's layo
 writes each rank's shard in place. Supported where the plan has only these layouts: dense
 models with a vocabulary the ranks split evenly and no biases on row-parallel layers (qwen3,
 llama3, Muse Glimmer: its embedding's norm runs after the embedding's sum, its attention gate
-is column-parallel; Qwen3.5's dense hybrids); others (MoE experts, gpt-oss) keep the DTensor path, eager.
+is column-parallel; Qwen3.5's dense hybrids); others (MoE experts, gpt-oss) keep the DTensor
+path, eager.
 """
 
 import torch

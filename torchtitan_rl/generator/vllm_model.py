@@ -363,9 +363,7 @@ def attention_of(layer: nn.Module) -> nn.Module:
     return layer.attention if hasattr(layer, "attention") else layer.attn
 
 
-def _state_layer(
-    config, prefix: str, vllm_kernels: bool, dtype: torch.dtype, tp: int
-) -> nn.Module:
+def _state_layer(config, prefix: str, vllm_kernels: bool, dtype: torch.dtype, tp: int) -> nn.Module:
     """The vLLM state layer of a Gated DeltaNet layer of `config` (generator/hybrid.py), its
     slots holding a rank's heads of `tp`, on vLLM's kernels where `vllm_kernels` and they
     take the layer."""
