@@ -128,7 +128,7 @@ class GeneratorSection:
     enforce_eager: bool | None = None
     """Run the engine eagerly (no torch.compile, no CUDA graphs). None: compiled as vLLM runs
     its own models (traced once at warm-up; on CUDA, graphs captured) wherever the generator
-    compiles: one rank per engine, or tensor parallel on local shards (dense qwen3 and llama3);
+    compiles: one rank per engine, or tensor parallel on local shards (the dense models);
     an MoE's tensor-parallel generator runs DTensors, eager, and false is refused for it.
     Compiled and eager give the same tokens (fp32 logprobs within 2e-6, 1e-5 for gpt-oss;
     bitwise under batch-invariant mode); compiling adds seconds to the engine's start."""

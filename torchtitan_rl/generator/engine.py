@@ -655,8 +655,8 @@ def compiles(generator: GeneratorSection, model: ModelSection) -> bool:
         raise ConfigError(
             f"generator.enforce_eager = false with generator.parallelism.tensor_parallel_degree "
             f"= {tp}: {model.name}/{model.flavor}'s tensor-parallel generator runs DTensors, "
-            "eager (local shards are built for dense qwen3 and llama3); unset enforce_eager or "
-            "set it to true"
+            "eager (local shards are built for dense models: qwen3, llama3, muse_glimmer, "
+            "qwen3_5); unset enforce_eager or set it to true"
         )
     return can and not generator.enforce_eager
 
