@@ -107,7 +107,7 @@ def _sums_over_ranks(name: str, module: nn.Module, placements) -> bool:
             raise NotImplementedError(f"{name}: a row-parallel linear with a bias")
         return True
     if isinstance(module, (nn.Linear, nn.Conv1d)) and placement == Shard(0):
-        return False  # a Gated DeltaNet's depthwise convolution: the rank's channels
+        return False  # column-parallel, or a Gated DeltaNet's convolution: the rank's slice
     raise NotImplementedError(f"{name}: {type(module).__name__} sharded as {placement}")
 
 
