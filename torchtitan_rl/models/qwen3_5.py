@@ -26,7 +26,7 @@ import types
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.models import gated_delta
 
@@ -121,7 +121,7 @@ def _classes():
 
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
             L = x_BLD.shape[1]
-            qkv_BLC, z_BLC, a_BLH, b_BLH, mesh = self.projected(x_BLD)
+            qkv_BLC, z_BLC, a_BLH, b_BLH = self.projected(x_BLD)
             weight = torch.cat([_local(c.weight) for c in (self.conv_q, self.conv_k, self.conv_v)])
             A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
             H = a_BLH.shape[-1]  # the rank's value heads; its key heads:
@@ -141,7 +141,7 @@ def _classes():
                     self.batch_invariant,
                     self.paged.vllm_kernels,
                 )
-                return self.output(out_THV[None], z_BLC, mesh)
+                return self.output(out_THV[None], z_BLC)
             g_BLH, beta_BLH = self.gates(a_BLH, b_BLH, A_log, dt_bias)
             runs = [(0, L)] if attention_masks is None else spans(attention_masks)
             rule = gated_delta.recurrent if self.batch_invariant else _platform().gated_delta_rule()
@@ -154,20 +154,18 @@ def _classes():
                 out, _ = rule(q, k, v, g_BLH[:, start:end], beta_BLH[:, start:end])
                 outputs.append(out)
             out_BLHV = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-            return self.output(out_BLHV, z_BLC, mesh)
+            return self.output(out_BLHV, z_BLC)
 
-        def projected(self, x_BLD: torch.Tensor) -> tuple:
-            """The q|k|v channels (concatenated), z, a and b of the PROJECTIONS, and the
-            tensor-parallel mesh (None without): under the spec's TP plan (DTensors, the
-            trainer's and an MoE generator's) each is the rank's heads, as a local tensor."""
+        def projected(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """The q|k|v channels (concatenated), z, a and b of the PROJECTIONS; under the
+            spec's TP plan (DTensors: the trainer's, an MoE generator's) the rank's heads, as
+            local tensors (concatenating the DTensors would gather them)."""
             if self.stacked is not None:
                 widths = [getattr(self, name).weight.shape[0] for name in self.PROJECTIONS]
-                out = self.stacked(x_BLD).split([sum(widths[:3]), *widths[3:]], dim=-1)
-                return *out, None
+                return self.stacked(x_BLD).split([sum(widths[:3]), *widths[3:]], dim=-1)
             q, k, v, z, a, b = (getattr(self, name)(x_BLD) for name in self.PROJECTIONS)
-            mesh = q.device_mesh if isinstance(q, DTensor) else None
             q, k, v, z, a, b = (_local(t) for t in (q, k, v, z, a, b))
-            return torch.cat([q, k, v], dim=-1), z, a, b, mesh
+            return torch.cat([q, k, v], dim=-1), z, a, b
 
         def gates(self, a_BLH, b_BLH, A_log, dt_bias) -> tuple[torch.Tensor, ...]:
             """Each token's decay g (< 0, fp32) and write strength beta per value head; in
@@ -178,16 +176,11 @@ def _classes():
             pointwise = ops.pointwise if self.batch_invariant else None
             return gated_delta.gates(a_BLH, b_BLH, A_log, dt_bias, pointwise)
 
-        def output(self, out_BLHV: torch.Tensor, z_BLC: torch.Tensor, mesh) -> torch.Tensor:
+        def output(self, out_BLHV: torch.Tensor, z_BLC: torch.Tensor) -> torch.Tensor:
             """The gated norm of the recurrence's outputs and the output projection; under
-            the TP plan, on the rank's heads as DTensors (the plan's row-parallel output
-            projection sums over the ranks)."""
+            the TP plan the norm's declared input layout takes the rank's heads as its
+            shards, and the row-parallel output projection sums over the ranks."""
             z_BLHV = z_BLC.unflatten(-1, (-1, self.value_head_dim))
-            if mesh is not None:
-                out_BLHV, z_BLHV = (
-                    DTensor.from_local(t, mesh, (Shard(2),), run_check=False)
-                    for t in (out_BLHV, z_BLHV)
-                )
             return self.out_proj(self.norm(out_BLHV, z_BLHV).flatten(2))
 
     class TextModel(model.Qwen35Model):
