@@ -376,7 +376,7 @@ def main() -> None:
             generator=GeneratorSection(
                 max_model_len=256,
                 parallelism=GeneratorParallelismSection(
-                    tensor_parallel_degree=tp, expert_parallel=layout.startswith("ep")
+                    tensor_parallel_degree=tp, expert_parallel=any(p.startswith("ep") for p in parts)
                 ),
                 dtype="bfloat16" if "bf16" in parts else "float32",
             ),

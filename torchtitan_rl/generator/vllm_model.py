@@ -45,7 +45,7 @@ from torchtitan_rl.generator.packed import (
 )
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import attention_shape, model_spec, weights
-from torchtitan_rl.models.moe import routers
+from torchtitan_rl.models.moe import local_shard, routers
 from torchtitan_rl.trainer.model import hf_shapes, is_unread_key, mtp_layers
 
 TP_BATCH_MULTIPLE = 64
@@ -155,9 +155,8 @@ class TorchTitanForCausalLM(nn.Module):
             for layer in model.layers.values():
                 attention = attention_of(layer)
                 if getattr(attention, "sinks", None) is not None:
-                    local = attention.sinks
-                    local = local.to_local() if isinstance(local, DTensor) else local
-                    attention.inner_attention.attn.impl.sinks = local.detach()
+                    sinks = local_shard(attention.sinks).detach()
+                    attention.inner_attention.attn.impl.sinks = sinks
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
         if invariant:

@@ -39,9 +39,11 @@ from torchtitan_rl.batch_invariant import ops
 NOT_IN_HF = ("moe.expert_bias_E",)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    # Under EP/FSDP the expert weights are DTensors; the routed rows are plain local tensors.
-    return weight.to_local() if isinstance(weight, DTensor) else weight
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of a DTensor (a plain tensor as is): under EP/FSDP the expert weights
+    are DTensors and the routed rows plain local tensors; under TP a Gated DeltaNet layer's
+    weights and projections are the rank's heads."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Experts(GroupedExperts):
@@ -56,7 +58,7 @@ class Experts(GroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
         w1_EFD, w2_EDF, w3_EFD = (
-            _local(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+            local_shard(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
         if self.batch_invariant:
             w1s, w2s, w3s = w1_EFD.unbind(0), w2_EDF.unbind(0), w3_EFD.unbind(0)
@@ -85,7 +87,7 @@ class OssExperts(GptOssGroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
         weights = (self.mlp1_weight_EGD, self.mlp1_bias_EG, self.mlp2_weight_EDF, self.mlp2_bias_ED)
-        w1_EGD, b1_EG, w2_EDF, b2_ED = (_local(w).to(x_RD.dtype) for w in weights)
+        w1_EGD, b1_EG, w2_EDF, b2_ED = (local_shard(w).to(x_RD.dtype) for w in weights)
         limit = self.swiglu_limit
         if self.batch_invariant:
             w1s, b1s, w2s, b2s = (w.unbind(0) for w in (w1_EGD, b1_EG, w2_EDF, b2_ED))

@@ -26,9 +26,9 @@ import types
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.models import gated_delta
+from torchtitan_rl.models.moe import local_shard
 
 # The names torchtitan's qwen3_5/model.py imports from fla at module level.
 _FLA_NAMES = {
@@ -122,8 +122,9 @@ def _classes():
         def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
             L = x_BLD.shape[1]
             qkv_BLC, z_BLC, a_BLH, b_BLH = self.projected(x_BLD)
-            weight = torch.cat([_local(c.weight) for c in (self.conv_q, self.conv_k, self.conv_v)])
-            A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+            convs = (self.conv_q, self.conv_k, self.conv_v)
+            weight = torch.cat([local_shard(c.weight) for c in convs])
+            A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
             H = a_BLH.shape[-1]  # the rank's value heads; its key heads:
             key_heads = (qkv_BLC.shape[-1] - H * self.value_head_dim) // (2 * self.key_head_dim)
             if self.paged is not None:  # vLLM's flat batch of requests, [1, T, D]
@@ -163,8 +164,7 @@ def _classes():
             if self.stacked is not None:
                 widths = [getattr(self, name).weight.shape[0] for name in self.PROJECTIONS]
                 return self.stacked(x_BLD).split([sum(widths[:3]), *widths[3:]], dim=-1)
-            q, k, v, z, a, b = (getattr(self, name)(x_BLD) for name in self.PROJECTIONS)
-            q, k, v, z, a, b = (_local(t) for t in (q, k, v, z, a, b))
+            q, k, v, z, a, b = (local_shard(getattr(self, n)(x_BLD)) for n in self.PROJECTIONS)
             return torch.cat([q, k, v], dim=-1), z, a, b
 
         def gates(self, a_BLH, b_BLH, A_log, dt_bias) -> tuple[torch.Tensor, ...]:
@@ -229,11 +229,6 @@ def _no_vision_plan(sharding):
         yield
     finally:
         sharding._set_vision_encoder_sharding = plan
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's shard of a DTensor (a plain tensor as is)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _platform():
