@@ -181,6 +181,23 @@ def test_chunked_gradients_equal_the_recurrent_forms():
         assert chunked.abs().max() > 0
 
 
+def test_sequences_side_by_side_get_the_bits_each_gets_alone():
+    """Batch-invariant mode's trainer runs a packed row's documents in one token loop
+    (`recurrent_side_by_side`, each padded to the longest): each document's outputs are the
+    bits `recurrent` gives it alone, in fp32 and bf16, and gradients reach every input."""
+    for dtype in (torch.float32, torch.bfloat16):
+        sequences = [
+            [x.to(dtype).requires_grad_() for x in _inputs(B=1, L=n, seed=n)] for n in (9, 40, 1)
+        ]
+        together = gated_delta.recurrent_side_by_side(sequences)
+        for sequence, out in zip(sequences, together, strict=True):
+            alone, _ = gated_delta.recurrent(*sequence)
+            assert out.shape == alone.shape and torch.equal(out, alone), dtype
+        sum(out.float().sum() for out in together).backward()
+        assert all(x.grad.isfinite().all() for s in sequences for x in s)
+        assert all(x.grad.abs().max() > 0 for x in sequences[1])  # 40 tokens: g acts too
+
+
 @pytest.mark.parametrize("flavor", ["tiny", "tiny_moe"])
 def test_packed_rows_equal_each_sequence_alone(flavor):
     """The trainer's two layouts of Qwen3.5: a packed row of three documents (the layers reset

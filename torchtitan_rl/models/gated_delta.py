@@ -126,6 +126,27 @@ def recurrent(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None):
     return o.transpose(1, 2).to(dtype), S
 
 
+def recurrent_side_by_side(sequences):
+    """`recurrent`'s outputs for sequences of different lengths, each from a zero state, in
+    one token loop: each (q, k, v, g, beta) padded at its end to the longest and stacked on
+    the batch dim, the outputs cut back to each one's length. A sequence's outputs are the
+    bits `recurrent` gives it alone (each op of the loop computes a sequence's values as it
+    would alone; the generator's batches of requests rely on the same), in as many steps as
+    the longest sequence has tokens instead of as many as all of them have."""
+    lengths = [sequence[0].shape[1] for sequence in sequences]
+    longest = max(lengths)
+
+    def stacked(tensors):
+        # Padded tokens follow a sequence's last: they reach none of its outputs.
+        return torch.cat(
+            [F.pad(x, (0, 0) * (x.dim() - 2) + (0, longest - x.shape[1])) for x in tensors]
+        )
+
+    out, _ = recurrent(*(stacked(tensors) for tensors in zip(*sequences, strict=True)))
+    rows = sequences[0][0].shape[0]
+    return [out[i * rows : (i + 1) * rows, :length] for i, length in enumerate(lengths)]
+
+
 def step(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV):
     """`recurrent` over one token (L = 1) with the state updated in place where it is fp32
     and contiguous (a decode: vLLM's slots gathered), in fewer passes over the state: its

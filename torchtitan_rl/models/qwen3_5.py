@@ -145,15 +145,18 @@ def _classes():
                 return self.output(out_THV[None], z_BLC)
             g_BLH, beta_BLH = self.gates(a_BLH, b_BLH, A_log, dt_bias)
             runs = [(0, L)] if attention_masks is None else spans(attention_masks)
-            rule = gated_delta.recurrent if self.batch_invariant else _platform().gated_delta_rule()
-            outputs = []
+            sequences = []
             for start, end in runs:
                 mixed, _ = gated_delta.causal_conv(qkv_BLC[:, start:end], weight)
                 q, k, v = gated_delta.heads(
                     mixed, key_heads, self.key_head_dim, self.value_head_dim
                 )
-                out, _ = rule(q, k, v, g_BLH[:, start:end], beta_BLH[:, start:end])
-                outputs.append(out)
+                sequences.append((q, k, v, g_BLH[:, start:end], beta_BLH[:, start:end]))
+            if self.batch_invariant:  # the generator's form, the row's documents side by side
+                outputs = gated_delta.recurrent_side_by_side(sequences)
+            else:
+                rule = _platform().gated_delta_rule()
+                outputs = [rule(*sequence)[0] for sequence in sequences]
             out_BLHV = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
             return self.output(out_BLHV, z_BLC)
 
