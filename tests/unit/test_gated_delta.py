@@ -181,15 +181,28 @@ def test_chunked_gradients_equal_the_recurrent_forms():
         assert chunked.abs().max() > 0
 
 
-def test_sequences_side_by_side_get_the_bits_each_gets_alone():
-    """Batch-invariant mode's trainer runs a packed row's documents in one token loop
-    (`recurrent_side_by_side`, each padded to the longest): each document's outputs are the
-    bits `recurrent` gives it alone, in fp32 and bf16, and gradients reach every input."""
+def test_sequences_side_by_side_get_the_bits_each_gets_alone(monkeypatch):
+    """Batch-invariant mode's trainer runs a packed row's documents in few token loops
+    (`recurrent_side_by_side`): each document's outputs are the bits `recurrent` gives it
+    alone, in fp32 and bf16, and gradients reach every input. Documents of 40, 9 and 1 tokens:
+    the 40 and the 9 in one loop (80 padded tokens for 49), the 1 alone (with the 40 and 9 it
+    would step through 120 for 50: over twice the documents' own, the states autograd keeps)."""
+    loops = []
+    recurrent = gated_delta.recurrent
+
+    def counted(q, *args):
+        loops.append(tuple(q.shape[:2]))
+        return recurrent(q, *args)
+
     for dtype in (torch.float32, torch.bfloat16):
         sequences = [
             [x.to(dtype).requires_grad_() for x in _inputs(B=1, L=n, seed=n)] for n in (9, 40, 1)
         ]
+        monkeypatch.setattr(gated_delta, "recurrent", counted)
+        loops.clear()
         together = gated_delta.recurrent_side_by_side(sequences)
+        monkeypatch.setattr(gated_delta, "recurrent", recurrent)
+        assert loops == [(2, 40), (1, 1)]
         for sequence, out in zip(sequences, together, strict=True):
             alone, _ = gated_delta.recurrent(*sequence)
             assert out.shape == alone.shape and torch.equal(out, alone), dtype

@@ -126,25 +126,40 @@ def recurrent(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV=None):
     return o.transpose(1, 2).to(dtype), S
 
 
-def recurrent_side_by_side(sequences):
+def recurrent_side_by_side(sequences, padding: float = 2.0):
     """`recurrent`'s outputs for sequences of different lengths, each from a zero state, in
-    one token loop: each (q, k, v, g, beta) padded at its end to the longest and stacked on
-    the batch dim, the outputs cut back to each one's length. A sequence's outputs are the
-    bits `recurrent` gives it alone (each op of the loop computes a sequence's values as it
-    would alone; the generator's batches of requests rely on the same), in as many steps as
-    the longest sequence has tokens instead of as many as all of them have."""
+    few token loops: longest first, sequences join a group while its tokens padded to the
+    group's longest stay within `padding` times its own (autograd keeps a state a padded
+    token, so memory stays within that factor of the sequences' own), and each group runs
+    once, its (q, k, v, g, beta) padded at their ends and stacked on the batch dim. A
+    sequence's outputs are the bits `recurrent` gives it alone (each op of the loop computes
+    a sequence's values as it would alone; the generator's batches of requests rely on the
+    same), in as many steps as each group's longest has tokens instead of as all have."""
     lengths = [sequence[0].shape[1] for sequence in sequences]
-    longest = max(lengths)
-
-    def stacked(tensors):
-        # Padded tokens follow a sequence's last: they reach none of its outputs.
-        return torch.cat(
-            [F.pad(x, (0, 0) * (x.dim() - 2) + (0, longest - x.shape[1])) for x in tensors]
-        )
-
-    out, _ = recurrent(*(stacked(tensors) for tensors in zip(*sequences, strict=True)))
+    groups: list[list[int]] = []
+    for i in sorted(range(len(sequences)), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else []
+        if not group or (len(group) + 1) * lengths[group[0]] > padding * (
+            sum(lengths[j] for j in group) + lengths[i]
+        ):
+            groups.append(group := [])
+        group.append(i)
     rows = sequences[0][0].shape[0]
-    return [out[i * rows : (i + 1) * rows, :length] for i, length in enumerate(lengths)]
+    outputs = [None] * len(sequences)
+    for group in groups:
+        longest = lengths[group[0]]
+        # Padded tokens follow a sequence's last: they reach none of its outputs.
+        out, _ = recurrent(
+            *(
+                torch.cat(
+                    [F.pad(x, (0, 0) * (x.dim() - 2) + (0, longest - x.shape[1])) for x in xs]
+                )
+                for xs in zip(*(sequences[i] for i in group), strict=True)
+            )
+        )
+        for slot, i in enumerate(group):
+            outputs[i] = out[slot * rows : (slot + 1) * rows, : lengths[i]]
+    return outputs
 
 
 def step(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV):
