@@ -12,4 +12,5 @@ if [ "${1:-}" = "--fast" ]; then
     shift
     exec .venv/bin/python -m pytest tests/unit "$@"
 fi
+./scripts/setup_verifiers.sh  # the verifiers adapter's test (tests/integration/test_gateway.py)
 exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"

@@ -8,13 +8,15 @@ the environment, token for token: tests/integration/test_envs.py.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import runs
-from helpers.launch import HELPERS, REPO, metric_rows, run_train
+from helpers.launch import DEBUG_TOML, HELPERS, REPO, metric_rows, run_train, write_toml
 
 
 @pytest.fixture(scope="module")
@@ -71,39 +73,79 @@ def test_a_prompt_over_max_model_len_is_a_400_naming_the_field(real):
     assert status == 400 and "generator.max_model_len = 256" in message
 
 
-def test_an_agent_server_drives_a_continuous_run(tmp_path):
-    """task.agent_url: a FastAPI agent server in its own process (as a container would run
-    one), called once per episode, in continuous placement: sessions' turns may straddle
-    weight updates, and the trainers would stop the run on a token older than the staleness
-    bound (StalenessError)."""
-    port_file = tmp_path / "port"
-    server = subprocess.Popen(
-        [sys.executable, f"{HELPERS}/user_envs.py", str(port_file)],
-        env={"PYTHONPATH": f"{HELPERS}:{REPO}", "PATH": "/usr/bin:/bin"},
-        stderr=subprocess.PIPE,
-    )
+def test_agent_servers_drive_a_continuous_run(tmp_path):
+    """task.agent_url, two agent servers in their own processes (as containers would run
+    them), called once per episode, the two sources of one mixture in continuous placement:
+    sessions' turns may straddle weight updates, and the trainers would stop the run on a
+    token older than the staleness bound (StalenessError).
+
+    - chatter: a FastAPI server driving `chatter_agent` (3 turns with tool replies);
+    - vf: a `verifiers` environment (tests/helpers/vf_arith.py) served by
+      torchtitan_rl.verifiers_agent from .venv-verifiers, its episodes played by verifiers'
+      own `null` harness program through verifiers' interception, rewarded by verifiers."""
+    vf_python = REPO / ".venv-verifiers" / "bin" / "python"
+    assert vf_python.is_file(), "run ./scripts/setup_verifiers.sh (./scripts/test.sh does)"
+    tasks = tmp_path / "vf_tasks.jsonl"
+    servers = {
+        "chatter": [sys.executable, f"{HELPERS}/user_envs.py"],
+        "vf": [
+            *(str(vf_python), "-m", "torchtitan_rl.verifiers_agent", "--taskset", "vf_arith"),
+            *("--harness", "null", "--dataset", str(tasks), "--port-file"),
+        ],
+    }
+    running, urls = [], {}
     try:
-        for _ in range(300):
-            if port_file.is_file() and port_file.read_text():
-                break
-            assert server.poll() is None, server.stderr.read().decode()[-2000:]
-            time.sleep(0.05)
+        for name, command in servers.items():
+            port_file = tmp_path / f"{name}.port"
+            running.append(
+                subprocess.Popen(
+                    [*command, str(port_file)],
+                    env={**os.environ, "PYTHONPATH": f"{HELPERS}:{REPO}"},
+                    stderr=subprocess.PIPE,
+                )
+            )
+            for _ in range(600):
+                if port_file.is_file() and port_file.read_text():
+                    break
+                assert running[-1].poll() is None, running[-1].stderr.read().decode()[-2000:]
+                time.sleep(0.05)
+            urls[name] = f"http://127.0.0.1:{port_file.read_text()}/"
+        config = write_toml(
+            tmp_path,
+            Path(DEBUG_TOML).read_text()
+            + f"""
+[task.sources.chatter]
+name = "agent"
+weight = 7
+agent_url = "{urls["chatter"]}"
+dataset_path = "data/arith/train.jsonl"
+max_turns = 3
+
+[task.sources.vf]
+name = "agent"
+weight = 1
+agent_url = "{urls["vf"]}"
+dataset_path = "{tasks}"
+""",
+        )
         result = run_train(
             "--job.config_file",
-            "run_configs/debug_cpu.toml",
+            config,
             "--generator.placement",
             "continuous",
             "--algorithm.max_offpolicy_steps",
             "1",
+            # The admitted order: each step trains the prompts the mixture drew for it (vf
+            # at steps 1 and 3), however long verifiers' programs take to start.
+            "--generator.batch_order",
+            "admission",
             "--training.steps",
             "4",
             "--training.prompts_per_step",
             "4",
-            "--task.name",
-            "agent",
-            "--task.agent_url",
-            f"http://127.0.0.1:{port_file.read_text()}/",
-            *runs.CHATTER,
+            "--generator.sampling.n",
+            "4",
+            *runs.CHATTER[4:],  # its sampling; the sources hold its rows and turns
             "--metrics.rollout_log_interval",
             "1",
             "--job.dump_folder",
@@ -111,18 +153,32 @@ def test_an_agent_server_drives_a_continuous_run(tmp_path):
             nproc=2,
         )
     finally:
-        server.kill()
-        server.wait(timeout=30)
+        for server in running:
+            # SIGTERM: the verifiers server stops its episodes' programs before it exits.
+            server.terminate() if server.args[0] == str(vf_python) else server.kill()
+            server.wait(timeout=30)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metric_rows(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert all(row["env/turns"] > 1.5 for row in rows)
     assert any(row["reward/mean"] > 0 for row in rows)
     logged = [
         s
         for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
         for s in json.loads(line)["samples"]
     ]
+    chatter = [s for s in logged if s["source"] == "chatter"]
     assert any(
-        [m["role"] for m in s["messages"]][:3] == ["user", "assistant", "tool"] for s in logged
+        [m["role"] for m in s["messages"]][:3] == ["user", "assistant", "tool"] for s in chatter
     )
+    # verifiers' harness asked once with the task's prompt; the reward is the one verifiers
+    # scored for the reply the gateway recorded (vf_arith.reward_of).
+    prompts = [json.loads(line)["prompt"] for line in tasks.read_text().splitlines()]
+    vf = [s for s in logged if s["source"] == "vf"]
+    assert vf, "the mixture drew no verifiers prompt"
+    for sample in vf:
+        user, reply = sample["messages"]
+        assert user == {"role": "user", "content": user["content"]} and user["content"] in prompts
+        assert reply["role"] == "assistant" and sample["sampled_mask"] == [1] * len(
+            sample["token_ids"]
+        )
+        assert sample["reward"] == pytest.approx(len(reply["content"].strip()) / 10)
