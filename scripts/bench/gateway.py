@@ -10,7 +10,10 @@ alternating. Prints one JSON line: `env_s` and `agent_s` (median seconds of a ro
 `ratio` = agent / env, `same_tokens` (the two sides' ids, masks, finish reasons and rewards
 equal), `turns` (requests per round) and `per_turn_overhead_ms`. `--steps N` instead runs the
 demo's two RL runs (the step time ratio, target <= 1.1, and whether their rows are equal);
-with `--chatter CHECKPOINT` a 3-turn chat on that checkpoint instead (e.g. assets/debug_qwen3).
+with `--chatter CHECKPOINT` a 3-turn chat on that checkpoint instead (e.g. assets/debug_qwen3);
+with `--verifiers` a `verifiers` environment served by torchtitan_rl.verifiers_agent
+(tests/helpers/vf_arith.py, its `null` harness: one request an episode) against the same
+episode by an in-process `openai` agent (user_envs:arith_agent), on assets/tiny_qwen3.
 `torchrun --nproc_per_node 2 scripts/bench/gateway.py --sessions K` runs K concurrent streaming
 sessions of a chat agent (no tools, 3 turns) over the ranks: `p50_ms`, `p99_ms` per turn,
 `errors` and `cross_talk` (sessions whose recorded ids are not what their answers gave).
@@ -152,6 +155,12 @@ def main() -> None:
         "(tests/helpers/user_envs.py: Chatter against chatter_agent) on this checkpoint, "
         "e.g. assets/debug_qwen3 (qwen3 debugmodel)",
     )
+    parser.add_argument(
+        "--verifiers",
+        action="store_true",
+        help="with --steps: a verifiers environment (.venv-verifiers) against an in-process "
+        "agent doing the same episode",
+    )
     parser.add_argument("--sessions", type=int, default=0)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
@@ -248,6 +257,34 @@ def steps(args) -> None:
             "agent": [*chatter, "--task.name", "agent", "--task.agent", "user_envs:chatter_agent"],
         }
         checkpoint, env = args.chatter, {**os.environ, "PYTHONPATH": str(REPO / "tests/helpers")}
+    server = None
+    if args.verifiers:
+        folder = Path(tempfile.mkdtemp())
+        env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests/helpers'}:{REPO}"}
+        server = subprocess.Popen(
+            [str(REPO / ".venv-verifiers/bin/python"), "-m", "torchtitan_rl.verifiers_agent"]
+            + ["--taskset", "vf_arith", "--harness", "null", "--dataset", str(folder / "rows")]
+            + ["--port-file", str(folder / "port")],
+            cwd=REPO,
+            env=env,
+        )
+        while not (folder / "port").is_file() or not (folder / "port").read_text():
+            assert server.poll() is None, "the verifiers server stopped"
+            time.sleep(0.1)
+        shared = [
+            *("--job.config_file", "run_configs/debug_cpu.toml", "--task.name", "agent"),
+            *("--task.dataset_path", str(folder / "rows"), "--training.prompts_per_step", "16"),
+            *("--generator.sampling.max_tokens", "6"),
+        ]
+        configs = {
+            "env": [*shared, "--task.agent", "user_envs:arith_agent"],
+            "agent": [
+                *shared,
+                "--task.agent_url",
+                f"http://127.0.0.1:{(folder / 'port').read_text()}/",
+            ],
+        }
+        checkpoint = "assets/tiny_qwen3"
     times, rows = {name: [] for name in configs}, {}
     for _ in range(args.trials):
         for name, flags in configs.items():
@@ -273,6 +310,9 @@ def steps(args) -> None:
                 lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
                 rows[name] = [json.loads(line) for line in lines]
             times[name] += [row["time/step_s"] for row in rows[name][1:]]
+    if server is not None:
+        server.terminate()
+        server.wait(timeout=60)
     skip = ("time/", "throughput/", "weight_sync/gb_per_s", "env/tool_error_rate")
     same = all(
         mine.get(key) == value

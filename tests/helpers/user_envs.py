@@ -100,6 +100,14 @@ async def chatter_agent(client, model, row):
         messages.append({"role": "tool", "content": f"go on {len(seen)}"})
 
 
+async def arith_agent(client, model, row):
+    """task.agent: what verifiers' `null` harness does with a vf_arith task (one request with
+    the task's prompt, the reply scored by vf_arith.reward_of), in process."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    response = await client.chat.completions.create(model=model, messages=messages)
+    return len((response.choices[0].message.content or "").strip()) / 10
+
+
 def serve_chatter_agent(port_file: str) -> None:
     """An agent server (task.agent_url) in its own process, as a user's would run in a
     container: POST / with {base_url, api_key, model, row} runs `chatter_agent` and answers
