@@ -127,10 +127,21 @@ def serve(env, tasks: list, sock: socket.socket) -> None:
         body = await request.json()
         try:
             task = task_of(tasks, body["row"])
-            reward = await run_episode(env, task, body["base_url"], body["api_key"], body["model"])
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:
             return JSONResponse({"error": str(e)}, status_code=500)
-        return JSONResponse({"reward": reward})
+        work = asyncio.ensure_future(
+            run_episode(env, task, body["base_url"], body["api_key"], body["model"])
+        )
+        # A trainer that gave up on the episode (task.env_timeout_s, the run's end) hangs up:
+        # the episode is cancelled, and verifiers stops its program.
+        while not (await asyncio.wait({work}, timeout=0.5))[0]:
+            if await request.is_disconnected():
+                work.cancel()
+                return JSONResponse({"error": "the trainer hung up"}, status_code=499)
+        try:
+            return JSONResponse({"reward": work.result()})
+        except RuntimeError as e:
+            return JSONResponse({"error": str(e)}, status_code=500)
 
     app = Starlette(routes=[Route("/", episode, methods=["POST"])])
     # On SIGTERM, episodes in flight get 10 s to end (the trainer gone, their requests fail
@@ -148,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--port-file", type=Path, help="write the port here once listening")
     args = parser.parse_args(argv)
+    if args.dataset.suffix != ".jsonl":
+        parser.error(f"--dataset {args.dataset}: name a .jsonl file (the run's task.dataset_path)")
     # The harness programs are `uv` scripts: this venv's uv, found before any other.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     try:

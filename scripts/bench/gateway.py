@@ -13,7 +13,8 @@ demo's two RL runs (the step time ratio, target <= 1.1, and whether their rows a
 with `--chatter CHECKPOINT` a 3-turn chat on that checkpoint instead (e.g. assets/debug_qwen3);
 with `--verifiers` a `verifiers` environment served by torchtitan_rl.verifiers_agent
 (tests/helpers/vf_arith.py, its `null` harness: one request an episode) against the same
-episode by an in-process `openai` agent (user_envs:arith_agent), on assets/tiny_qwen3.
+episode by an in-process `openai` agent (user_envs:arith_agent), on assets/tiny_qwen3
+(`in_process_step_s`, `verifiers_step_s`).
 `torchrun --nproc_per_node 2 scripts/bench/gateway.py --sessions K` runs K concurrent streaming
 sessions of a chat agent (no tools, 3 turns) over the ranks: `p50_ms`, `p99_ms` per turn,
 `errors` and `cross_talk` (sessions whose recorded ids are not what their answers gave).
@@ -263,7 +264,14 @@ def steps(args) -> None:
         env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests/helpers'}:{REPO}"}
         server = subprocess.Popen(
             [str(REPO / ".venv-verifiers/bin/python"), "-m", "torchtitan_rl.verifiers_agent"]
-            + ["--taskset", "vf_arith", "--harness", "null", "--dataset", str(folder / "rows")]
+            + [
+                "--taskset",
+                "vf_arith",
+                "--harness",
+                "null",
+                "--dataset",
+                str(folder / "rows.jsonl"),
+            ]
             + ["--port-file", str(folder / "port")],
             cwd=REPO,
             env=env,
@@ -273,8 +281,15 @@ def steps(args) -> None:
             time.sleep(0.1)
         shared = [
             *("--job.config_file", "run_configs/debug_cpu.toml", "--task.name", "agent"),
-            *("--task.dataset_path", str(folder / "rows"), "--training.prompts_per_step", "16"),
-            *("--generator.sampling.max_tokens", "6"),
+            *(
+                "--task.dataset_path",
+                str(folder / "rows.jsonl"),
+                "--training.prompts_per_step",
+                "4",
+            ),
+            # 32 episodes a step: each of verifiers' starts a program (~1.2 s of CPU), so
+            # more would wait longer than task.env_timeout_s on 2 cores; no limit here.
+            *("--generator.sampling.max_tokens", "6", "--task.env_timeout_s", "0"),
         ]
         configs = {
             "env": [*shared, "--task.agent", "user_envs:arith_agent"],
@@ -286,33 +301,38 @@ def steps(args) -> None:
         }
         checkpoint = "assets/tiny_qwen3"
     times, rows = {name: [] for name in configs}, {}
-    for _ in range(args.trials):
-        for name, flags in configs.items():
-            with tempfile.TemporaryDirectory() as folder:
-                command = [
-                    str(REPO / ".venv/bin/torchrun"),
-                    "--standalone",
-                    "--nproc_per_node",
-                    "2",
-                    "-m",
-                    "torchtitan_rl.train",
-                    *flags,
-                    "--training.steps",
-                    str(args.steps),
-                    "--eval.dataset_path",
-                    "None",
-                    "--model.hf_checkpoint",
-                    checkpoint,
-                    "--job.dump_folder",
-                    folder,
-                ]
-                subprocess.run(command, cwd=REPO, check=True, capture_output=True, env=env)
-                lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
-                rows[name] = [json.loads(line) for line in lines]
-            times[name] += [row["time/step_s"] for row in rows[name][1:]]
-    if server is not None:
-        server.terminate()
-        server.wait(timeout=60)
+    try:
+        for _ in range(args.trials):
+            for name, flags in configs.items():
+                with tempfile.TemporaryDirectory() as folder:
+                    command = [
+                        str(REPO / ".venv/bin/torchrun"),
+                        "--standalone",
+                        "--nproc_per_node",
+                        "2",
+                        "-m",
+                        "torchtitan_rl.train",
+                        *flags,
+                        "--training.steps",
+                        str(args.steps),
+                        "--eval.dataset_path",
+                        "None",
+                        "--model.hf_checkpoint",
+                        checkpoint,
+                        "--job.dump_folder",
+                        folder,
+                    ]
+                    done = subprocess.run(
+                        command, cwd=REPO, capture_output=True, env=env, text=True
+                    )
+                    assert done.returncode == 0, done.stderr[-3000:]
+                    lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
+                    rows[name] = [json.loads(line) for line in lines]
+                times[name] += [row["time/step_s"] for row in rows[name][1:]]
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
     skip = ("time/", "throughput/", "weight_sync/gb_per_s", "env/tool_error_rate")
     same = all(
         mine.get(key) == value
@@ -321,11 +341,12 @@ def steps(args) -> None:
         if not key.startswith(skip)
     )
     env_s, agent_s = statistics.median(times["env"]), statistics.median(times["agent"])
+    labels = ("in_process", "verifiers") if args.verifiers else ("env", "agent")
     print(
         json.dumps(
             {
-                "env_step_s": round(env_s, 3),
-                "agent_step_s": round(agent_s, 3),
+                f"{labels[0]}_step_s": round(env_s, 3),
+                f"{labels[1]}_step_s": round(agent_s, 3),
                 "step_ratio": round(agent_s / env_s, 3),
                 "same_rows": same,
                 "steps": args.steps,
