@@ -93,21 +93,20 @@ def test_agent_servers_drive_a_continuous_run(tmp_path):
             *("--harness", "null", "--dataset", str(tasks), "--port-file"),
         ],
     }
-    running, urls = [], {}
+    running, urls = {}, {}
     try:
-        for name, command in servers.items():
-            port_file = tmp_path / f"{name}.port"
-            running.append(
-                subprocess.Popen(
-                    [*command, str(port_file)],
-                    env={**os.environ, "PYTHONPATH": f"{HELPERS}:{REPO}"},
-                    stderr=subprocess.PIPE,
-                )
+        for name, command in servers.items():  # both start at once
+            running[name] = subprocess.Popen(
+                [*command, str(tmp_path / f"{name}.port")],
+                env={**os.environ, "PYTHONPATH": f"{HELPERS}:{REPO}"},
+                stderr=subprocess.PIPE,
             )
+        for name, server in running.items():
+            port_file = tmp_path / f"{name}.port"
             for _ in range(600):
                 if port_file.is_file() and port_file.read_text():
                     break
-                assert running[-1].poll() is None, running[-1].stderr.read().decode()[-2000:]
+                assert server.poll() is None, server.stderr.read().decode()[-2000:]
                 time.sleep(0.05)
             urls[name] = f"http://127.0.0.1:{port_file.read_text()}/"
         config = write_toml(
@@ -116,7 +115,7 @@ def test_agent_servers_drive_a_continuous_run(tmp_path):
             + f"""
 [task.sources.chatter]
 name = "agent"
-weight = 7
+weight = 10
 agent_url = "{urls["chatter"]}"
 dataset_path = "data/arith/train.jsonl"
 max_turns = 3
@@ -136,7 +135,7 @@ dataset_path = "{tasks}"
             "--algorithm.max_offpolicy_steps",
             "1",
             # The admitted order: each step trains the prompts the mixture drew for it (vf
-            # at steps 1 and 3), however long verifiers' programs take to start.
+            # at step 1), however long verifiers' programs take to start.
             "--generator.batch_order",
             "admission",
             "--training.steps",
@@ -153,7 +152,7 @@ dataset_path = "{tasks}"
             nproc=2,
         )
     finally:
-        for server in running:
+        for server in running.values():
             # SIGTERM: the verifiers server stops its episodes' programs before it exits.
             server.terminate() if server.args[0] == str(vf_python) else server.kill()
             server.wait(timeout=30)
