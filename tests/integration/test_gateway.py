@@ -142,8 +142,6 @@ dataset_path = "{tasks}"
             "4",
             "--training.prompts_per_step",
             "4",
-            "--generator.sampling.n",
-            "4",
             *runs.CHATTER[4:],  # its sampling; the sources hold its rows and turns
             "--metrics.rollout_log_interval",
             "1",
@@ -160,6 +158,11 @@ dataset_path = "{tasks}"
     rows = metric_rows(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert any(row["reward/mean"] > 0 for row in rows)
+    for row in rows:
+        # The chatter episodes' mean turns: a step's 4 groups are of one size, and the vf group
+        # (at most one a step here) takes one turn an episode (no errors: none scored 0 by it).
+        vf = "reward/mean/vf" in row
+        assert row["reward/errors"] == 0 and (4 * row["env/turns"] - vf) / (4 - vf) > 1.5, row
     logged = [
         s
         for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
