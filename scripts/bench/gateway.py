@@ -27,6 +27,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import statistics
 import sys
 import time
@@ -260,7 +261,7 @@ def steps(args) -> None:
         checkpoint, env = args.chatter, {**os.environ, "PYTHONPATH": str(REPO / "tests/helpers")}
     server = None
     if args.verifiers:
-        folder = Path(tempfile.mkdtemp())
+        served = Path(tempfile.mkdtemp())
         env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests/helpers'}:{REPO}"}
         server = subprocess.Popen(
             [str(REPO / ".venv-verifiers/bin/python"), "-m", "torchtitan_rl.verifiers_agent"]
@@ -270,20 +271,20 @@ def steps(args) -> None:
                 "--harness",
                 "null",
                 "--dataset",
-                str(folder / "rows.jsonl"),
+                str(served / "rows.jsonl"),
             ]
-            + ["--port-file", str(folder / "port")],
+            + ["--port-file", str(served / "port")],
             cwd=REPO,
             env=env,
         )
-        while not (folder / "port").is_file() or not (folder / "port").read_text():
+        while not (served / "port").is_file() or not (served / "port").read_text():
             assert server.poll() is None, "the verifiers server stopped"
             time.sleep(0.1)
         shared = [
             *("--job.config_file", "run_configs/debug_cpu.toml", "--task.name", "agent"),
             *(
                 "--task.dataset_path",
-                str(folder / "rows.jsonl"),
+                str(served / "rows.jsonl"),
                 "--training.prompts_per_step",
                 "4",
             ),
@@ -296,7 +297,7 @@ def steps(args) -> None:
             "agent": [
                 *shared,
                 "--task.agent_url",
-                f"http://127.0.0.1:{(folder / 'port').read_text()}/",
+                f"http://127.0.0.1:{(served / 'port').read_text()}/",
             ],
         }
         checkpoint = "assets/tiny_qwen3"
@@ -333,6 +334,7 @@ def steps(args) -> None:
         if server is not None:
             server.terminate()
             server.wait(timeout=60)
+            shutil.rmtree(served)
     skip = ("time/", "throughput/", "weight_sync/gb_per_s", "env/tool_error_rate")
     same = all(
         mine.get(key) == value
