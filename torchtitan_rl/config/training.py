@@ -47,6 +47,12 @@ class TrainingSection:
     otherwise."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    head_chunk_mib: int = 0
+    """Memory budget of one chunk of the fused LM head, in MiB of fp32 logits [C, V]: each
+    chunk projects C tokens onto the vocabulary (C = budget / (4 V), at most 4,096), forward
+    and again in backward. Larger chunks run larger GEMMs (faster on a GPU) and hold more
+    memory. 0: the platform's default (256 MiB on CPU, 1,024 MiB on CUDA: 441 and 1,766
+    tokens at Qwen3's 151,936-entry vocabulary)."""
     max_prompt_len: int = 64
     """Longest prompt in tokens; longer prompts are an error."""
     expert_bias_update_rate: float = 0.0
@@ -95,6 +101,11 @@ class TrainingSection:
             self.expert_bias_update_rate >= 0,
             f"training.expert_bias_update_rate = {self.expert_bias_update_rate}: must be >= 0 "
             "(0 keeps the routers' bias)",
+        )
+        require(
+            self.head_chunk_mib >= 0,
+            f"training.head_chunk_mib = {self.head_chunk_mib}: must be >= 0 (0: the "
+            "platform's default)",
         )
         require(
             self.max_grad_norm >= 0,
