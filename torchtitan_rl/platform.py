@@ -38,6 +38,27 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def upload(tensor: torch.Tensor, to: torch.device | None = None) -> torch.Tensor:
+    """Host `tensor` on the device `to` (default `device()`) without stalling the host: on CUDA
+    a copy from pageable memory synchronises with the GPU's queue, one from pinned memory is an
+    asynchronous DMA (the caching host allocator keeps the pinned block until it completes).
+    A tensor already there is returned as is."""
+    to = device() if to is None else to
+    if tensor.device == to:
+        return tensor
+    if device_type() == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(to, non_blocking=True)
+    return tensor.to(to)
+
+
+def head_chunk_mib() -> int:
+    """The fused LM head's chunk budget in MiB of fp32 logits (training.head_chunk_mib = 0):
+    on CUDA 1 GiB, whose 1,766-token chunks at a 151,936-entry vocabulary keep the tensor
+    cores busy (441-token ones ran the head at 0.68x, issue 66); on CPU 256 MiB of the host's
+    memory."""
+    return 1024 if device_type() == "cuda" else 256
+
+
 def dist_backend() -> str:
     """Process-group backend: gloo on CPU; on CUDA nccl for device tensors and gloo for host
     tensors, so a CPU metric never goes through NCCL (which rejects it)."""

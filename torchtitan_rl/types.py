@@ -411,12 +411,12 @@ class RolloutBatch:
 
     def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
         """The batch of the rows `index_R`, in that order."""
-        return self._map(lambda tensor: tensor[index_R.to(tensor.device)])
+        return self.map(lambda tensor: tensor[index_R.to(tensor.device)])
 
     def to(self, device: torch.device) -> "RolloutBatch":
-        return self._map(lambda tensor: tensor.to(device))
+        return self.map(lambda tensor: tensor.to(device))
 
-    def _map(self, fn) -> "RolloutBatch":
+    def map(self, fn) -> "RolloutBatch":
         """`fn` applied to every tensor the batch holds."""
         return RolloutBatch(
             **{

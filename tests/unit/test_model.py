@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.batches import recorded_grads
 from helpers.launch import REPO
 from safetensors.torch import load_file, save_file
 
@@ -285,3 +286,113 @@ def test_updating_the_bias_is_refused_where_the_export_would_lose_it():
     assert config.training.expert_bias_update_rate == 1e-3
     with pytest.raises(ConfigError, match="must be >= 0"):
         parse_args([*flags, "--training.expert_bias_update_rate", "-1"])
+
+
+# ---- a step on a GPU's terms: host reads and GEMM dtypes --------------------------------------
+
+# Where the step plans on the host: these read the host loss mask (on CUDA, CPU memory: no
+# wait), a fixed number of times however many micro-batches there are.
+HOST_PLANNERS = {
+    "packing.needed",
+    "packing.all_lengths",
+    "packing.<listcomp>",
+    "packing.plan",
+    "packing.deal",
+    "policy_trainer.plan",
+    "policy_trainer._padded_scale",
+}
+
+
+def ragged(rows: int = 8) -> RolloutBatch:
+    """Rows of 6 to 20 tokens, the last 1 to 10 of them sampled."""
+    g = torch.Generator().manual_seed(3)
+    tokens_BT = torch.randint(3, 64, (rows, 20), generator=g)
+    mask_BT = torch.zeros(rows, 20)
+    for b in range(rows):
+        end = 6 + (b * 5) % 15
+        mask_BT[b, end - 1 - b % 10 : end] = 1.0
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.linspace(-1, 1, rows),
+        generator_logprobs_BT=torch.zeros(rows, 20),
+    )
+
+
+def counted_step(training: TrainingSection) -> tuple[int, dict]:
+    """(micro-batches, calls that read a tensor on the host by (call, caller)) of the second
+    optimizer step of a fresh trainer on `ragged()` with the project's policy loss."""
+    from helpers.host_syncs import HostSyncs
+
+    from torchtitan_rl.algorithms.losses import PolicyLoss
+
+    loss = PolicyLoss(
+        clip_low=0.2, clip_high=0.2, aggregation="token_mean", max_tokens=20, kl_beta=0.1
+    )
+    t = trainer(training=training)
+    data = ragged()
+    data.reference_logprobs_BT = torch.zeros(8, 20)
+    t.optimizer_step(data, loss)  # the first builds the optimizer's state
+    with HostSyncs() as syncs:
+        t.optimizer_step(data, loss)
+    return len(t.plan(data)), dict(syncs.counts)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_step_reads_the_device_once_however_many_micro_batches(packed):
+    """Issue 66: on a GPU every host read of a device tensor waits for the queue. A step plans
+    on the host from the loss mask (`HOST_PLANNERS`), then runs its micro-batches without a
+    read, and reads its figures (gradient norm, loss, entropy, non-finite logprobs, the loss's
+    metrics) once, with one `.cpu()` (its `.tolist()`s are of host tensors: the read and the
+    metric totals all-reduced on gloo). The optimizer's own reads are of its host step
+    counters (for-loop AdamW on CPU). The same calls, however many micro-batches: 1 or 4."""
+    if packed:
+        one, four = TrainingSection(micro_batch_tokens=200), TrainingSection(micro_batch_tokens=24)
+    else:
+        one = TrainingSection(micro_batch_tokens=0, micro_batches=1)
+        four = TrainingSection(micro_batch_tokens=0, micro_batches=4)
+    (n_one, calls_one), (n_four, calls_four) = counted_step(one), counted_step(four)
+    assert (n_one, n_four) == (1, 4)
+    assert calls_four == calls_one
+    step = {
+        (call, caller): n
+        for (call, caller), n in calls_one.items()
+        if caller not in HOST_PLANNERS and not caller.startswith("library")
+    }
+    assert step == {
+        ("cpu", "policy_trainer.optimizer_step"): 1,
+        ("tolist", "policy_trainer.optimizer_step"): 2,
+    }
+
+
+def test_a_bf16_step_runs_every_head_gemm_in_bf16():
+    """Where the model computes in bf16, the fused head's forward and backward GEMMs over the
+    vocabulary run in bf16 (tensor cores on a GPU), with fp32 only in the softmax and the
+    weight gradient's sum; the gradients match an fp32 step's within bf16's rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class Gemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in gemms and vocab in {d for a in args[-2:] for d in a.shape}:
+                self.dtypes.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    grads = {}
+    for dtype in ("bfloat16", "float32"):
+        t = trainer(dtype=dtype, training=TrainingSection(micro_batch_tokens=200))
+        with recorded_grads(t) as grads[dtype], Gemms() as seen:
+            t.optimizer_step(ragged(), pg_loss)
+        # Forward: one projection; backward: d hidden and d weight (a small vocabulary: one
+        # chunk, whose log_softmax the forward keeps).
+        assert seen.dtypes == [getattr(torch, dtype)] * 3, (dtype, seen.dtypes)
+    assert grads["float32"].keys() == grads["bfloat16"].keys()
+    for name, grad in grads["float32"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads["bfloat16"][name], grad, rtol=0.1, atol=2e-3)

@@ -205,8 +205,9 @@ class Router(TokenChoiceTopKRouter):
         )
         if self.counting:
             same_BL = (used_BLK.sort(-1)[0] == expected_BLK.sort(-1)[0]).all(-1)
-            self.compared += int(known_BL.sum())
-            self.mismatched += int((known_BL & ~same_BL).sum())
+            # Device counts, read once per step (`take_counts`): no host sync in a forward.
+            self.compared = self.compared + known_BL.sum()
+            self.mismatched = self.mismatched + (known_BL & ~same_BL).sum()
         return used_BLK
 
 
@@ -238,8 +239,8 @@ def counting(routers_: list[Router]):
 
 def take_counts(routers_: list[Router]) -> tuple[int, int]:
     """(mismatched, compared) (token, layer) pairs counted since the last call; resets them."""
-    mismatched = sum(r.mismatched for r in routers_)
-    compared = sum(r.compared for r in routers_)
+    mismatched = int(sum(r.mismatched for r in routers_))
+    compared = int(sum(r.compared for r in routers_))
     for router in routers_:
         router.compared = router.mismatched = 0
     return mismatched, compared

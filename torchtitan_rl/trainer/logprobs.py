@@ -79,12 +79,14 @@ def token_logprobs(
     return logprobs_BT, entropy_BT
 
 
-# Tokens per chunk of the fused head: at most HEAD_CHUNK, and at most CHUNK_ELEMENTS fp32
-# logits (256 MiB) at a time, recomputed in backward instead of saved. A chunk holds about
-# three [C, V] blocks at once (logits, log_softmax, the entropy's exp): at Qwen3's 151,936-entry
-# vocabulary 441 tokens, 0.75 GiB, where 1,024 tokens and four blocks held 2.3 GiB (the bench
-# scripts/bench/trainer.py --flavor 0.6B measures the step's peak).
-HEAD_CHUNK = 1024
+# The fused head's chunk: at most HEAD_CHUNK tokens, and at most a memory budget of fp32
+# logits [C, V] (training.head_chunk_mib, or `platform.head_chunk_mib()`), recomputed in
+# backward instead of saved. A chunk holds about three [C, V] blocks at once (logits,
+# log_softmax, the entropy's exp): at Qwen3's 151,936-entry vocabulary the CPU default of
+# 256 MiB is 441 tokens, 0.75 GiB; CUDA's 1 GiB is 1,766 tokens, whose GEMMs keep the tensor
+# cores busy (docs/performance.md).
+HEAD_CHUNK = 4096
+MIB = 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,8 @@ class SoftCap:
 
     def with_slope(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`self(logits)` (the same ops, so the same bits) and d capped / d logits, elementwise,
-        at fp32 `logits`, from one tanh."""
+        at `logits` (fp32 results), from one tanh."""
+        logits = logits.float()
         if self.cap is None:
             return logits * self.multiplier, torch.full_like(logits, self.multiplier)
         tanh = torch.tanh(logits * self.multiplier / self.cap)
@@ -125,9 +128,11 @@ def _capped(logits: torch.Tensor, cap: SoftCap | None) -> torch.Tensor:
     return logits if cap is None else cap(logits)
 
 
-def head_chunk(vocab: int) -> int:
-    """Tokens per chunk of `head_logprobs` for a `vocab`-entry output projection."""
-    return max(1, min(HEAD_CHUNK, CHUNK_ELEMENTS // vocab))
+def head_chunk(vocab: int, budget_mib: int | None = None) -> int:
+    """Tokens per chunk of `head_logprobs` for a `vocab`-entry output projection whose fp32
+    logits may take `budget_mib` MiB per chunk (None: CHUNK_ELEMENTS of them)."""
+    budget = CHUNK_ELEMENTS * 4 if budget_mib is None else budget_mib * MIB
+    return max(1, min(HEAD_CHUNK, budget // (4 * vocab)))
 
 
 def _head_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
@@ -141,11 +146,28 @@ def _head_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tens
     return F.linear(hidden_CD, weight_VD)
 
 
+def _project_back(
+    grad_CV: torch.Tensor,
+    hidden_CD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    grad_weight_VD: torch.Tensor,
+) -> torch.Tensor:
+    """One chunk's backward GEMMs in the compute dtype (bf16 where the model computes in bf16:
+    tensor cores), from fp32 d logprob / d logits `grad_CV`: returns d hidden [C, D] and adds
+    d weight into the fp32 `grad_weight_VD` (each chunk's product is rounded once, the sum
+    over chunks is fp32)."""
+    grad_CV = grad_CV.to(weight_VD.dtype)
+    grad_weight_VD.add_(grad_CV.t() @ hidden_CD)
+    return grad_CV @ weight_VD
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """logprob of `targets_N` under log_softmax(hidden_ND @ weight_VD.T / T), chunk by chunk.
-    No [N, V] tensor outlives one chunk: backward recomputes each chunk's logits, except the
-    last chunk's, which the forward keeps (it is the one [chunk, V] block alive anyway, and
-    backward starts from it and frees it first)."""
+    No [N, V] tensor outlives one chunk: backward recomputes each chunk's logits with the
+    forward's own GEMM (the same bits), except the last chunk's, which the forward keeps (it
+    is the one [chunk, V] block alive anyway, and backward starts from it and frees it first).
+    GEMMs run in the dtype of `hidden_ND` and `weight_VD`; softmax, logsumexp, the picked
+    logprob, the entropy and the weight gradient's sum are fp32."""
 
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk, cap):
@@ -172,21 +194,20 @@ class _HeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_N, _grad_entropy_N):
         hidden_ND, weight_VD, targets_N = ctx.saved_tensors
         T, chunk, cap = ctx.temperature, ctx.chunk, ctx.cap
-        weight_f = weight_VD.float()
-        grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
+        grad_hidden = torch.empty_like(hidden_ND)
         grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         # Last chunk first: its log_softmax was kept.
         for start in reversed(range(0, hidden_ND.shape[0], chunk)):
             rows = slice(start, start + chunk)
-            hidden_CD = hidden_ND[rows].float()
+            hidden_CD = hidden_ND[rows]
             slope_CV = None
             if ctx.last_logp_CV is not None:
                 probs_CV, ctx.last_logp_CV = ctx.last_logp_CV.exp_(), None
             else:
-                logits_CV = F.linear(hidden_CD, weight_f)
+                logits_CV = _head_logits(hidden_CD, weight_VD)
                 if cap is not None:
                     logits_CV, slope_CV = cap.with_slope(logits_CV)
-                probs_CV = torch.softmax(logits_CV.div_(T) if T != 1.0 else logits_CV, dim=-1)
+                probs_CV = torch.softmax(_scaled(logits_CV, T), dim=-1)
                 del logits_CV
             # d logp(target) / d logits = onehot(target) - softmax, times 1 / T.
             grad_CV = probs_CV.neg_()
@@ -195,11 +216,9 @@ class _HeadLogprobs(torch.autograd.Function):
             if slope_CV is not None:  # through the cap, back to the projection's logits
                 grad_CV.mul_(slope_CV)
                 del slope_CV
-            grad_hidden[rows] = grad_CV @ weight_f
-            grad_weight.addmm_(grad_CV.t(), hidden_CD)
+            grad_hidden[rows] = _project_back(grad_CV, hidden_CD, weight_VD, grad_weight)
             del probs_CV, grad_CV
-        grad_hidden, grad_weight = grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight.to(weight_VD.dtype), None, None, None, None
 
 
 class _VocabParallelHeadLogprobs(torch.autograd.Function):
@@ -207,7 +226,8 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
     rank holds rows `first .. first + V_local` of the output projection. Each chunk's logits
     stay [C, V_local]; the softmax's max and normalizer, the target's logit and the entropy are
     all-reduced over `group` ([C] figures each), and backward all-reduces the hidden states'
-    gradient (each rank holds its share). The hidden states must be the same on every rank."""
+    gradient (each rank holds its share, summed in fp32). The hidden states must be the same
+    on every rank. GEMMs in the compute dtype, as `_HeadLogprobs`."""
 
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk, group, first, cap):
@@ -244,13 +264,12 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_N, _grad_entropy_N):
         hidden_ND, weight_VD, local_N, mine_N, max_N, log_norm_N = ctx.saved_tensors
         T, chunk, cap = ctx.temperature, ctx.chunk, ctx.cap
-        weight_f = weight_VD.float()
         grad_hidden = torch.empty(hidden_ND.shape, dtype=torch.float32, device=hidden_ND.device)
         grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
         for start in range(0, hidden_ND.shape[0], chunk):
             span = slice(start, start + chunk)
-            hidden_CD = hidden_ND[span].float()
-            logits_CV, slope_CV = F.linear(hidden_CD, weight_f), None
+            hidden_CD = hidden_ND[span]
+            logits_CV, slope_CV = F.linear(hidden_CD, weight_VD), None
             if cap is not None:
                 logits_CV, slope_CV = cap.with_slope(logits_CV)
             logits_CV = _scaled(logits_CV, T)
@@ -261,8 +280,7 @@ class _VocabParallelHeadLogprobs(torch.autograd.Function):
             grad_CV.mul_(grad_N[span, None].float() / T)
             if slope_CV is not None:
                 grad_CV.mul_(slope_CV)
-            grad_hidden[span] = grad_CV @ weight_f
-            grad_weight.addmm_(grad_CV.t(), hidden_CD)
+            grad_hidden[span] = _project_back(grad_CV, hidden_CD, weight_VD, grad_weight)
             del logits_CV, grad_CV
         dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's vocabulary rows' share
         grad_hidden, grad_weight = grad_hidden.to(hidden_ND.dtype), grad_weight.to(weight_VD.dtype)
@@ -281,10 +299,11 @@ def _cat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
-    """The output projection `head`'s weight for `head_logprobs`: FSDP's unsharded copy (the
-    forward leaves the head's group unsharded; `unshard` is a no-op then). Under TP, this
-    rank's rows of the vocabulary, the TP group and the first row's index: the head then runs
-    vocabulary-parallel and the weight is never gathered."""
+    """The output projection `head`'s weight for `head_logprobs`, as its forward sees it:
+    FSDP's unsharded copy (inside `fused_head`, FSDP's hooks have gathered it; outside,
+    `unshard` gathers it). Under TP, this rank's rows of the vocabulary, the TP group and the
+    first row's index: the head then runs vocabulary-parallel and the weight is never
+    gathered."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
@@ -298,6 +317,46 @@ def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, dist.ProcessGroup 
         rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits as torch.chunk does
         return weight.to_local(), mesh.get_group(), mesh.get_local_rank() * rows
     return weight.full_tensor(), None, 0
+
+
+def fused_head(
+    head: torch.nn.Module,
+    hidden_ND: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    budget_mib: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_logprobs` of the output projection module `head` (its weight, soft cap, TP
+    shard), run as a call of `head` itself: FSDP's forward hooks on the module unshard its
+    weight, complete its group's forward and, after backward, reduce-scatter the weight's
+    gradient and reshard it, as they do for torchtitan's own forward (a head used outside its
+    hooks is never resharded by FSDP and, on torch 2.11, warns every step). The module's own
+    forward (and torchtitan's TP redistribution around it) is swapped out for the call: the
+    fused head reads this rank's vocabulary rows directly. `budget_mib`: `head_chunk`'s."""
+
+    def forward(hidden_ND: torch.Tensor, targets_N: torch.Tensor):
+        weight, group, first = head_weight(head)
+        return head_logprobs(
+            hidden_ND,
+            weight,
+            targets_N,
+            temperature,
+            chunk=head_chunk(weight.shape[0], budget_mib),
+            group=group,
+            first=first,
+            cap=soft_cap(head),
+        )
+
+    own = head.__dict__.get("forward")  # torchtitan's TP wrapper, when parallelized
+    head.forward = forward
+    try:
+        return head(hidden_ND, targets_N)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def head_logprobs(

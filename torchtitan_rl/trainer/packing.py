@@ -98,59 +98,126 @@ def rebalance(lengths: list[list[int]], tolerance: float = 0.02) -> list[list[tu
 
 @dataclass(frozen=True, slots=True)
 class PackedRow:
-    """A micro-batch as one packed row, and where its scored tokens are."""
+    """Where a micro-batch's tokens go in its one packed row, and where its scored tokens are:
+    index tensors planned on the host (`pack_plan`), moved to the device once (`to`), so the
+    device gathers the row from the micro-batch's tokens without a host read."""
 
-    tokens_1L: torch.Tensor
+    flat_L: torch.Tensor
+    """Each packed token's index in the micro-batch's flattened tokens [R * T]; empty when it
+    scores nothing (the row is then one token 0: every rank runs as many forwards and
+    backwards, for FSDP's collectives)."""
     positions_1L: torch.Tensor
     """Each sequence's positions from 0."""
     docs: Documents
     rows_N: torch.Tensor
     cols_N: torch.Tensor
-    """The scored tokens (loss mask > 0, column >= 1) of the micro-batch [B, T]."""
+    """The scored tokens (loss mask > 0, column >= 1) of the micro-batch [R, T]."""
     predictors_N: torch.Tensor
     """The packed position whose hidden state predicts each scored token (its column - 1)."""
-    targets_N: torch.Tensor
-    """The scored tokens' ids."""
-    routed_1LMK: torch.Tensor | None = None
-    """The generator's MoE routing of the packed tokens (`RolloutBatch.routed_experts_BTMK`,
-    packed the same way; -1 where unknown), or None."""
+
+    def to(self, device: torch.device) -> "PackedRow":
+        up = platform.upload
+        return PackedRow(
+            up(self.flat_L, device),
+            up(self.positions_1L, device),
+            Documents(*(up(d, device) if isinstance(d, torch.Tensor) else d for d in self.docs)),
+            up(self.rows_N, device),
+            up(self.cols_N, device),
+            up(self.predictors_N, device),
+        )
+
+    def tokens(self, tokens_RT: torch.Tensor) -> torch.Tensor:
+        """The packed row [1, L] of the micro-batch's tokens `tokens_RT` (on the device)."""
+        if self.flat_L.numel() == 0:
+            return tokens_RT.new_zeros(1, 1)
+        return tokens_RT.reshape(-1)[self.flat_L][None]
+
+    def routed(self, routed_RTMK: torch.Tensor | None) -> torch.Tensor | None:
+        """The generator's MoE routing of the packed tokens [1, L, M, K] (-1 where unknown), or
+        None."""
+        if routed_RTMK is None:
+            return None
+        if self.flat_L.numel() == 0:
+            return routed_RTMK.new_full((1, 1, *routed_RTMK.shape[2:]), -1)
+        return routed_RTMK.flatten(0, 1)[self.flat_L][None]
 
 
-def pack_row(micro: RolloutBatch, device: torch.device) -> PackedRow:
-    """`micro`'s sequences back to back, each cut after its last scored token; with nothing
-    scored, one token (every rank runs as many forwards and backwards: FSDP's collectives)."""
-    tokens_BT, mask_BT = micro.tokens_BT, micro.loss_mask_BT
-    lengths = needed(mask_BT)
-    kept = [b for b, n in enumerate(lengths) if n > 0]
-    kept_lengths = [lengths[b] for b in kept]
-    routed_BTMK = micro.routed_experts_BTMK
-    routed_LMK = None
+def pack_plan(
+    lengths: list[int], width: int, rows_N: torch.Tensor, cols_N: torch.Tensor
+) -> PackedRow:
+    """The packed row of a micro-batch, on the host: its rows' sequences back to back, each cut
+    after its last scored token (`lengths`, from `needed`; rows of `width` tokens), and its
+    scored tokens at (`rows_N`, `cols_N`) of the micro-batch, row by row."""
+    kept = [r for r, n in enumerate(lengths) if n > 0]
+    kept_lengths = [lengths[r] for r in kept]
     if kept:
-        tokens_L = torch.cat([tokens_BT[b, : lengths[b]] for b in kept])
-        if routed_BTMK is not None:
-            routed_LMK = torch.cat([routed_BTMK[b, : lengths[b]] for b in kept])
-        positions_L = torch.cat([torch.arange(n) for n in kept_lengths]).to(device)
+        flat_L = torch.cat([torch.arange(lengths[r]) + r * width for r in kept])
+        positions_L = torch.cat([torch.arange(n) for n in kept_lengths])
     else:
-        tokens_L = torch.zeros(1, dtype=torch.long, device=device)
-        positions_L = torch.zeros(1, dtype=torch.long, device=device)
+        flat_L = torch.zeros(0, dtype=torch.long)
+        positions_L = torch.zeros(1, dtype=torch.long)
     # Where each kept row starts in the packed row.
     sizes = torch.tensor(kept_lengths, dtype=torch.long)
-    offsets_B = torch.zeros(len(lengths), dtype=torch.long)
-    offsets_B[kept] = sizes.cumsum(0) - sizes
-    offsets_B = offsets_B.to(device)
-    # Column 0 predicts nothing; the hidden state at t - 1 predicts token t.
-    rows_N, cols_N = (mask_BT[:, 1:] > 0).nonzero(as_tuple=True)
-    cols_N = cols_N + 1
+    offsets_R = torch.zeros(len(lengths), dtype=torch.long)
+    offsets_R[kept] = sizes.cumsum(0) - sizes
     return PackedRow(
-        tokens_1L=tokens_L[None],
+        flat_L=flat_L,
         positions_1L=positions_L[None],
-        docs=documents(kept_lengths or [1], device),
+        docs=documents(kept_lengths or [1], torch.device("cpu")),
         rows_N=rows_N,
         cols_N=cols_N,
-        predictors_N=offsets_B[rows_N] + cols_N - 1,
-        targets_N=tokens_BT[rows_N, cols_N],
-        routed_1LMK=None if routed_LMK is None else routed_LMK.to(device)[None],
+        # The hidden state at t - 1 predicts token t.
+        predictors_N=offsets_R[rows_N] + cols_N - 1,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch of a step, planned on the host."""
+
+    rows_R: torch.Tensor
+    """Its rows of the step's batch, in order."""
+    row: PackedRow | None = None
+    """Packed: its packed row (None: right-padded rows with full logits)."""
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        row = None if self.row is None else self.row.to(device)
+        return MicroBatch(platform.upload(self.rows_R, device), row)
+
+
+def plan(
+    mask_BT: torch.Tensor, budget: int, count: int | None = None, pieces: int = 1
+) -> list[MicroBatch]:
+    """A step's micro-batches from the host loss mask `mask_BT`, every index they need made
+    here, once: packed under `budget` tokens (first-fit decreasing by the tokens each row must
+    run, then `count` of them: every rank runs as many), or with `budget` 0 `pieces` pieces of
+    consecutive rows, right-padded. The mask is read a fixed number of times, however many
+    micro-batches there are (tests/unit/test_model.py counts them)."""
+    if not budget:
+        pieces = min(pieces, mask_BT.shape[0])
+        return [MicroBatch(rows) for rows in torch.arange(mask_BT.shape[0]).tensor_split(pieces)]
+    lengths = needed(mask_BT)
+    groups = first_fit_decreasing(lengths, budget)
+    groups = split_to(groups, lengths, max(count or len(groups), 1))
+    # The scored tokens (column >= 1: column 0 predicts nothing), row by row, found once.
+    scored_BT = mask_BT[:, 1:] > 0
+    _, cols_S = scored_BT.nonzero(as_tuple=True)
+    cols_S = cols_S + 1
+    per_row = scored_BT.sum(1).tolist()
+    first = [0]
+    for n in per_row:
+        first.append(first[-1] + n)
+    micro_batches = []
+    for group in groups:
+        # This micro-batch's scored tokens: its rows' runs of (rows_S, cols_S), in its order.
+        none = [torch.zeros(0, dtype=torch.long)]
+        picked_N = torch.cat([torch.arange(first[b], first[b + 1]) for b in group] or none)
+        rows_N = torch.cat(
+            [torch.full((per_row[b],), r, dtype=torch.long) for r, b in enumerate(group)] or none
+        )
+        row = pack_plan([lengths[b] for b in group], mask_BT.shape[1], rows_N, cols_S[picked_N])
+        micro_batches.append(MicroBatch(torch.tensor(group, dtype=torch.long), row))
+    return micro_batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +258,9 @@ def deal(batch: RolloutBatch, budget: int, group, device: torch.device) -> Dealt
     """The rows of `group`'s ranks (data-parallel) redealt so that their token loads balance
     (`rebalance`: few rows move, none when they already balance), and the number of packed
     micro-batches of at most `budget` tokens every rank runs. One gather of row lengths plans
-    it on every rank alike; rows travel only when some move."""
+    it on every rank alike; rows travel only when some move. Runs on the host: the dealt
+    batch's rows are host tensors (moved to `device` by the caller, once); `back` reads its
+    tensors from the device once each."""
     everyone, me, scale = all_lengths(batch.loss_mask_BT, group)
     shares = rebalance(everyone)
     count = max(
@@ -211,13 +280,14 @@ def deal(batch: RolloutBatch, budget: int, group, device: torch.device) -> Dealt
         for r, i in shares[me]
     ]
     if pieces:
-        dealt = RolloutBatch.cat(pieces).to(device)
+        dealt = RolloutBatch.cat(pieces)
     else:
         dealt = batch.rows(torch.zeros(0, dtype=torch.long))
 
     def back(*tensors_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Tensors [B', T'] of the dealt rows -> this rank's own rows [B, T]."""
-        outs = [torch.zeros(batch.tokens_BT.shape, device=device) for _ in tensors_BT]
+        """Tensors [B', T'] of the dealt rows -> this rank's own rows [B, T] (on `device`)."""
+        tensors_BT = tuple(t.cpu() for t in tensors_BT)
+        outs = [torch.zeros(batch.tokens_BT.shape) for _ in tensors_BT]
         borrowed = [(k, r, i) for k, (r, i) in enumerate(shares[me]) if r != me]
         returned = platform.all_gather_objects(
             [((r, i), [t[k].to(host) for t in tensors_BT]) for k, r, i in borrowed], group
@@ -229,8 +299,8 @@ def deal(batch: RolloutBatch, budget: int, group, device: torch.device) -> Dealt
         for (r, i), values in (item for parcel in returned for item in parcel):
             if r == me:
                 for out, value in zip(outs, values, strict=True):
-                    _copy_row(out[i], value.to(device))
-        return tuple(outs)
+                    _copy_row(out[i], value)
+        return tuple(platform.upload(out, device) for out in outs)
 
     return Dealt(dealt, count, scale, back)
 

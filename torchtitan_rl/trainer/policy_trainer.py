@@ -38,7 +38,7 @@ from torchtitan_rl.errors import StopRun
 from torchtitan_rl.models import moe, weights
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing, parallel
-from torchtitan_rl.trainer.logprobs import head_logprobs, head_weight, soft_cap, token_logprobs
+from torchtitan_rl.trainer.logprobs import fused_head, token_logprobs
 from torchtitan_rl.trainer.model import STUDENT, build_spec, load_hf_weights
 from torchtitan_rl.types import LossScale, RolloutBatch
 
@@ -48,8 +48,12 @@ class NonFiniteError(StopRun):
 
 
 # loss_fn(logprobs_BT, micro_batch, scale) -> (this micro-batch's share of the step loss,
-# metrics that add up over micro-batches and ranks, e.g. counts or already-normalized sums)
-LossFn = Callable[[torch.Tensor, RolloutBatch, LossScale], tuple[torch.Tensor, dict[str, float]]]
+# metrics that add up over micro-batches and ranks, e.g. counts or already-normalized sums:
+# 0-dim device tensors, read once per step, or host floats)
+LossFn = Callable[
+    [torch.Tensor, RolloutBatch, LossScale],
+    tuple[torch.Tensor, dict[str, "torch.Tensor | float"]],
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,8 @@ class PolicyTrainer:
             training.micro_batch_tokens if micro_batch_tokens is None else micro_batch_tokens
         )
         self.temperature = temperature
+        self.head_chunk_mib = training.head_chunk_mib or platform.head_chunk_mib()
+        """The fused head's chunk budget (training.head_chunk_mib)."""
         self.device = platform.device()
         self.step = 0
         self.group = group
@@ -282,79 +288,82 @@ class PolicyTrainer:
             logits_BTV = logits_BTV.full_tensor()
         return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=True)
 
-    def _forward_packed(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_packed(
+        self, micro: RolloutBatch, row: packing.PackedRow
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed path: logprobs and entropies [B, T] of `micro`'s scored tokens (loss mask > 0),
-        0 elsewhere, from one packed row of its sequences, each cut after its last scored token.
+        0 elsewhere, from one packed row of its sequences, each cut after its last scored token
+        (`row`, planned on the host and already on the device).
 
         The row holds the sequences back to back, positions restarting at 0 and attention
         within each (`Documents`), so each gets what it would alone; the head runs only at
-        the N positions that predict a scored token.
+        the N positions that predict a scored token, as a call of the lm_head module
+        (`fused_head`: FSDP's hooks gather and reshard it).
         """
-        row = packing.pack_row(micro, self.device)
-        self._expect(row.routed_1LMK)
+        self._expect(row.routed(micro.routed_experts_BTMK))
         self.model._skip_lm_head = True  # the decoder returns normed hidden states
         try:
             hidden_1LD = self.model(
-                row.tokens_1L, positions=row.positions_1L, attention_masks=row.docs
+                row.tokens(micro.tokens_BT), positions=row.positions_1L, attention_masks=row.docs
             )
         finally:
             self.model._skip_lm_head = False
         if isinstance(hidden_1LD, DTensor):
             hidden_1LD = hidden_1LD.full_tensor()  # TP: sequence-parallel shards
         hidden_ND = hidden_1LD[0].index_select(0, row.predictors_N)
-        weight, group, first = head_weight(self.model.lm_head)
-        logprobs_N, entropy_N = head_logprobs(
+        scored = (row.rows_N, row.cols_N)
+        logprobs_N, entropy_N = fused_head(
+            self.model.lm_head,
             hidden_ND,
-            weight,
-            row.targets_N,
+            micro.tokens_BT[scored],
             self.temperature,
-            group=group,
-            first=first,
-            cap=soft_cap(self.model.lm_head),
+            budget_mib=self.head_chunk_mib,
         )
-        shape, scored = micro.tokens_BT.shape, (row.rows_N, row.cols_N)
+        shape = micro.tokens_BT.shape
         logprobs_BT = torch.zeros(shape, device=self.device).index_put(scored, logprobs_N)
         entropy_BT = torch.zeros(shape, device=self.device).index_put(scored, entropy_N)
         return logprobs_BT, entropy_BT
 
-    def micro_batches(
-        self, batch: RolloutBatch, count: int | None = None
-    ) -> list[tuple[torch.Tensor, RolloutBatch]]:
-        """`batch` cut into micro-batches, each with its rows' indices in `batch`.
+    def plan(self, batch: RolloutBatch, count: int | None = None) -> list[packing.MicroBatch]:
+        """`batch`'s micro-batches, planned on the host from its loss mask (`packing.plan`).
 
         Packed: first-fit decreasing by the tokens each row must run, into at most
         `micro_batch_tokens` each, then `count` of them: as many as the rank that needs most
         (FSDP's gathers are collective; None: found with an all-reduce). Padded:
         `training.micro_batches` pieces of consecutive rows.
         """
-        if not self.micro_batch_tokens:
-            pieces = min(self.training.micro_batches, batch.batch_size)
-            index = torch.arange(batch.batch_size).tensor_split(pieces)
-            return [(rows, micro) for rows, micro in zip(index, batch.split(pieces), strict=True)]
-        lengths = packing.needed(batch.loss_mask_BT)
-        groups = packing.first_fit_decreasing(lengths, self.micro_batch_tokens)
-        if count is None:
+        mask_BT = batch.loss_mask_BT.cpu()
+        if self.micro_batch_tokens and count is None:
+            groups = packing.first_fit_decreasing(packing.needed(mask_BT), self.micro_batch_tokens)
             most = torch.tensor([len(groups)])
             platform.all_reduce_host(most, op=dist.ReduceOp.MAX, group=self.group)
             count = int(most[0])
-        groups = packing.split_to(groups, lengths, max(count, 1))
-        return [
-            (rows, batch.rows(rows)) for rows in (torch.tensor(g, dtype=torch.long) for g in groups)
-        ]
+        return packing.plan(
+            mask_BT, self.micro_batch_tokens, count, pieces=self.training.micro_batches
+        )
+
+    def micro_batches(
+        self, batch: RolloutBatch, count: int | None = None
+    ) -> list[tuple[torch.Tensor, RolloutBatch]]:
+        """`batch` cut into micro-batches (`plan`), each with its rows' indices in `batch`."""
+        return [(m.rows_R, batch.rows(m.rows_R)) for m in self.plan(batch, count)]
 
     def _deal(self, batch: RolloutBatch) -> packing.Dealt:
-        """Packed: the rows redealt over the data-parallel ranks (`packing.deal`); padded: the
-        batch as it is."""
+        """Packed: the rows redealt over the data-parallel ranks (`packing.deal`), on the host;
+        padded: the batch as it is."""
         if not self.micro_batch_tokens:
             return packing.Dealt(batch, None, None, lambda *tensors_BT: tensors_BT)
         return packing.deal(batch, self.micro_batch_tokens, self.dp_group, self.device)
 
-    def _forward(self, micro: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropies [B, T] of `micro` (packed or padded); its MoE routing is
-        compared with the generator's (`routing_counts`) and, with router replay, used."""
+    def _forward(
+        self, micro: RolloutBatch, row: packing.PackedRow | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs and entropies [B, T] of `micro` (packed along `row`, or padded); its MoE
+        routing is compared with the generator's (`routing_counts`) and, with router replay,
+        used."""
         with moe.counting(self._routers):
-            if self.micro_batch_tokens:
-                return self._forward_packed(micro)
+            if row is not None:
+                return self._forward_packed(micro, row)
             return self._forward_logprobs(micro.tokens_BT, micro.routed_experts_BTMK)
 
     @torch.no_grad()
@@ -372,22 +381,23 @@ class PolicyTrainer:
         `mask_BT` > 0 are computed (every column when None), the others are 0.
         `routed_BTMK`: the generator's MoE routing of the tokens (`RolloutBatch`).
         """
-        tokens_BT = tokens_BT.to(self.device)
         if mask_BT is None:
-            mask_BT = torch.ones(tokens_BT.shape, device=self.device)
+            mask_BT = torch.ones(tokens_BT.shape)
         batch = RolloutBatch(
-            tokens_BT=tokens_BT,
-            loss_mask_BT=mask_BT.to(self.device),
-            routed_experts_BTMK=None if routed_BTMK is None else routed_BTMK.to(self.device),
+            tokens_BT=tokens_BT, loss_mask_BT=mask_BT, routed_experts_BTMK=routed_BTMK
         )
         dealt = self._deal(batch)
-        tokens_BT = dealt.batch.tokens_BT
-        logprobs_BT = torch.zeros(tokens_BT.shape, device=self.device)
-        entropy_BT = torch.zeros(tokens_BT.shape, device=self.device)
-        for rows, micro in self.micro_batches(dealt.batch, dealt.count):
-            micro_logprobs_BT, micro_entropy_BT = self._forward(micro)
-            logprobs_BT[rows.to(self.device)] = micro_logprobs_BT
-            entropy_BT[rows.to(self.device)] = micro_entropy_BT
+        micro_batches = self.plan(dealt.batch, dealt.count)
+        batch = dealt.batch.map(platform.upload)
+        logprobs_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
+        entropy_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
+        for planned in micro_batches:
+            planned = planned.to(self.device)
+            micro_logprobs_BT, micro_entropy_BT = self._forward(
+                batch.rows(planned.rows_R), planned.row
+            )
+            logprobs_BT[planned.rows_R] = micro_logprobs_BT
+            entropy_BT[planned.rows_R] = micro_entropy_BT
         self._expect(None)
         # No backward follows to reshard the root: free its gathered parameters now.
         self._reshard()
@@ -429,7 +439,14 @@ class PolicyTrainer:
         self, batch: RolloutBatch, loss_fn: LossFn, *, step: int | None = None
     ) -> StepResult:
         """One optimizer step over this rank's `batch`, in its micro-batches
-        (`micro_batches`: packed under the token budget, or `training.micro_batches` pieces).
+        (`plan`: packed under the token budget, or `training.micro_batches` pieces).
+
+        A host-side plan, then a device loop over it: which rows each rank trains, how they
+        pack, every index and offset, and the step's global counts are made once from the
+        host loss mask before the batch goes to the device; the loop reads nothing back, and
+        the step's figures (loss, entropy, the loss function's metrics, the finiteness check,
+        the gradient norm) accumulate as device tensors, read together once, before the
+        optimizer steps (host syncs: docs/performance.md).
 
         The gradient equals the full-batch gradient: each micro-batch's loss is normalized by
         the step's global token and sequence counts (LossScale) and FSDP sums over ranks.
@@ -440,50 +457,46 @@ class PolicyTrainer:
         """
         self.step += 1
         label = self.step if step is None else step
-        dealt = self._deal(batch.to(self.device))
-        batch = dealt.batch
-        indexed = self.micro_batches(batch, dealt.count)
-        micro_batches = [micro for _, micro in indexed]
-        # Padded, the global counts travel while the first micro-batch runs its forward;
-        # packed, the deal has them. Sequences count when they have a token in the loss
-        # (filtered groups do not).
-        if dealt.scale is None:
-            counts = torch.tensor(
-                [
-                    sum(m.loss_mask_BT.sum().item() for m in micro_batches),
-                    sum((m.loss_mask_BT.sum(1) > 0).sum().item() for m in micro_batches),
-                ],
-                dtype=torch.float64,
-            )
-            counting = platform.all_reduce_host(counts, group=self.group, async_op=True)
-        scale = dealt.scale
-        local_loss, entropy_sum = 0.0, 0.0
-        metric_sums: dict[str, float] = {}
+        dealt = self._deal(batch)
+        micro_batches = self.plan(dealt.batch, dealt.count)
+        scale = dealt.scale or self._padded_scale(dealt.batch)
+        batch = dealt.batch.map(platform.upload)
+        sums = torch.zeros(3, device=self.device)  # loss, entropy, non-finite logprobs
+        metric_sums: dict[str, torch.Tensor | float] = {}
         pre_update_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
-        for rows, micro in indexed:
-            logprobs_BT, entropy_BT = self._forward(micro)
-            check_finite(label, "trainer", logprobs_BT.detach(), micro.loss_mask_BT.bool())
-            pre_update_BT[rows.to(self.device)] = logprobs_BT.detach()
-            if scale is None:
-                counting.wait()
-                # Every rank of a TP group holds the same batch: count it once per group.
-                tokens, sequences = (counts / self.tp_degree).tolist()
-                scale = LossScale(tokens=int(tokens), sequences=int(sequences))
+        for planned in micro_batches:
+            planned = planned.to(self.device)
+            micro = batch.rows(planned.rows_R)
+            logprobs_BT, entropy_BT = self._forward(micro, planned.row)
+            detached_BT = logprobs_BT.detach()
+            pre_update_BT[planned.rows_R] = detached_BT
             loss, metrics = loss_fn(logprobs_BT, micro, scale)
             loss.backward()
             self._expect(None)
-            local_loss += float(loss.detach())
-            entropy_sum += float((entropy_BT * micro.loss_mask_BT).sum())
+            mask_BT = micro.loss_mask_BT
+            non_finite = (~torch.isfinite(detached_BT) & (mask_BT > 0)).sum()
+            sums += torch.stack([loss.detach(), (entropy_BT * mask_BT).sum(), non_finite])
             for name, value in metrics.items():
+                value = value.detach() if isinstance(value, torch.Tensor) else value
                 metric_sums[name] = metric_sums.get(name, 0.0) + value
 
-        grad_norm = float(
-            dist_utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.grad is not None],
-                max_norm=self.training.max_grad_norm or math.inf,
-                ep_enabled=self.parallel_dims.ep_enabled,  # experts on their own mesh
-            )
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None],
+            max_norm=self.training.max_grad_norm or math.inf,
+            ep_enabled=self.parallel_dims.ep_enabled,  # experts on their own mesh
         )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        names = sorted(metric_sums)
+        on_device = [n for n in names if isinstance(metric_sums[n], torch.Tensor)]
+        # The step's one read of the device.
+        figures = [grad_norm.float()[None], sums, *(metric_sums[n][None] for n in on_device)]
+        read = torch.cat(figures)
+        grad_norm, local_loss, entropy_sum, non_finite, *device_values = read.cpu().tolist()
+        metric_sums |= dict(zip(on_device, device_values, strict=True))
+        if non_finite:
+            self.optimizers.zero_grad()
+            check_finite(label, "trainer", pre_update_BT, batch.loss_mask_BT > 0)
         # A NaN/inf loss on any rank makes the summed gradients non-finite on every rank, so
         # all ranks stop here together, before the weights change.
         if not math.isfinite(grad_norm):
@@ -495,7 +508,6 @@ class PolicyTrainer:
             raise NonFiniteError(f"step {label}: {culprit}")
 
         # The metric totals travel while the optimizer steps.
-        names = sorted(metric_sums)
         totals = torch.tensor(
             [local_loss, entropy_sum, *(metric_sums[n] for n in names)], dtype=torch.float64
         )
@@ -518,6 +530,16 @@ class PolicyTrainer:
             **dict(zip(names, metric_totals, strict=True)),
         }
         return StepResult(metrics=metrics, logprobs_BT=dealt.back(pre_update_BT)[0])
+
+    def _padded_scale(self, batch: RolloutBatch) -> LossScale:
+        """The step's global counts from the host loss mask of this rank's padded rows: scored
+        tokens, and sequences with one (filtered groups have none)."""
+        mask_BT = batch.loss_mask_BT.cpu()
+        counts = torch.stack([mask_BT.sum(), (mask_BT.sum(1) > 0).sum()]).double()
+        platform.all_reduce_host(counts, group=self.group)
+        # Every rank of a TP group holds the same batch: count it once per group.
+        tokens, sequences = (counts / self.tp_degree).tolist()
+        return LossScale(tokens=int(tokens), sequences=int(sequences))
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():

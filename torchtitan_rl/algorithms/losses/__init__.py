@@ -87,8 +87,10 @@ class PolicyLoss:
     `teacher_coef` * k(current, teacher) on the rows of distilled sources. A batch's per-token
     advantages (`token_advantages_BT`, a teacher's) add to its sequences'.
 
-    TOKEN_METRICS: each figure the loss reports, as a share of the step's trained tokens (the
-    logged name -> the count or sum its micro-batches return); logged where returned.
+    Its metrics are device tensors (0-dim sums), which the policy trainer reads once per
+    step, not once per micro-batch. TOKEN_METRICS: each figure the loss reports, as a share of
+    the step's trained tokens (the logged name -> the count or sum its micro-batches return);
+    logged where returned.
     """
 
     TOKEN_METRICS = {
@@ -134,12 +136,12 @@ class PolicyLoss:
         clipped_BT = -ratio_BT.clamp(1 - self.clip_low, 1 + self.clip_high) * advantages_B1
         per_token_BT = torch.maximum(unclipped_BT, clipped_BT)
         clipped_mask_BT = (clipped_BT > unclipped_BT).expand_as(mask_BT) * mask_BT
-        metrics = {"clipped_tokens": float(clipped_mask_BT.sum())}
+        metrics = {"clipped_tokens": clipped_mask_BT.sum()}
         if self.clip_ratio_c > 0:
             cap_B1 = -self.clip_ratio_c * advantages_B1
             dual_BT = (advantages_B1 < 0) & (per_token_BT > cap_B1)
             per_token_BT = torch.where(dual_BT, cap_B1, per_token_BT)
-            metrics["dual_clipped_tokens"] = float((dual_BT.expand_as(mask_BT) * mask_BT).sum())
+            metrics["dual_clipped_tokens"] = (dual_BT.expand_as(mask_BT) * mask_BT).sum()
         if self.correction.mode != "none":
             ratios = self.correction.ratios(old_BT, batch.generator_logprobs_BT, mask_BT)
             per_token_BT = per_token_BT * self.correction.weights(ratios)
@@ -147,12 +149,12 @@ class PolicyLoss:
         if self.kl_beta > 0:
             kl_BT = kl_penalty(logprobs_BT, batch.reference_logprobs_BT, self.kl_estimator, mask_BT)
             per_token_BT = per_token_BT + self.kl_beta * kl_BT
-            metrics["kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
+            metrics["kl_sum"] = (kl_BT.detach() * mask_BT).sum()
         if self.teacher_coef > 0:
             kl_BT = kl_penalty(logprobs_BT, batch.teacher_logprobs_BT, self.kl_estimator, mask_BT)
             kl_BT = kl_BT * batch.distilled_B[:, None]
             per_token_BT = per_token_BT + self.teacher_coef * kl_BT
-            metrics["teacher_kl_sum"] = float((kl_BT.detach() * mask_BT).sum())
+            metrics["teacher_kl_sum"] = (kl_BT.detach() * mask_BT).sum()
         loss = aggregate(per_token_BT, mask_BT, scale, self.aggregation, self.max_tokens)
         return loss, metrics
 
