@@ -522,3 +522,31 @@ def test_gpu_graph_check_runs_its_layer_at_small_shapes(monkeypatch, capsys):
     for mode in ("plain", "batch_invariant"):
         for T in ("T=1", "T=9"):
             assert layer[mode][T]["output_equal"] and layer[mode][T]["routing_equal"], layer
+
+
+def test_uploads_wait_for_nothing_and_the_head_chunk_fits_the_device(monkeypatch):
+    """`upload`: torch documents `Tensor.to(..., non_blocking=True)` as asynchronous with
+    respect to the host for a copy from pinned memory to a CUDA tensor; a copy from pageable
+    memory synchronises (CUDA's API synchronisation rules: what `set_sync_debug_mode` flags).
+    So on CUDA a host tensor is pinned, then copied without blocking; one already on the
+    device, and every tensor on CPU, is returned as is. `head_chunk_mib`: 256 MiB of fp32
+    logits per chunk on CPU (441 tokens at Qwen3's vocabulary), 1 GiB on CUDA (1,766)."""
+    from torchtitan_rl.trainer.logprobs import head_chunk
+
+    host = torch.ones(3)
+    assert platform.upload(host) is host
+    assert head_chunk(151_936, platform.head_chunk_mib()) == 441
+
+    monkeypatch.setattr(platform, "device_type", lambda: "cuda")
+    log = []
+
+    class Pinned:
+        def to(self, device, non_blocking=False):
+            log.append((device, non_blocking))
+            return "on the device"
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: log.append("pin") or Pinned())
+    assert platform.upload(host, torch.device("cuda", 1)) == "on the device"
+    assert log == ["pin", (torch.device("cuda", 1), True)]
+    assert platform.upload(host, torch.device("cpu")) is host  # already there
+    assert head_chunk(151_936, platform.head_chunk_mib()) == 1766

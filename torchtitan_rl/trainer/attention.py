@@ -21,8 +21,6 @@ import torch
 from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenMetadata
 from torchtitan.protocols.module import Module
 
-from torchtitan_rl import platform
-
 # The kernels are plain torch (packed_attention.py); imported here as this module's names.
 from torchtitan_rl.trainer.packed_attention import (  # noqa: F401
     causal_sdpa,
@@ -43,7 +41,7 @@ def documents(lengths: list[int], device: torch.device) -> Documents:
     starts = [0]
     for length in lengths:
         starts.append(starts[-1] + length)
-    cu = platform.upload(torch.tensor(starts, dtype=torch.int32), device)
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
     longest = max(lengths, default=0)
     return VarlenMetadata(cu, cu, longest, longest, tuple(starts))
 
