@@ -97,12 +97,16 @@ def step(
         rows = torch.arange(6) if dp_rank == 0 else torch.arange(6, 8)
     local = batch.rows(rows)
 
-    forwards = []
+    forwards, head_calls = [], []
     trainer.model.register_forward_hook(lambda _, args, __: forwards.append(tuple(args[0].shape)))
+    # The fused head runs as a call of the lm_head module, inside FSDP's hooks.
+    trainer.model.lm_head.register_forward_hook(lambda *_: head_calls.append(1))
 
     before = {k: p.full_tensor().clone() for k, p in trainer.named_parameters().items()}
     with recorded_grads(trainer) as grads:
         result = trainer.optimizer_step(local, pg_loss)
+    head = trainer.model.lm_head.weight  # FSDP swaps the sharded parameter back at reshard
+    head_after_step = (type(head).__name__, tuple(getattr(head, "_local_tensor", head).shape))
     after = {k: p.full_tensor() for k, p in trainer.named_parameters().items()}
     state = trainer.state_dict()  # collective: every rank calls it
     params = {k: v.full_tensor() for k, v in state.items()}
@@ -135,6 +139,8 @@ def step(
         "local_shapes": local_shapes,
         "params_are_views": params_are_views,
         "head_rows": weight.shape[0],
+        "head_calls": len(head_calls),
+        "head_after_step": head_after_step,
         "head_parallel": head_group is not None,
     }
 

@@ -205,6 +205,31 @@ def test_the_step_reports_pre_update_logprobs_from_its_own_forwards(runs, key):
     torch.testing.assert_close(run["step_logprobs_BT"], share_BT, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "key", [(1, 1), (2, 1), (2, 4), (2, 2, "full", "tp2"), (1, "b16"), (2, "b16"), (4, 1, "hsdp")]
+)
+def test_the_head_runs_inside_its_fsdp_hooks_and_is_resharded_after_the_step(runs, key):
+    """Issue 66: the fused head of the packed path is a call of the lm_head module (FSDP's
+    hooks gather its weight, complete its group's forward, reduce-scatter its gradient; on
+    torch 2.11 a head used outside them warned every step): one call per micro-batch, as the
+    padded path's full-logits forward makes. After the step FSDP has resharded it: each rank
+    holds its rows (half of the vocabulary on 2 FSDP ranks), not the gathered weight. Its
+    gradient equals the full-logits path's: `test_step_is_the_same_for_any_parallelism...`
+    compares every gradient, the head's included, of the packed runs with one padded
+    process."""
+    run = runs[key]
+    assert run["head_calls"] == len(run["forwards"][0])
+    vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
+    kind, shape = run["head_after_step"]
+    shards = {(1, 1): 1, (1, "b16"): 1, (2, 1): 2, (2, 4): 2, (2, "b16"): 2, (4, 1, "hsdp"): 2}
+    if "tp2" in key:  # the vocabulary split over the TP ranks, as the step left it
+        assert (kind, shape[0]) == ("DTensor", vocab // 2)
+    elif shards[key] == 1:
+        assert shape[0] == vocab
+    else:
+        assert (kind, shape[0]) == ("DTensor", vocab // shards[key])
+
+
 @pytest.mark.parametrize("key", PACKED)
 def test_packed_steps_run_each_sequence_once_within_the_budget_balanced_over_ranks(runs, key):
     """Each forward is one packed row within the budget; every rank runs as many; together
