@@ -290,3 +290,21 @@ def test_enforce_eager_unset_compiles_where_the_generator_compiles():
     message = str(error.value)
     assert "\n" not in message and "generator.enforce_eager = false" in message
     assert "unset enforce_eager or set it to true" in message
+
+
+def test_training_compile_is_refused_in_batch_invariant_mode():
+    """training.compile: accepted alone; with batch_invariant = true refused in one line that
+    says why (inductor's kernels are not the generator's batch-invariant ones) and the fix."""
+    from torchtitan_rl.config import ConfigError
+
+    config = parse_args(["--job.config_file", DEBUG_TOML, "--training.compile"], world_size=2)
+    assert config.training.compile is True
+    with pytest.raises(ConfigError) as error:
+        parse_args(
+            ["--job.config_file", DEBUG_TOML, "--training.compile", "--batch_invariant", "true"],
+            world_size=2,
+        )
+    message = str(error.value)
+    assert "\n" not in message
+    assert "batch_invariant = true with training.compile = true" in message
+    assert "bit for bit" in message and "set training.compile = false" in message

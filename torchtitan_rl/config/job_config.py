@@ -244,6 +244,13 @@ class JobConfig:
             "layers add partial products across ranks, which the generator's one-device GEMMs "
             "do not reproduce bit for bit; use parallelism.tp = 1 (FSDP) in this mode",
         )
+        require(
+            not self.training.compile,
+            "batch_invariant = true with training.compile = true: inductor fuses and reorders "
+            "the trainer's reductions (norms, softmax) and picks its own GEMM kernels, which the "
+            "generator's batch-invariant kernels do not reproduce bit for bit; set "
+            "training.compile = false in this mode",
+        )
         generator_tp = self.generator.parallelism.tensor_parallel_degree
         require(
             generator_tp == 1,

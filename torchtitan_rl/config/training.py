@@ -67,6 +67,12 @@ class TrainingSection:
     activation for backward; full recomputes the block in backward (least memory, about one
     more forward); selective saves the outputs of matmuls and attention and recomputes the
     rest."""
+    compile: bool = False
+    """torchtitan's per-block torch.compile (inductor, each transformer block one graph), as
+    torchtitan's own trainer offers, for the policy and the frozen reference and distill
+    teacher. The packed attention runs as one opaque op in the graph, so new packings do not
+    recompile (trainer/compile.py). The first steps pay the compile (seconds to minutes);
+    refused with batch_invariant = true."""
 
     def validate(self) -> None:
         for name in (

@@ -19,6 +19,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import ParallelismSection
+from torchtitan_rl.trainer.compile import compilable_attention
 
 
 def layout(
@@ -67,16 +68,21 @@ def parallelize(
     dtype: str,
     activation_checkpoint: str,
     dump_folder: str,
+    compile: bool = False,
 ) -> nn.Module:
     """The spec's `parallelize_fn` on the meta-device `module`: mixed precision in `dtype`
-    (fp32 reductions), `activation_checkpoint` ("none", "full", "selective"), no compile;
-    FSDP then sums gradients over data-parallel ranks instead of averaging them."""
+    (fp32 reductions), `activation_checkpoint` ("none", "full", "selective"), and with
+    `compile` torchtitan's per-block torch.compile (trainer/compile.py); FSDP then sums
+    gradients over data-parallel ranks instead of averaging them."""
+    if compile:
+        # Before the blocks are compiled: a graph must see the packed kernel as one op.
+        compilable_attention(module)
     module = spec.parallelize_fn(
         module,
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=dtype, mixed_precision_reduce="float32"),
         parallelism=config,
-        compile_config=CompileConfig(enable=False),
+        compile_config=CompileConfig(enable=compile, components=["model"]),
         ac_config=_activation_checkpointing(activation_checkpoint),
         dump_folder=dump_folder,
     )
