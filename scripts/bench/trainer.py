@@ -1,7 +1,11 @@
-"""Benchmark PolicyTrainer.optimizer_step: against a plain torchtitan step on uniform lengths, or
-packed against padded micro-batches on a long-tailed mix of lengths.
+"""Benchmark PolicyTrainer.optimizer_step: against a plain torchtitan step (uniform or
+long-tailed rows), or packed against padded micro-batches on a long-tailed mix of lengths.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny
+    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --flavor tiny \
+        --dtype bfloat16 --compile
+    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py \
+        --lengths longtail --compare plain --flavor debugmodel --sequences 8 --max_completion 512
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py \
         --flavor debugmodel_moe --ep 2 --batch 4 --steps 5
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py \
@@ -9,17 +13,30 @@ packed against padded micro-batches on a long-tailed mix of lengths.
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --ac full --steps 2 --warmup 0
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor 0.6B --sequences 4 \
         --max_completion 2048 --steps 1 --warmup 0 --ac full
+    scripts/gpu_trainer.sh        (a GPU: 0.6B, 1.7B, 4B in bf16; docs/performance.md)
 
-Uniform (under torchrun): both sides use the trainer's FSDP-sharded model and torchtitan
-optimizer: "plain" is forward, torchtitan's `cross_entropy_loss`, backward, grad clipping,
-optimizer and LR-scheduler step; "ours" is `optimizer_step` (packed, the default) with a
-token-mean policy-gradient loss. Steps alternate between the two so machine noise hits both
-alike. Rank 0 prints one JSON line: median tokens/s of each, `ratio` = ours / plain.
+Against plain (`--compare plain`, the default for uniform rows; under torchrun): both sides use
+the trainer's FSDP-sharded model (`--dtype`: model.dtype; `--compile`: training.compile, which
+compiles that one model's blocks, so both sides run them compiled) and torchtitan optimizer:
+"plain" is forward, torchtitan's `cross_entropy_loss` over full logits, backward, grad
+clipping, optimizer and LR-scheduler step; "ours" is `optimizer_step` (packed, the default)
+with a token-mean policy-gradient loss. Uniform rows: `--batch` rows of `--seq` tokens per
+rank, plain runs them as they are. Long-tailed rows (`--lengths longtail --compare plain`):
+the mix below, each rank its contiguous share; plain runs the share as torchtitan's trainer
+packs documents, one stream cut into equal rows of at most `--budget` tokens (document-causal
+attention, positions restarting per piece). Steps alternate between the two so machine noise
+hits both alike. Rank 0 prints one JSON line: median tokens/s of each, `ratio` = ours / plain,
+`mfu` of each (`flops` says the formula: torchtitan's own `get_nparams_and_flops`; `peak_gflops`
+and `peak` the denominator: on CUDA `--peak_tflops` per GPU, on CPU a GEMM in `--dtype`
+measured on every rank in this run), `peak_device_gib` of each (CUDA's max_memory_allocated,
+reset before every step; null on CPU, where `peak_rss_gib_per_rank` is the process's, both
+sides together), `host_syncs` of one more step of each (CUDA's sync debug mode, one warning
+per wait; null on CPU) and `compiled_graphs` (Dynamo's count: 0 means nothing was compiled).
 
-Long tail (run with python; it launches one 2-rank torchrun world per path, watched for
-memory): a seeded mix of `--sequences` sequences, prompts uniform in 64-640 tokens,
-completions lognormal with median 200 and 5% above 1,500 (sigma 1.225), capped at
-`--max_completion`. Each rank holds a contiguous share, as it would the samples of its own
+Packed against padded (`--lengths longtail`, run with python; it launches one 2-rank torchrun
+world per path, watched for memory): a seeded mix of `--sequences` sequences, prompts uniform
+in 64-640 tokens, completions lognormal with median 200 and 5% above 1,500 (sigma 1.225),
+capped at `--max_completion`. Each rank holds a contiguous share, as it would the samples of its own
 prompts. "padded" is the path before packing (`training.micro_batch_tokens = 0`): the share
 right-padded to its longest, full logits; "packed" is `optimizer_step` under `--budget` tokens:
 it redeals rows over the ranks by tokens, packs them, runs the LM head at scored tokens only.
@@ -38,6 +55,7 @@ longest sequence is refused in one line.
 """
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -45,11 +63,13 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from children import REPO, MemoryWatch, peak_rss_gib, report, run_child
+from torch._dynamo.utils import counters
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed import utils as dist_utils
 
@@ -57,6 +77,7 @@ from torchtitan_rl import platform
 from torchtitan_rl.checkpoint import save_bytes
 from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
 from torchtitan_rl.trainer import packing
+from torchtitan_rl.trainer.attention import documents
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch
 
@@ -93,6 +114,7 @@ def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
         flavor=args.flavor,
         hf_checkpoint=str(TOKENIZER) if tiny else None,
         tokenizer_path=str(TOKENIZER),
+        dtype=args.dtype,
     )
     training = TrainingSection(
         lr=1e-4,
@@ -100,55 +122,197 @@ def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
         max_grad_norm=1.0,
         micro_batch_tokens=micro_batch_tokens,
         activation_checkpoint=args.ac,
+        compile=args.compile,
     )
     parallelism = ParallelismSection(ep=args.ep)
     return PolicyTrainer(model=model, training=training, parallelism=parallelism)
 
 
-def uniform(args) -> None:
+FLOPS_FORMULA = (
+    "torchtitan's get_nparams_and_flops per token: 6 * N (the matmul parameters: embedding "
+    "out unless tied) + 6 * layers * heads * (qk + v head dims) * seq_len, seq_len = the "
+    "token's sequence (causal not halved); both sides credited the same FLOPs"
+)
+
+
+def model_flops(trainer: PolicyTrainer, lengths: list[int]) -> float:
+    """Model FLOPs of training sequences of `lengths` (forward and backward), by torchtitan's
+    own per-token formula at each sequence's length."""
+    config = trainer.spec.model
+    dense = config.get_nparams_and_flops(trainer.model, 0)[1]  # 6 N
+    attention = config.get_nparams_and_flops(trainer.model, 1)[1] - dense  # per position
+    return float(sum(n * (dense + attention * n) for n in lengths))
+
+
+def peak_gflops(args, world: int) -> tuple[float, str]:
+    """The world's peak GFLOP/s in --dtype and how it was found: on CUDA --peak_tflops per GPU;
+    on CPU each rank's best GEMM rate (2048^3, --dtype, its own threads), all ranks at once,
+    summed, measured in this run as scripts/bench/e2e.py does."""
+    if torch.cuda.is_available():
+        return args.peak_tflops * 1e3 * world, f"--peak_tflops {args.peak_tflops} per GPU"
+    size, dtype = 2048, getattr(torch, args.dtype)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    best = math.inf
+    dist.barrier()
+    for _ in range(4):  # the first warms up
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    rates = platform.all_gather_objects(2 * size**3 / best / 1e9)
+    how = f"{args.dtype} GEMM {size}^3 measured on each rank's {torch.get_num_threads()} threads"
+    return sum(rates), how
+
+
+def host_syncs(step) -> int | None:
+    """How many times `step()` makes the host wait for the GPU (CUDA's sync debug mode, one
+    warning each); None on CPU, where nothing waits."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def plain_packed_step(trainer: PolicyTrainer, rows: list[list[int]], tokens: list, max_norm):
+    """The plain step on packed rows, as torchtitan's trainer packs documents into rows: each
+    row's `tokens` (its pieces of sequences, back to back), positions restarting per piece,
+    document-causal attention, full logits and cross-entropy at every position."""
+    device = platform.device()
+    total = sum(len(t) - 1 for t in tokens)
+    for lengths, tokens_L in zip(rows, tokens, strict=True):
+        tokens_1L = platform.upload(tokens_L[None], device)
+        positions_1L = platform.upload(torch.cat([torch.arange(n) for n in lengths])[None], device)
+        docs = documents(lengths, torch.device("cpu"))
+        docs = type(docs)(*(platform.upload(d, device) if torch.is_tensor(d) else d for d in docs))
+        logits_1LV = trainer.model(tokens_1L, positions=positions_1L, attention_masks=docs)
+        loss = cross_entropy_loss(logits_1LV[:, :-1], tokens_1L[:, 1:]) / total
+        loss.backward()
+    dist_utils.clip_grad_norm_(
+        list(trainer.model.parameters()),
+        max_norm=max_norm,
+        ep_enabled=trainer.parallel_dims.ep_enabled,
+    )
+    trainer.optimizers.step()
+    trainer.lr_schedulers.step()
+    trainer.optimizers.zero_grad()
+
+
+def plain_rows(
+    batch: RolloutBatch, lengths: list[int], budget: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """This rank's sequences (`lengths` tokens of `batch`'s rows) as one stream cut into equal
+    rows (as many as the rank with the most tokens needs at `budget` each, so every rank runs
+    as many forwards), the cuts falling inside sequences as torchtitan's packed rows do: each
+    row's piece lengths and tokens."""
+    stream = torch.cat([batch.tokens_BT[b, :n] for b, n in enumerate(lengths)])
+    most = torch.tensor([math.ceil(stream.numel() / budget)])
+    platform.all_reduce_host(most, op=dist.ReduceOp.MAX)
+    count = int(most[0])
+    cuts = [round(i * stream.numel() / count) for i in range(count + 1)]
+    starts = [0, *itertools.accumulate(lengths)]
+    rows = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        edges = sorted({lo, hi, *(s for s in starts if lo < s < hi)})
+        rows.append([b - a for a, b in zip(edges, edges[1:], strict=False)])
+    return rows, [stream[lo:hi] for lo, hi in zip(cuts, cuts[1:], strict=False)]
+
+
+def versus_plain(args) -> None:
+    """Ours (`optimizer_step`) against the plain torchtitan step on the same rows, alternating."""
     rank, world = platform.init_distributed()
     trainer = build_trainer(args, micro_batch_tokens=args.budget)
     vocab = trainer.spec.model.vocab_size
-    g = torch.Generator().manual_seed(rank)
-    tokens_BT = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-    batch = RolloutBatch(
-        tokens_BT=tokens_BT,
-        loss_mask_BT=torch.ones(args.batch, args.seq),
-        advantages_B=torch.randn(args.batch, generator=g),
-        generator_logprobs_BT=torch.zeros(args.batch, args.seq),
-    )
+    if args.lengths == "uniform":
+        g = torch.Generator().manual_seed(rank)
+        tokens_BT = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        batch = RolloutBatch(
+            tokens_BT=tokens_BT,
+            loss_mask_BT=torch.ones(args.batch, args.seq),
+            advantages_B=torch.randn(args.batch, generator=g),
+            generator_logprobs_BT=torch.zeros(args.batch, args.seq),
+        )
+        lengths = [args.seq] * args.batch
 
+        def plain():
+            plain_step(trainer, tokens_BT, 1.0)
+
+    else:
+        mix = longtail_mix(args.sequences, args.max_completion, args.seed)
+        per_rank = math.ceil(len(mix) / world)
+        share = list(range(len(mix)))[rank * per_rank : (rank + 1) * per_rank]
+        batch = rank_batch(mix, share, vocab, args.seed + rank)
+        lengths = [sum(mix[i]) for i in share]
+        rows, row_tokens = plain_rows(batch, lengths, args.budget)
+
+        def plain():
+            plain_packed_step(trainer, rows, row_tokens, 1.0)
+
+    def ours():
+        trainer.optimizer_step(batch, pg_loss)
+
+    cuda = torch.cuda.is_available()
+    sides = {"ours": ours, "plain": plain}
     times: dict[str, list[float]] = {"ours": [], "plain": []}
+    peak_bytes = dict.fromkeys(sides, 0)
     for i in range(args.warmup + args.steps):
-        for kind in ("ours", "plain"):
+        for kind, step in sides.items():
             dist.barrier()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            if kind == "ours":
-                trainer.optimizer_step(batch, pg_loss)
-            else:
-                plain_step(trainer, tokens_BT, 1.0)
-            if torch.cuda.is_available():  # the step's kernels done, not only queued
+            step()
+            if cuda:  # the step's kernels done, not only queued
                 torch.cuda.synchronize()
+                peak_bytes[kind] = max(peak_bytes[kind], torch.cuda.max_memory_allocated())
             dist.barrier()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - start)
+    syncs = {kind: host_syncs(step) for kind, step in sides.items()}  # one untimed step each
+    compiled = counters["stats"]["unique_graphs"]
 
-    tokens_per_step = args.batch * args.seq * world
-    ours = tokens_per_step / statistics.median(times["ours"])
-    plain = tokens_per_step / statistics.median(times["plain"])
+    flops = sum(platform.all_gather_objects(model_flops(trainer, lengths)))
+    tokens = sum(platform.all_gather_objects(sum(lengths)))
+    peak, peak_how = peak_gflops(args, world)
+    rss = platform.all_gather_objects(round(peak_rss_gib(), 3))
+    step_s = {kind: statistics.median(t) for kind, t in times.items()}
     if rank == 0:
         row = {
             "bench": "trainer",
-            "lengths": "uniform",
+            "lengths": args.lengths,
+            "compare": "plain",
             "model": args.model,
             "flavor": args.flavor,
+            "dtype": args.dtype,
+            "compile": args.compile,
+            "compiled_graphs": compiled,
             "nproc": world,
             "ep": args.ep,
-            "batch_per_rank": args.batch,
-            "seq": args.seq,
-            "tokens_per_s": round(ours, 1),
-            "plain_tokens_per_s": round(plain, 1),
-            "ratio": round(ours / plain, 3),
+            "budget": args.budget,
+        }
+        if args.lengths == "uniform":
+            row |= {"batch_per_rank": args.batch, "seq": args.seq}
+        else:
+            row |= {"sequences": args.sequences, "max_completion": args.max_completion}
+        row |= {
+            "tokens_per_step": tokens,
+            "tokens_per_s": round(tokens / step_s["ours"], 1),
+            "plain_tokens_per_s": round(tokens / step_s["plain"], 1),
+            "ratio": round(step_s["plain"] / step_s["ours"], 3),
+            "mfu": {k: round(flops / t / 1e9 / peak, 4) for k, t in step_s.items()},
+            "model_tflop_per_step": round(flops / 1e12, 4),
+            "flops": FLOPS_FORMULA,
+            "peak_gflops": round(peak, 1),
+            "peak": peak_how,
+            "peak_device_gib": (
+                {k: round(b / 2**30, 3) for k, b in peak_bytes.items()} if cuda else None
+            ),
+            "peak_rss_gib_per_rank": rss,
+            "host_syncs": syncs if cuda else None,
         }
         print(json.dumps(row), flush=True)
     platform.shutdown_distributed()
@@ -242,6 +406,8 @@ def longtail(args, passthrough: list[str]) -> None:
         "sequences": args.sequences,
         "budget": args.budget,
         "activation_checkpoint": args.ac,
+        "dtype": args.dtype,
+        "compile": args.compile,
         "real_tokens": real_tokens,
         "completion_median": completions[len(completions) // 2],
         "completion_max": completions[-1],
@@ -301,10 +467,28 @@ def longtail(args, passthrough: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
+    parser.add_argument(
+        "--compare",
+        choices=("plain", "padded"),
+        help="ours against the plain torchtitan step (default for uniform; under torchrun) or, "
+        "longtail, packed against padded micro-batches (its default; launches its worlds)",
+    )
     parser.add_argument("--model", default="qwen3", help="uniform: the family (deepseek_v3, ...)")
     parser.add_argument(
         "--flavor",
         help="qwen3 flavor: tiny, debugmodel, 0.6B (default: tiny; longtail: debugmodel)",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="training.compile: torchtitan's per-block torch.compile (both sides: one model)",
+    )
+    parser.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=989.0,
+        help="CUDA: one GPU's peak for MFU (989: H100/H200 SXM bf16 dense); CPU measures it",
     )
     parser.add_argument("--batch", type=int, default=8, help="uniform: sequences per rank")
     parser.add_argument("--seq", type=int, default=128, help="uniform: tokens per sequence")
@@ -323,6 +507,10 @@ def main() -> None:
     args = parser.parse_args(argv)
     if args.flavor is None:
         args.flavor = "debugmodel" if args.lengths == "longtail" else "tiny"
+    if args.compare is None:
+        args.compare = "padded" if args.lengths == "longtail" else "plain"
+    if args.lengths == "uniform" and args.compare == "padded":
+        parser.error("--compare padded needs --lengths longtail (uniform rows have no padding)")
     if args.lengths == "longtail":
         from torchtitan_rl.models import model_spec
 
@@ -339,10 +527,10 @@ def main() -> None:
     platform.patch_torchtitan()
     if args.path is not None:
         longtail_child(args)
-    elif args.lengths == "longtail":
+    elif args.compare == "padded":
         longtail(args, argv)
     else:
-        uniform(args)
+        versus_plain(args)
 
 
 if __name__ == "__main__":
