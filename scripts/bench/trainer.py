@@ -129,9 +129,10 @@ def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
 
 
 FLOPS_FORMULA = (
-    "torchtitan's get_nparams_and_flops per token: 6 * N (the matmul parameters: embedding "
-    "out unless tied) + 6 * layers * heads * (qk + v head dims) * seq_len, seq_len = the "
-    "token's sequence (causal not halved); both sides credited the same FLOPs"
+    "torchtitan's get_nparams_and_flops per token: 6 * N (the matmul parameters, MoE's "
+    "active ones; embedding out unless tied) + 6 * layers * heads * (qk + v head dims) * "
+    "seq_len, seq_len = the token's sequence (causal not halved); both sides credited the "
+    "same FLOPs"
 )
 
 
