@@ -16,7 +16,9 @@ from helpers.launch import REPO
 from torch._dynamo.utils import counters
 
 from torchtitan_rl import platform
-from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config import ConfigError, ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.trainer.compile import compilable_attention
+from torchtitan_rl.trainer.model import build_spec
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer, StepResult
 from torchtitan_rl.types import RolloutBatch
 
@@ -112,3 +114,18 @@ def test_compiled_blocks_train_as_eager_and_new_packings_do_not_recompile():
         result, _ = step(compiled, batch(lengths, seed))
         assert graphs() == after_second, f"rows of {lengths} recompiled"
         assert torch.isfinite(result.logprobs_BT).all()
+
+
+def test_sliding_window_models_are_refused_in_one_line():
+    """gpt-oss's window and sink layers run per document from host offsets: refused at build,
+    before any compile, instead of recompiling at every packing."""
+    model = ModelSection(name="gpt_oss", hf_checkpoint=str(REPO / "assets" / "tiny_gpt_oss"))
+    with torch.device("meta"):
+        module = build_spec(model).model.build()
+    with pytest.raises(ConfigError) as error:
+        compilable_attention(module)
+    message = str(error.value)
+    assert "\n" not in message and "set training.compile = false" in message
+    qwen3 = ModelSection(hf_checkpoint=str(TINY))
+    with torch.device("meta"):
+        assert compilable_attention(build_spec(qwen3).model.build()) == 2  # its 2 layers

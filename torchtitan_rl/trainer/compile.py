@@ -23,17 +23,28 @@ import torch
 import torch.nn as nn
 from torchtitan.models.common.attention import VarlenMetadata
 
+from torchtitan_rl.config import ConfigError
 from torchtitan_rl.trainer import packed_attention
 from torchtitan_rl.trainer.attention import DocumentCausalAttention
 
 
 def compilable_attention(module: nn.Module) -> int:
     """Route every `DocumentCausalAttention` of `module` whose packed kernel reads host values
-    through `torchtitan_rl::packed_attention`, in place; returns how many were routed."""
+    through `torchtitan_rl::packed_attention`, in place; returns how many were routed. A model
+    with sliding-window (and sink) layers, gpt-oss, is refused in one line."""
     routed = 0
     for attention in module.modules():
         if not isinstance(attention, DocumentCausalAttention):
             continue
+        if attention.window is not None:
+            # Its sink attention (torchtitan passes the sinks as a closure) runs per document
+            # on the host tuple inside the block, and cannot be one tensor-only op.
+            raise ConfigError(
+                "training.compile = true: this model's sliding-window and sink attention "
+                "layers (gpt-oss) run each packed row per document from host offsets, which a "
+                "compiled block would trace anew at every new packing (then run eager past "
+                "Dynamo's recompile limit); set training.compile = false for this model"
+            )
         kernel = attention.packed
         if kernel is packed_attention.varlen or isinstance(kernel, functools.partial):
             continue  # already tensor-only, or routed
