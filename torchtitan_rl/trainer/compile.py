@@ -1,6 +1,6 @@
 """`training.compile`: what torchtitan's per-block torch.compile needs from our attention.
 
-    .venv/bin/python -m pytest tests/unit/test_compile.py
+    .venv/bin/python -m pytest tests/integration/test_compile.py
 
 torchtitan compiles each transformer block with `fullgraph=True` (distributed/compile.py).
 Dynamo guards on the Python values a graph reads, and the CPU packed kernel

@@ -157,6 +157,7 @@ class PolicyTrainer:
             dtype=model.dtype,
             activation_checkpoint=training.activation_checkpoint,
             dump_folder=dump_folder,
+            compile=training.compile,
         )
         module.to_empty(device=self.device)
         torch.manual_seed(seed)
