@@ -298,8 +298,8 @@ HOST_PLANNERS = {
     "packing.<listcomp>",
     "packing.plan",
     "packing.deal",
+    "packing.padded_scale",
     "policy_trainer.plan",
-    "policy_trainer._padded_scale",
 }
 
 

@@ -254,6 +254,17 @@ def all_lengths(mask_BT: torch.Tensor, group) -> tuple[list[list[int]], int, Los
     return [table[r, : int(counts[r]), 0].tolist() for r in range(ranks)], me, scale
 
 
+def padded_scale(mask_BT: torch.Tensor, group, tp_degree: int) -> LossScale:
+    """The step's global counts from the host loss mask of this rank's right-padded rows:
+    scored tokens, and sequences with one (filtered groups have none), summed over `group`,
+    whose TP ranks (`tp_degree` each) hold the same rows."""
+    mask_BT = mask_BT.cpu()
+    counts = torch.stack([mask_BT.sum(), (mask_BT.sum(1) > 0).sum()]).double()
+    platform.all_reduce_host(counts, group=group)
+    tokens, sequences = (counts / tp_degree).tolist()
+    return LossScale(tokens=int(tokens), sequences=int(sequences))
+
+
 def deal(batch: RolloutBatch, budget: int, group, device: torch.device) -> Dealt:
     """The rows of `group`'s ranks (data-parallel) redealt so that their token loads balance
     (`rebalance`: few rows move, none when they already balance), and the number of packed

@@ -460,7 +460,9 @@ class PolicyTrainer:
         label = self.step if step is None else step
         dealt = self._deal(batch)
         micro_batches = self.plan(dealt.batch, dealt.count)
-        scale = dealt.scale or self._padded_scale(dealt.batch)
+        scale = dealt.scale or packing.padded_scale(
+            dealt.batch.loss_mask_BT, self.group, self.tp_degree
+        )
         batch = dealt.batch.map(platform.upload)
         sums = torch.zeros(3, device=self.device)  # loss, entropy, non-finite logprobs
         metric_sums: dict[str, torch.Tensor | float] = {}
@@ -531,16 +533,6 @@ class PolicyTrainer:
             **dict(zip(names, metric_totals, strict=True)),
         }
         return StepResult(metrics=metrics, logprobs_BT=dealt.back(pre_update_BT)[0])
-
-    def _padded_scale(self, batch: RolloutBatch) -> LossScale:
-        """The step's global counts from the host loss mask of this rank's padded rows: scored
-        tokens, and sequences with one (filtered groups have none)."""
-        mask_BT = batch.loss_mask_BT.cpu()
-        counts = torch.stack([mask_BT.sum(), (mask_BT.sum(1) > 0).sum()]).double()
-        platform.all_reduce_host(counts, group=self.group)
-        # Every rank of a TP group holds the same batch: count it once per group.
-        tokens, sequences = (counts / self.tp_degree).tolist()
-        return LossScale(tokens=int(tokens), sequences=int(sequences))
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():
