@@ -173,6 +173,36 @@ def test_the_head_chunk_is_bounded_in_bytes_at_a_large_vocabulary(monkeypatch):
     assert torch.equal(weight.grad, explicit_grads[1])
 
 
+def test_the_head_chunk_budget_sets_the_tokens_per_gemm(monkeypatch):
+    """training.head_chunk_mib acts: `fused_head` projects chunks of budget / (4 V) tokens (a
+    262,144-entry vocabulary: 1 token per MiB), the same logprobs whatever the budget, and
+    the trainer takes the field, or the platform's default when it is 0."""
+    g = torch.Generator().manual_seed(2)
+    N, D, V = 9, 8, 2**18
+    head = torch.nn.Linear(D, V, bias=False)
+    hidden = torch.randn(N, D, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    rows_seen, linear = [], F.linear
+    monkeypatch.setattr(
+        logprobs.F, "linear", lambda x, w: rows_seen.append(x.shape[0]) or linear(x, w)
+    )
+    results = {}
+    for budget in (1, 4):
+        rows_seen.clear()
+        results[budget], _ = logprobs.fused_head(head, hidden, targets, budget_mib=budget)
+        assert rows_seen == [budget] * (N // budget) + [N % budget] * (N % budget > 0)
+    torch.testing.assert_close(results[1], results[4], rtol=0, atol=1e-6)
+    assert trainer(0).head_chunk_mib == platform.head_chunk_mib() == 256
+    assert (
+        PolicyTrainer(
+            model=ModelSection(hf_checkpoint=str(TINY)),
+            training=TrainingSection(head_chunk_mib=3),
+            parallelism=ParallelismSection(),
+        ).head_chunk_mib
+        == 3
+    )
+
+
 # ---- the trainer: packed against padded -----------------------------------------------------
 
 
