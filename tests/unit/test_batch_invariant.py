@@ -74,3 +74,44 @@ def test_the_start_check_finds_kernels_that_depend_on_the_row_count(monkeypatch)
     assert "linear rows 0..0 alone vs 40 rows" in ops.invariance_failures(
         1024, 16, 128, torch.float32
     )
+
+
+@pytest.mark.parametrize("name", sorted(ops.POINTWISE))
+def test_pointwise_traced_once_as_vllm_traces_runs_at_every_size(name):
+    """Issue 67: vLLM compiles its decoder once (Dynamo, every guard dropped, the token
+    dimension dynamic), so a Python loop over `pointwise`'s GRAIN-sized pieces would be frozen
+    at the traced size (traced at 1,000 tokens it raised at 40,000). As one opaque op it runs
+    at sizes across every boundary it has (a vector of LANES, a piece of GRAIN, several
+    pieces) with the eager op's bits."""
+    fn = ops.POINTWISE[name]
+    compiled = torch.compile(
+        lambda x: ops.pointwise(fn, x),
+        backend="eager",
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+    )
+    g = torch.Generator().manual_seed(0)
+    traced = torch.randn(1000, 4, generator=g)
+    torch._dynamo.mark_dynamic(traced, 0)
+    torch.testing.assert_close(compiled(traced), fn(traced), rtol=1e-6, atol=1e-6)
+    for tokens in (1, 15, 16, 8192, 8193, 16384, 20000, 40000):
+        x = torch.randn(tokens, 4, generator=g) * 4
+        assert torch.equal(compiled(x), ops.pointwise(fn, x)), tokens
+        torch.testing.assert_close(compiled(x), fn(x), rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_pointwise_gradients_are_its_pieces_own():
+    """The op's backward differentiates the same pieces: each element's derivative as ATen's
+    vector code gives it, bit for bit what autograd through the pieces gave."""
+    g = torch.Generator().manual_seed(1)
+    for name, fn in ops.POINTWISE.items():
+        x = (torch.randn(40_001, generator=g) * 3).requires_grad_()
+        upstream = torch.randn(40_001, generator=g)
+        (ops.pointwise(fn, x) * upstream).sum().backward()
+        op_grad, x.grad = x.grad, None
+        (ops._in_pieces(x, name) * upstream).sum().backward()
+        assert torch.equal(op_grad, x.grad), name
+        torch.testing.assert_close(op_grad, torch.func.vjp(fn, x.detach())[1](upstream)[0])
+    with pytest.raises(ValueError, match="ops.pointwise runs sigmoid, softplus, silu, not tanh"):
+        ops.pointwise(torch.tanh, torch.ones(3))

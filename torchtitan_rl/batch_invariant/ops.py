@@ -65,14 +65,54 @@ GRAIN = 32768
 """ATen's grain: a tensor of more elements may be split over threads at any element."""
 
 
+POINTWISE = {"sigmoid": torch.sigmoid, "softplus": F.softplus, "silu": F.silu}
+"""The elementwise functions `pointwise` runs, by name."""
+
+
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """Elementwise `fn` of `x` with every element computed by ATen's vector code, whatever
-    `x`'s size: flattened, padded to a multiple of LANES, run in pieces of at most GRAIN
-    elements (one thread each). Differentiable."""
+    """Elementwise `fn` (one of POINTWISE) of `x` with every element computed by ATen's vector
+    code, whatever `x`'s size: flattened, padded to a multiple of LANES, run in pieces of at
+    most GRAIN elements (one thread each). One opaque op, `torchtitan_rl::pointwise`, to
+    torch.compile: vLLM traces its decoder once with every guard dropped, and a loop over the
+    pieces would be frozen at the traced size (measured: traced at 1,000 tokens, 40,000
+    raised). Differentiable."""
+    if fn.__name__ not in POINTWISE:
+        raise ValueError(f"ops.pointwise runs {', '.join(POINTWISE)}, not {fn.__name__}")
+    return torch.ops.torchtitan_rl.pointwise(x, fn.__name__)
+
+
+def _in_pieces(x: torch.Tensor, fn: str) -> torch.Tensor:
     flat = x.reshape(-1)
     n = flat.numel()
     padded = F.pad(flat, (0, -n % LANES))
-    return torch.cat([fn(piece) for piece in padded.split(GRAIN)])[:n].view(x.shape)
+    pieces = [POINTWISE[fn](piece) for piece in padded.split(GRAIN)]
+    return torch.cat(pieces)[:n].view(x.shape) if pieces else torch.empty_like(x)
+
+
+@torch.library.custom_op("torchtitan_rl::pointwise", mutates_args=())
+def _pointwise(x: torch.Tensor, fn: str) -> torch.Tensor:
+    return _in_pieces(x, fn).clone()  # a fresh tensor, as a custom op's output must be
+
+
+@_pointwise.register_fake
+def _(x, fn):
+    return torch.empty_like(x)
+
+
+def _keep(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.fn = inputs[1]
+
+
+def _pointwise_backward(ctx, grad):
+    # The same pieces under autograd: each piece's derivative as ATen's vector code gives it.
+    (x,) = ctx.saved_tensors
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(lambda t: _in_pieces(t, ctx.fn), x)
+    return vjp(grad)[0], None
+
+
+_pointwise.register_autograd(_pointwise_backward, setup_context=_keep)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
