@@ -8,9 +8,12 @@ The tool demo's run shape (16 prompts x 8 episodes per step over 2 ranks: 64 epi
 then an answer, max_model_len 160): `--rounds` timed rounds each side after an untimed warm-up,
 alternating. Prints one JSON line: `env_s` and `agent_s` (median seconds of a round's episodes),
 `ratio` = agent / env, `same_tokens` (the two sides' ids, masks, finish reasons and rewards
-equal), `turns` (requests per round) and `per_turn_overhead_ms`. `--steps N` instead runs the
-demo's two RL runs (the step time ratio, target <= 1.1, and whether their rows are equal);
-with `--chatter CHECKPOINT` a 3-turn chat on that checkpoint instead (e.g. assets/debug_qwen3);
+equal in every round, the warm-up's included; a round where they differ stops the bench with an
+`error:` line and the first differing sample), `turns` (requests per round) and
+`per_turn_overhead_ms`. `--steps N` instead runs the demo's two RL runs (the step time ratio,
+target <= 1.1; their metric rows compared in every trial, and an `error:` line naming the
+trials where they differ); with `--chatter CHECKPOINT` a 3-turn chat on that checkpoint
+instead (e.g. assets/debug_qwen3);
 with `--verifiers` a `verifiers` environment served by torchtitan_rl.verifiers_agent
 (tests/helpers/vf_arith.py, its `null` harness: one request an episode) against the same
 episode by an in-process `openai` agent (user_envs:arith_agent), on assets/tiny_qwen3
@@ -200,14 +203,14 @@ def main() -> None:
             results[name] = summary(scored)
             if round_:
                 times[name].append(spent)
-        same = results["env"] == results["agent"]
-        if not same:
+        if results["env"] != results["agent"]:
+            # Loudly, in any round (the warm-up's included): a mismatch is the finding.
             for i, (a, b) in enumerate(zip(results["env"], results["agent"], strict=True)):
                 if a != b:
                     print(f"sample {i} differs: env {a}\nagent {b}", file=sys.stderr)
                     break
-            break
-    turns = sum(1 for s in results["agent"] for _ in [0]) * 0
+            sys.exit(f"error: round {round_}: the agent's episodes differ from the env's")
+        same = True
     env_s, agent_s = statistics.median(times["env"]), statistics.median(times["agent"])
     requests = sum(
         len([m for m in s.messages if m["role"] == "assistant"])
@@ -301,9 +304,11 @@ def steps(args) -> None:
             ],
         }
         checkpoint = "assets/tiny_qwen3"
-    times, rows = {name: [] for name in configs}, {}
+    times, trials = {name: [] for name in configs}, []
     try:
         for _ in range(args.trials):
+            rows = {}
+            trials.append(rows)
             for name, flags in configs.items():
                 with tempfile.TemporaryDirectory() as folder:
                     command = [
@@ -336,12 +341,20 @@ def steps(args) -> None:
             server.wait(timeout=60)
             shutil.rmtree(served)
     skip = ("time/", "throughput/", "weight_sync/gb_per_s", "env/tool_error_rate")
-    same = all(
-        mine.get(key) == value
-        for row, mine in zip(rows["env"], rows["agent"], strict=True)
-        for key, value in row.items()
-        if not key.startswith(skip)
-    )
+    # Every trial's rows, not the last one's: the same figures, step for step, each time.
+    differing = [
+        t
+        for t, rows in enumerate(trials)
+        if not all(
+            mine.get(key) == value
+            for row, mine in zip(rows["env"], rows["agent"], strict=True)
+            for key, value in row.items()
+            if not key.startswith(skip)
+        )
+    ]
+    if differing:
+        sys.exit(f"error: trials {differing} of {args.trials}: the two sides' rows differ")
+    same = True
     env_s, agent_s = statistics.median(times["env"]), statistics.median(times["agent"])
     labels = ("in_process", "verifiers") if args.verifiers else ("env", "agent")
     print(
