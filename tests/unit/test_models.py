@@ -279,3 +279,45 @@ def test_latent_attention_packed_equals_each_sequence_alone(invariant):
             *(x.transpose(1, 2) for x in part), is_causal=True, scale=0.3
         ).transpose(1, 2)
         torch.testing.assert_close(packed[:, start:end], reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_batch_invariant_experts_compile_as_one_op_without_a_host_read(model):
+    """Issue 67: vLLM traces its decoder once, guards dropped; the batch-invariant experts
+    read each expert's row count on the host (`.tolist()`), which in the graph would be a
+    host read at every step and a loop frozen at the traced routing. Compiled as the engine
+    compiles (fullgraph, the routed rows dynamic), the graph holds one
+    `torchtitan_rl::looped_experts` op and no host read, and other routings give the eager
+    forward's bits."""
+    experts, x_RD, counts = experts_input(model=model)
+    batch_invariant.make_linears_invariant(experts)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(
+        experts,
+        backend=recording,
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+    )
+    x_RD = x_RD.detach()
+    torch._dynamo.mark_dynamic(x_RD, 0)
+    with torch.no_grad():
+        assert torch.equal(compiled(x_RD, counts), experts(x_RD, counts))
+        (graph,) = graphs
+        code = graph.code
+        assert "looped_experts" in code
+        assert not any(read in code for read in ("tolist", "item", "_local_scalar_dense"))
+        for other in (
+            [0, 7, 0, 2, 30, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 0, 0, 0, 3],
+        ):
+            counts_E = torch.tensor(other)
+            rows_RD = torch.randn(int(counts_E.sum()), 128)
+            assert torch.equal(compiled(rows_RD, counts_E), experts(rows_RD, counts_E)), other
+    assert len(graphs) == 1
+    torch._dynamo.reset()

@@ -61,13 +61,7 @@ class Experts(GroupedExperts):
             local_shard(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
         if self.batch_invariant:
-            w1s, w2s, w3s = w1_EFD.unbind(0), w2_EDF.unbind(0), w3_EFD.unbind(0)
-
-            def expert(rows_RD, e):
-                h_RF = F.silu(ops.linear(rows_RD, w1s[e])) * ops.linear(rows_RD, w3s[e])
-                return ops.linear(h_RF, w2s[e])
-
-            return _looped(x_RD, num_tokens_per_expert_E, expert)
+            return _looped(x_RD, num_tokens_per_expert_E, [w1_EFD, w2_EDF, w3_EFD])
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         h_RF = F.silu(torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=offsets_E))
         h_RF = h_RF * torch._grouped_mm(x_RD, w3_EFD.transpose(-2, -1), offs=offsets_E)
@@ -90,13 +84,8 @@ class OssExperts(GptOssGroupedExperts):
         w1_EGD, b1_EG, w2_EDF, b2_ED = (local_shard(w).to(x_RD.dtype) for w in weights)
         limit = self.swiglu_limit
         if self.batch_invariant:
-            w1s, b1s, w2s, b2s = (w.unbind(0) for w in (w1_EGD, b1_EG, w2_EDF, b2_ED))
-
-            def expert(rows_RD, e):
-                h_RF = swiglu(ops.linear(rows_RD, w1s[e], b1s[e]), limit=limit)
-                return ops.linear(h_RF, w2s[e], b2s[e])
-
-            return _looped(x_RD, num_tokens_per_expert_E, expert)
+            weights = [w1_EGD, b1_EG, w2_EDF, b2_ED]
+            return _looped(x_RD, num_tokens_per_expert_E, weights, limit)
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         h_RG = torch._grouped_mm(x_RD, w1_EGD.transpose(-2, -1), offs=offsets_E)
         h_RF = swiglu(h_RG + _per_row(b1_EG, num_tokens_per_expert_E, x_RD.shape[0]), limit=limit)
@@ -122,16 +111,54 @@ def _tp_degree(weight: torch.Tensor) -> int:
     return 1
 
 
-def _looped(x_RD, num_tokens_per_expert_E, expert) -> torch.Tensor:
-    """`expert(rows, e)` (batch-invariant GEMMs) on each expert's routed rows, in expert order.
-    (The callers unbind the weights: unbind's backward stacks the experts' gradients once;
-    indexing w[e] per expert would allocate a whole [E, ...] gradient per expert, measured 12x
-    slower at debugmodel_moe.)"""
+def _looped(x_RD, num_tokens_per_expert_E, weights, limit: float = 0.0):
+    """Each expert's routed rows through its batch-invariant GEMMs (`ops.linear`), in expert
+    order: SwiGLU with `weights` = [w1, w2, w3], or with [w1, b1, w2, b2] gpt-oss's swiglu
+    clamped at `limit`. The rows per expert are read on the host (`.tolist()`), so in a compiled
+    decoder (vLLM's generator) it is one opaque op, `torchtitan_rl::looped_experts`: no host
+    read in the graph, and no Python loop frozen at the traced routing. Eager (the trainer)
+    it runs as it is, under autograd."""
+    if torch.compiler.is_compiling():
+        return torch.ops.torchtitan_rl.looped_experts(x_RD, num_tokens_per_expert_E, weights, limit)
+    return _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit)
+
+
+def _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit) -> torch.Tensor:
+    # Unbound once: unbind's backward stacks the experts' gradients once; indexing w[e] per
+    # expert would allocate a whole [E, ...] gradient per expert (measured 12x slower at
+    # debugmodel_moe).
+    per_expert = [w.unbind(0) for w in weights]
     outputs, start = [], 0
     for e, count in enumerate(num_tokens_per_expert_E.tolist()):
-        outputs.append(expert(x_RD[start : start + int(count)], e))
+        rows_RD = x_RD[start : start + int(count)]
         start += int(count)
+        if len(weights) == 3:
+            w1, w2, w3 = (w[e] for w in per_expert)
+            h_RF = F.silu(ops.linear(rows_RD, w1)) * ops.linear(rows_RD, w3)
+            outputs.append(ops.linear(h_RF, w2))
+        else:
+            w1, b1, w2, b2 = (w[e] for w in per_expert)
+            h_RF = swiglu(ops.linear(rows_RD, w1, b1), limit=limit)
+            outputs.append(ops.linear(h_RF, w2, b2))
     return torch.cat(outputs)
+
+
+@torch.library.custom_op("torchtitan_rl::looped_experts", mutates_args=())
+def _looped_experts(
+    x_RD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+    weights: list[torch.Tensor],
+    limit: float,
+) -> torch.Tensor:
+    """`_experts_in_order` as one op of a compiled graph; forward only (the generator's; the
+    trainer's eager forward differentiates `_experts_in_order`)."""
+    return _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit)
+
+
+@_looped_experts.register_fake
+def _(x_RD, num_tokens_per_expert_E, weights, limit):
+    w2_EDF = weights[1] if len(weights) == 3 else weights[2]
+    return x_RD.new_empty(x_RD.shape[0], w2_EDF.shape[1])
 
 
 class Router(TokenChoiceTopKRouter):
