@@ -91,12 +91,8 @@ def pg_loss(logprobs_BT: torch.Tensor, batch: RolloutBatch, scale: LossScale):
     return -weighted_BT.sum() / scale.tokens, {}
 
 
-def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float) -> None:
-    tokens_BT = tokens_BT.to(platform.device())  # (the trainer's own step moves its batch)
-    positions_BT = torch.arange(tokens_BT.shape[1], device=tokens_BT.device).expand_as(tokens_BT)
-    logits_BTV = trainer.model(tokens_BT, positions=positions_BT)
-    loss = cross_entropy_loss(logits_BTV[:, :-1], tokens_BT[:, 1:]) / tokens_BT[:, 1:].numel()
-    loss.backward()
+def plain_update(trainer: PolicyTrainer, max_norm: float) -> None:
+    """The plain step's end: clip, AdamW and the LR schedule, as torchtitan's trainer steps."""
     dist_utils.clip_grad_norm_(
         list(trainer.model.parameters()),
         max_norm=max_norm,
@@ -105,6 +101,15 @@ def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float)
     trainer.optimizers.step()
     trainer.lr_schedulers.step()
     trainer.optimizers.zero_grad()
+
+
+def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float) -> None:
+    tokens_BT = tokens_BT.to(platform.device())  # (the trainer's own step moves its batch)
+    positions_BT = torch.arange(tokens_BT.shape[1], device=tokens_BT.device).expand_as(tokens_BT)
+    logits_BTV = trainer.model(tokens_BT, positions=positions_BT)
+    loss = cross_entropy_loss(logits_BTV[:, :-1], tokens_BT[:, 1:]) / tokens_BT[:, 1:].numel()
+    loss.backward()
+    plain_update(trainer, max_norm)
 
 
 def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
@@ -193,14 +198,7 @@ def plain_packed_step(trainer: PolicyTrainer, rows: list[list[int]], tokens: lis
         logits_1LV = trainer.model(tokens_1L, positions=positions_1L, attention_masks=docs)
         loss = cross_entropy_loss(logits_1LV[:, :-1], tokens_1L[:, 1:]) / total
         loss.backward()
-    dist_utils.clip_grad_norm_(
-        list(trainer.model.parameters()),
-        max_norm=max_norm,
-        ep_enabled=trainer.parallel_dims.ep_enabled,
-    )
-    trainer.optimizers.step()
-    trainer.lr_schedulers.step()
-    trainer.optimizers.zero_grad()
+    plain_update(trainer, max_norm)
 
 
 def plain_rows(
