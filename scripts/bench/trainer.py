@@ -193,8 +193,7 @@ def plain_packed_step(trainer: PolicyTrainer, rows: list[list[int]], tokens: lis
     for lengths, tokens_L in zip(rows, tokens, strict=True):
         tokens_1L = platform.upload(tokens_L[None], device)
         positions_1L = platform.upload(torch.cat([torch.arange(n) for n in lengths])[None], device)
-        docs = documents(lengths, torch.device("cpu"))
-        docs = type(docs)(*(platform.upload(d, device) if torch.is_tensor(d) else d for d in docs))
+        docs = packing.upload_documents(documents(lengths, torch.device("cpu")), device)
         logits_1LV = trainer.model(tokens_1L, positions=positions_1L, attention_masks=docs)
         loss = cross_entropy_loss(logits_1LV[:, :-1], tokens_1L[:, 1:]) / total
         loss.backward()

@@ -120,7 +120,7 @@ class PackedRow:
         return PackedRow(
             up(self.flat_L, device),
             up(self.positions_1L, device),
-            Documents(*(up(d, device) if isinstance(d, torch.Tensor) else d for d in self.docs)),
+            upload_documents(self.docs, device),
             up(self.rows_N, device),
             up(self.cols_N, device),
             up(self.predictors_N, device),
@@ -140,6 +140,11 @@ class PackedRow:
         if self.flat_L.numel() == 0:
             return routed_RTMK.new_full((1, 1, *routed_RTMK.shape[2:]), -1)
         return routed_RTMK.flatten(0, 1)[self.flat_L][None]
+
+
+def upload_documents(docs: Documents, device: torch.device) -> Documents:
+    """Host-built `docs` with their tensors (`cu_seqlens`) on `device` (`platform.upload`)."""
+    return Documents(*(platform.upload(d, device) if torch.is_tensor(d) else d for d in docs))
 
 
 def pack_plan(
@@ -207,10 +212,9 @@ def plan(
     first = [0]
     for n in per_row:
         first.append(first[-1] + n)
-    micro_batches = []
+    micro_batches, none = [], [torch.zeros(0, dtype=torch.long)]
     for group in groups:
-        # This micro-batch's scored tokens: its rows' runs of (rows_S, cols_S), in its order.
-        none = [torch.zeros(0, dtype=torch.long)]
+        # This micro-batch's scored tokens: its rows' runs of cols_S, in its order.
         picked_N = torch.cat([torch.arange(first[b], first[b + 1]) for b in group] or none)
         rows_N = torch.cat(
             [torch.full((per_row[b],), r, dtype=torch.long) for r, b in enumerate(group)] or none
@@ -301,7 +305,7 @@ def deal(batch: RolloutBatch, budget: int, group, device: torch.device) -> Dealt
         outs = [torch.zeros(batch.tokens_BT.shape) for _ in tensors_BT]
         borrowed = [(k, r, i) for k, (r, i) in enumerate(shares[me]) if r != me]
         returned = platform.all_gather_objects(
-            [((r, i), [t[k].to(host) for t in tensors_BT]) for k, r, i in borrowed], group
+            [((r, i), [t[k] for t in tensors_BT]) for k, r, i in borrowed], group
         )
         for k, (r, i) in enumerate(shares[me]):
             if r == me:
