@@ -12,7 +12,9 @@ replayed through the trainer's argmax (these alone: "sampling"); stop ids, stop 
 seeds, bad prompts. "qwen3@tp2": one engine over each 2 ranks (generator tensor parallel);
 "qwen3_5@bf16": the engine in bf16.
 Compiled ("compiled"): the run's engines compile their decoder (the default); an eager engine
-of the same model samples the same batches, which must give the same tokens.
+of the same model samples the same batches, which must give the same tokens. Every engine's
+compiled graphs are recorded and inspected for host reads (helpers/compiled_graphs.py).
+"moe@tp2+plain": the engine on plain GEMMs (generator.cpu_packed_gemm = false), as a GPU runs.
 
 Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
 reset (to show the stale KV a 150-token prompt keeps), then synced properly. LoRA sync
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers import compiled_graphs
 from helpers.launch import REPO
 from torch.distributed.tensor import DTensor
 
@@ -168,8 +171,7 @@ def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, w
     an eager engine of the same model, on batches that mix prefills, decodes and prefix-cache
     hits (a 150-token prompt, then one sharing its first 128-token block, while samples
     decode): sampled tokens for the same seeds, greedy tokens, their logprobs, and an MoE's
-    captured routing. And how many graphs Dynamo made for the decoder (vLLM compiles with
-    fullgraph=True: a graph break or a host sync in forward fails the engine's start). The
+    captured routing. And how many graphs Dynamo has made in the process so far. The
     eager engine is given the compiled one's weights (which weight sync's checks may have
     updated in place), copied in place as a weight sync does."""
     from torch._dynamo.utils import counters
@@ -205,7 +207,6 @@ def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, w
         "eager": reference,
         "decoder_compiled": generator.compiled,
         "dynamo_graphs": graphs.get("unique_graphs", 0),
-        "graph_breaks": dict(counters["graph_break"]),
     }
 
 
@@ -364,7 +365,7 @@ def main() -> None:
         # "moe@ep2": the same, the experts whole over the 2 ranks (expert parallel).
         # "qwen3_5@bf16": the engine in bf16 (Qwen3.5's Gated DeltaNet layers then run
         # vLLM's CPU kernels); the trainer recomputes in fp32.
-        # "qwen3_5@tp2+bf16": both.
+        # "qwen3_5@tp2+bf16": both. "+plain": plain GEMMs (generator.cpu_packed_gemm false).
         family, _, layout = name.partition("@")
         parts = layout.split("+")
         tp = next((int(p[2:]) for p in parts if p.startswith(("tp", "ep"))), 1)
@@ -372,18 +373,23 @@ def main() -> None:
         model = MODELS.get(family) or ModelSection(
             name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
         )
-        generator = LocalGenerator(
-            generator=GeneratorSection(
-                max_model_len=256,
-                parallelism=GeneratorParallelismSection(
-                    tensor_parallel_degree=tp, expert_parallel=any(p.startswith("ep") for p in parts)
+        with compiled_graphs.recording() as graphs:
+            generator = LocalGenerator(
+                generator=GeneratorSection(
+                    max_model_len=256,
+                    parallelism=GeneratorParallelismSection(
+                        tensor_parallel_degree=tp,
+                        expert_parallel=any(p.startswith("ep") for p in parts),
+                    ),
+                    dtype="bfloat16" if "bf16" in parts else "float32",
+                    cpu_packed_gemm="plain" not in parts,
                 ),
-                dtype="bfloat16" if "bf16" in parts else "float32",
-            ),
-            model=model,
-            seed=replica,
-        )
-        results = {c: run[c](model, generator, replica, world) for c in checks.split(",")}
+                model=model,
+                seed=replica,
+            )
+            results = {c: run[c](model, generator, replica, world) for c in checks.split(",")}
+        # What vLLM compiled for this engine (an eager engine: nothing), for host reads.
+        results["graphs"] = compiled_graphs.summary(graphs)
         results["local_numel"] = sum(local(t).numel() for t in generator.weights().values())
         results["engine_compiled"] = generator.compiled
         # Tensor parallel on plain local shards (generator/tensor_parallel.py): the model's

@@ -49,6 +49,9 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.cap = soft_cap(linear)
         """The head's transform of its logits, kept (Muse Glimmer's soft cap)."""
+        self.bias_shares = getattr(linear, "tp_degree", 1)
+        """A row-parallel linear's ranks, each adding this share of the bias before the sum
+        (torchtitan's `ScaledBiasRowwiseLinear`); 1 elsewhere."""
         self._handler = None
 
     def repack(self) -> None:
@@ -59,7 +62,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from vllm import _custom_ops as ops
 
-        y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), self.bias)
+        bias = self.bias if self.bias_shares == 1 else self.bias / self.bias_shares
+        y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), bias)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.cap is None else self.cap(y)
 
@@ -74,6 +78,12 @@ class PackedExperts(nn.Module):
     It takes the place of torchtitan's `RoutedExperts` (dispatch, grouped GEMMs, combine);
     `inner_experts` keeps the weights weight sync writes into, under the same FQNs, and
     `repack()` refreshes the packed copy after every update, as `PackedLinear`'s.
+
+    On a tensor-parallel generator's local shards (tensor_parallel.py) its output is summed
+    over the ranks: each expert's hidden slice (gpt-oss's output bias 1 / TP per rank), or
+    with expert parallelism the rank's whole experts, `first` to `first + count`. The kernel
+    takes ids of its own experts only: another rank's are given the rank's first expert with
+    a routing weight of 0 (its rows computed, weighted 0).
     """
 
     ISA = "vec"  # vLLM's portable CPU kernel (its "amx" one needs AMX and bf16)
@@ -81,6 +91,9 @@ class PackedExperts(nn.Module):
     def __init__(self, routed_experts: nn.Module):
         super().__init__()
         self.inner_experts = routed_experts.inner_experts
+        dispatcher = routed_experts.token_dispatcher
+        self.experts = (getattr(dispatcher, "first", 0), getattr(dispatcher, "count", None))
+        """The experts this rank holds: (first, count), count None for all of them."""
         self._w13_EGD = self._w2_EDF = None
 
     @staticmethod
@@ -117,14 +130,24 @@ class PackedExperts(nn.Module):
             self._w13_EGD = cpu_prepack_moe_weight(w13_EGD.contiguous(), self.ISA)
             self._w2_EDF = cpu_prepack_moe_weight(w2_EDF.contiguous(), self.ISA)
             # The bias parameters themselves, read at each call (a tuple: not registered again
-            # under this module's names, which weight sync would see).
-            self._biases = (b13_EG, b2_ED)
+            # under this module's names, which weight sync would see); a share of the output
+            # bias under TP, refreshed here after each update.
+            shares = getattr(self.inner_experts, "tp_degree", 1)
+            self._biases = (b13_EG, b2_ED if shares == 1 else b2_ED / shares)
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_tokens_per_expert_E):
         from vllm._custom_ops import cpu_fused_moe
 
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1]).contiguous()
         K = topk_scores_BLK.shape[-1]
+        scores_TK = topk_scores_BLK.reshape(-1, K).float()
+        ids_TK = topk_expert_ids_BLK.reshape(-1, K)
+        first, count = self.experts
+        if count is not None:
+            local_TK = ids_TK - first
+            mine_TK = (local_TK >= 0) & (local_TK < count)
+            scores_TK = torch.where(mine_TK, scores_TK, 0.0)
+            ids_TK = torch.where(mine_TK, local_TK, 0)
         out_TD = torch.empty_like(x_TD)
         cpu_fused_moe(
             out_TD,
@@ -132,8 +155,8 @@ class PackedExperts(nn.Module):
             self._w13_EGD,
             self._w2_EDF,
             *self._biases,
-            topk_scores_BLK.reshape(-1, K).float().contiguous(),
-            topk_expert_ids_BLK.reshape(-1, K).to(torch.int32).contiguous(),
+            scores_TK.contiguous(),
+            ids_TK.to(torch.int32).contiguous(),
             self._activation,
             self.ISA,
             False,  # weight each expert's output by its routing score

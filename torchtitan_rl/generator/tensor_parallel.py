@@ -21,37 +21,54 @@ models do:
 - a Gated DeltaNet layer (Qwen3.5) likewise runs the rank's key and value heads: its input
   projections column-parallel, its depthwise convolution on the rank's channels (Shard(0)),
   its per-head A_log and dt_bias sharded, the state slots of the rank's heads
-  (generator/hybrid.py), the output projection row-parallel.
+  (generator/hybrid.py), the output projection row-parallel;
+- a row-parallel linear with a bias (gpt-oss's attention output) adds 1 / TP of it on each
+  rank (torchtitan's `ScaledBiasRowwiseLinear`), so that the sum adds it once;
+- an MoE layer's routed experts, whose output is summed over the ranks. The router is
+  replicated: every rank routes every token alike. The plan's default shards each expert's
+  hidden units (w1, w3 Shard(1); w2 Shard(2); gpt-oss's output bias 1 / TP per rank, as
+  torchtitan's forward adds it): each rank runs every routed row over its slice, as a dense
+  MLP's TP does. With `generator.parallelism.expert_parallel` each rank holds E / TP whole
+  experts (Shard(0)) and `RankExperts` dispatches: every rank sorts all T * K routed rows, its
+  experts' first, runs its experts over theirs, and gives 0 for the others' (no all-to-all:
+  every rank holds every token). Shared experts are a dense MLP's column/row-parallel pair.
 
 Activations between layers are whole on every rank (no sequence parallelism): nothing depends
 on the token count, so the batch needs no padding and the decoder compiles. Weight sync still
 sees DTensors (`as_dtensors`: views of the local parameters with the plan's layouts), and
-writes each rank's shard in place. Supported where the plan has only these layouts: dense
-models with a vocabulary the ranks split evenly and no biases on row-parallel layers (qwen3,
-llama3, Muse Glimmer: its embedding's norm runs after the embedding's sum, its attention gate
-is column-parallel; Qwen3.5's dense hybrids); others (MoE experts, gpt-oss) keep the DTensor
-path, eager.
+writes each rank's shard in place. Every family's plan has only these layouts (Muse
+Glimmer's embedding norm runs after the embedding's sum, its attention gate is
+column-parallel); a vocabulary the ranks do not split evenly keeps the DTensor path, eager,
+and the engine says so (`why_not_local`).
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.token_dispatcher import LocalDispatchMetadata, LocalTokenDispatcher
 
 Layout = tuple
 """(device mesh, placements, global shape, global stride) of a sharded weight."""
 
 
+def why_not_local(spec, tp: int) -> str:
+    """Why `spec`'s model cannot run on local shards at `tp` ranks ('' where it can)."""
+    vocab = spec.model.vocab_size
+    if tp > 1 and vocab % tp:
+        return (
+            f"its vocabulary of {vocab} does not split evenly over "
+            f"generator.parallelism.tensor_parallel_degree = {tp} ranks"
+        )
+    return ""
+
+
 def supported(spec, tp: int) -> bool:
     """Whether `spec`'s model runs on local shards at `tp` ranks (see the module docstring)."""
-    config = spec.model
-    if any(getattr(layer, "moe", None) is not None for layer in config.layers):
-        return False
-    return config.vocab_size % tp == 0 and spec.name in (
-        "qwen3",
-        "llama3",
-        "muse_glimmer",
-        "qwen3_5",
-    )
+    return not why_not_local(spec, tp)
 
 
 def compiles(spec, tp: int) -> bool:
@@ -67,7 +84,7 @@ def localize(model: nn.Module) -> tuple[dict[str, Layout], list[str]]:
     local: dict[int, nn.Parameter] = {}  # a tied weight becomes one local parameter
     layouts: dict[str, Layout] = {}
     reduced: list[str] = []
-    for module_name, module in model.named_modules():
+    for module_name, module in list(model.named_modules()):
         module.__dict__.pop("forward", None)  # torchtitan's redistributing wrapper
         placements = {}
         for name, param in list(module._parameters.items()):
@@ -82,9 +99,68 @@ def localize(model: nn.Module) -> tuple[dict[str, Layout], list[str]]:
         for name, buffer in list(module._buffers.items()):
             if isinstance(buffer, DTensor):
                 module._buffers[name] = buffer.to_local()
-        if _sums_over_ranks(module_name, module, placements.get("weight")):
+        if isinstance(module, GroupedExperts):
+            routed_name = module_name.rpartition(".")[0]
+            if _local_experts(model.get_submodule(routed_name), layouts, module_name):
+                reduced.append(routed_name)
+        elif _sums_over_ranks(module_name, module, placements.get("weight")):
             reduced.append(module_name)
     return layouts, reduced
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankDispatchMetadata(LocalDispatchMetadata):
+    mine_N: torch.Tensor
+    """Whether each sorted routed row is one of this rank's experts'."""
+
+
+class RankExperts(LocalTokenDispatcher):
+    """Expert-parallel dispatch on local shards: every rank holds all T tokens and experts
+    `first` to `first + count`. Dispatch sorts the T * K routed rows by expert, this rank's
+    experts' first (the rest after them, in any order), and hands the experts their counts;
+    combine scores and sums this rank's rows and gives 0 for the rest (rows the experts did
+    not compute: grouped_mm leaves them unwritten). The routed output is then summed over the
+    ranks. Fixed shapes, tensor code: it compiles."""
+
+    def __init__(self, num_experts: int, top_k: int, first: int, count: int):
+        super().__init__(LocalTokenDispatcher.Config(num_experts=num_experts, top_k=top_k))
+        self.first, self.count = first, count
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        local_N = topk_expert_ids_TK.reshape(-1) - self.first
+        mine_N = (local_N >= 0) & (local_N < self.count)
+        order_N = torch.argsort(torch.where(mine_N, local_N, self.count), stable=True)
+        metadata = RankDispatchMetadata(
+            token_indices_experts_sorted_N=order_N // self.top_k,
+            topk_scores_experts_sorted_N=topk_scores_TK.reshape(-1)[order_N],
+            mine_N=mine_N[order_N],
+        )
+        counts_e = num_local_tokens_per_expert_E[self.first : self.first + self.count]
+        return x_TD[metadata.token_indices_experts_sorted_N], counts_e, metadata
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        mine_R1 = metadata.mine_N[:, None]
+        return super().combine(torch.where(mine_R1, routed_output_RD, 0), metadata, x_TD)
+
+
+def _local_experts(routed: nn.Module, layouts: dict, experts_name: str) -> bool:
+    """Make an MoE layer's routed experts run on the rank's shard of their weights; returns
+    whether their output is partial (sharded: summed over the ranks)."""
+    shards = {fqn: layout for fqn, layout in layouts.items() if fqn.startswith(experts_name + ".")}
+    if not shards:
+        return False
+    old = routed.token_dispatcher
+    mesh, placements, shape, _ = next(iter(shards.values()))
+    if any(p == Shard(0) for p in placements):  # whole experts over the ranks
+        count = shape[0] // mesh.size()
+        first = mesh.get_local_rank() * count
+        routed.token_dispatcher = RankExperts(old.num_experts, old.top_k, first, count)
+    else:  # every expert's hidden units over the ranks: the plain local dispatch
+        config = LocalTokenDispatcher.Config(num_experts=old.num_experts, top_k=old.top_k)
+        routed.token_dispatcher = LocalTokenDispatcher(config)
+        if hasattr(routed.inner_experts, "tp_degree"):  # gpt-oss's output bias, 1 / TP each
+            routed.inner_experts.tp_degree = mesh.size()
+    return True
 
 
 def add_all_reduces(model: nn.Module, names: list[str]) -> None:
@@ -103,7 +179,7 @@ def _sums_over_ranks(name: str, module: nn.Module, placements) -> bool:
     if isinstance(module, nn.Embedding) and placement == Shard(0):
         return True
     if isinstance(module, nn.Linear) and placement == Shard(1):
-        if module.bias is not None:
+        if module.bias is not None and not isinstance(module, ScaledBiasRowwiseLinear):
             raise NotImplementedError(f"{name}: a row-parallel linear with a bias")
         return True
     if isinstance(module, (nn.Linear, nn.Conv1d)) and placement == Shard(0):

@@ -54,8 +54,8 @@ TP_BATCH_MULTIPLE = 64
 
 def _compiles(vllm_config: VllmConfig) -> bool:
     """Whether vLLM may compile the decoder (unless enforce_eager): on one rank, or tensor
-    parallel on local shards (dense models). An MoE's tensor-parallel generator runs DTensors,
-    eager (the engine refuses enforce_eager = false for it)."""
+    parallel on local shards. A vocabulary the ranks do not split evenly runs DTensors, eager
+    (the engine says so, and refuses enforce_eager = false for it)."""
     tp = vllm_config.parallel_config.tensor_parallel_size
     hf_config = vllm_config.model_config.hf_config
     spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)

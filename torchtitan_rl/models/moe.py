@@ -10,7 +10,10 @@ on, and with a seam for recording and replaying the experts each token went to.
   bf16 mixed precision, so GPU training is unchanged). Under batch-invariant mode
   (`batch_invariant.make_linears_invariant` sets each module's `batch_invariant`) it loops
   over the experts with `batch_invariant.ops.linear`, whose rows do not depend on how many
-  tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows).
+  tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows). Compiled
+  (vLLM's generator, `training.compile`), its GEMMs in any dtype but bf16 run as one opaque
+  op, `torchtitan_rl::grouped_mm`: torch's own is traced only in bf16 (its shape function
+  refuses fp32, which eager runs).
 - `OssExperts` replaces gpt-oss's `GptOssGroupedExperts` (biased, clamped SwiGLU over
   interleaved gate/up rows), likewise: its own dtype, or looped under batch-invariant mode.
 - `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
@@ -63,9 +66,9 @@ class Experts(GroupedExperts):
         if self.batch_invariant:
             return _looped(x_RD, num_tokens_per_expert_E, [w1_EFD, w2_EDF, w3_EFD])
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        h_RF = F.silu(torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=offsets_E))
-        h_RF = h_RF * torch._grouped_mm(x_RD, w3_EFD.transpose(-2, -1), offs=offsets_E)
-        return torch._grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offs=offsets_E)
+        h_RF = F.silu(grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offsets_E))
+        h_RF = h_RF * grouped_mm(x_RD, w3_EFD.transpose(-2, -1), offsets_E)
+        return grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offsets_E)
 
 
 class OssExperts(GptOssGroupedExperts):
@@ -79,6 +82,11 @@ class OssExperts(GptOssGroupedExperts):
     batch_invariant = False
     """Loop over the experts with batch-invariant GEMMs (`make_linears_invariant` sets it)."""
 
+    tp_degree = 1
+    """The ranks whose partial outputs are summed, each adding 1 / tp_degree of the output
+    bias: under the trainer's TP read from the weights' mesh; on a tensor-parallel
+    generator's plain local shards set by `generator.tensor_parallel.localize`."""
+
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
         weights = (self.mlp1_weight_EGD, self.mlp1_bias_EG, self.mlp2_weight_EDF, self.mlp2_bias_ED)
         w1_EGD, b1_EG, w2_EDF, b2_ED = (local_shard(w).to(x_RD.dtype) for w in weights)
@@ -87,13 +95,14 @@ class OssExperts(GptOssGroupedExperts):
             weights = [w1_EGD, b1_EG, w2_EDF, b2_ED]
             return _looped(x_RD, num_tokens_per_expert_E, weights, limit)
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        h_RG = torch._grouped_mm(x_RD, w1_EGD.transpose(-2, -1), offs=offsets_E)
+        h_RG = grouped_mm(x_RD, w1_EGD.transpose(-2, -1), offsets_E)
         h_RF = swiglu(h_RG + _per_row(b1_EG, num_tokens_per_expert_E, x_RD.shape[0]), limit=limit)
-        out_RD = torch._grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offs=offsets_E)
+        out_RD = grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offsets_E)
         # Under TP every rank adds the bias before the partial sums are reduced: torchtitan
         # divides it by the TP degree in the forward only.
         b2_RD = _per_row(b2_ED, num_tokens_per_expert_E, x_RD.shape[0])
-        return out_RD + ScaleBiasForward.apply(b2_RD, _tp_degree(self.mlp1_weight_EGD), x_RD.dtype)
+        tp = max(self.tp_degree, _tp_degree(self.mlp1_weight_EGD))
+        return out_RD + ScaleBiasForward.apply(b2_RD, tp, x_RD.dtype)
 
 
 def _per_row(bias_EX, num_tokens_per_expert_E, rows: int) -> torch.Tensor:
@@ -109,6 +118,44 @@ def _tp_degree(weight: torch.Tensor) -> int:
     if isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ()):
         return weight.device_mesh.size(weight.device_mesh.mesh_dim_names.index("tp"))
     return 1
+
+
+def grouped_mm(x_RD: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(x_RD, w_EXY, offs=offsets_E): rows offsets[e-1]:offsets[e] times
+    w[e]; rows past the last offset are left unwritten (whatever the allocator held). Compiled,
+    in a dtype other than bf16, one opaque op (see the module docstring)."""
+    if torch.compiler.is_compiling() and x_RD.dtype != torch.bfloat16:
+        return torch.ops.torchtitan_rl.grouped_mm(x_RD, w_EXY, offsets_E)
+    return torch._grouped_mm(x_RD, w_EXY, offs=offsets_E)
+
+
+@torch.library.custom_op("torchtitan_rl::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x_RD: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return torch._grouped_mm(x_RD, w_EXY, offs=offsets_E)
+
+
+@_grouped_mm_op.register_fake
+def _(x_RD, w_EXY, offsets_E):
+    return x_RD.new_empty(x_RD.shape[0], w_EXY.shape[-1])
+
+
+def _grouped_mm_backward(ctx, grad_RY):
+    """Eager grouped_mm's own gradients, recomputed (a compiled trainer's experts)."""
+    x_RD, w_EXY, offsets_E = ctx.saved_tensors
+    with torch.enable_grad():
+        x_RD, w_EXY = x_RD.detach().requires_grad_(), w_EXY.detach().requires_grad_()
+        out_RY = torch._grouped_mm(x_RD, w_EXY, offs=offsets_E)
+        dx_RD, dw_EXY = torch.autograd.grad(out_RY, (x_RD, w_EXY), grad_RY)
+    return dx_RD, dw_EXY, None
+
+
+def _grouped_mm_save(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_save)
 
 
 def _looped(x_RD, num_tokens_per_expert_E, weights, limit: float = 0.0):
@@ -140,6 +187,8 @@ def _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit) -> torch.Te
             w1, b1, w2, b2 = (w[e] for w in per_expert)
             h_RF = swiglu(ops.linear(rows_RD, w1, b1), limit=limit)
             outputs.append(ops.linear(h_RF, w2, b2))
+    # Rows past the experts' counts (another rank's experts', expert parallel) give 0.
+    outputs.append(x_RD.new_zeros(x_RD.shape[0] - start, x_RD.shape[-1]))
     return torch.cat(outputs)
 
 
