@@ -278,11 +278,14 @@ def gated_delta_rule():
     """Qwen3.5's Gated DeltaNet recurrence, fn(q, k, v, g, beta, state=None) -> (outputs,
     final state), q/k/v [B, L, H, *], g/beta [B, L, H]: `fla`'s chunked Triton kernel on CUDA
     where `fla` is installed, else the chunked form in plain torch (models/gated_delta.py),
-    which computes the same (the kernels take q and k unnormed and L2-norm them)."""
+    which computes the same (the kernels take q and k unnormed and L2-norm them); on CUDA
+    without `fla`, one line says so."""
     from torchtitan_rl.models import gated_delta
 
-    if device_type() == "cuda" and fla_installed():
-        return _fla_gated_delta_rule
+    if device_type() == "cuda":
+        if fla_installed():
+            return _fla_gated_delta_rule
+        _note_no_fla()
     return gated_delta.chunked
 
 
@@ -319,6 +322,20 @@ def _note_no_varlen_kernel(dtype: str) -> None:
         f"note: model.dtype = {dtype!r} on CUDA: flash attention's varlen kernel has no "
         f"{dtype} kernel, so packed rows run causal SDPA per document in {dtype} (slower; "
         "model.dtype = 'bfloat16' runs the varlen kernel)"
+    )
+
+
+@functools.cache
+def _note_no_fla() -> None:
+    """Say once per process (every Gated DeltaNet layer asks at every forward) that CUDA runs
+    the recurrence without its kernel."""
+    from torchtitan_rl import console
+
+    # Not an error: the torch loop computes the same, only slower (a Python loop over chunks).
+    console.warn(
+        "note: flash-linear-attention (fla) is not installed: on CUDA the trainer's Gated "
+        "DeltaNet layers run the plain torch chunked loop (models/gated_delta.py), slower; "
+        "pip install flash-linear-attention for its Triton kernel"
     )
 
 

