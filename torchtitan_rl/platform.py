@@ -141,9 +141,27 @@ def host_shared_gather(group: dist.ProcessGroup, slot_bytes: int) -> HostSharedG
         free = stat.f_bavail * stat.f_frsize
     places = all_gather_objects((socket.gethostname(), free), group)
     one_host = len({host for host, _ in places}) == 1
-    if device_type() != "cpu" or not one_host or min(f for _, f in places) < 2 * needed:
+    if device_type() != "cpu" or not one_host:
+        return None
+    least = min(f for _, f in places)
+    if least < 2 * needed:
+        _note_small_dev_shm(least >> 20, (2 * needed) >> 20)
         return None
     return HostSharedGather(group, slot_bytes)
+
+
+@functools.cache
+def _note_small_dev_shm(free_mib: int, needed_mib: int) -> None:
+    """Say once per process that weight sync's gathers leave shared memory for gloo."""
+    from torchtitan_rl import console
+
+    # Not an error: gloo's all-gather moves the same bytes, only slower.
+    console.warn(
+        f"note: weight sync: /dev/shm has {free_mib} MiB free, its shared-memory gather needs "
+        f"{needed_mib} MiB, so the ranks gather through gloo instead (slower: 9.0x a memcpy "
+        "against 1.89x at debugmodel, docs/placements.md); give /dev/shm more room (a "
+        "container's default is 64 MB: docker run --shm-size=2g)"
+    )
 
 
 def vllm_can_sleep() -> bool:

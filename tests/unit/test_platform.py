@@ -96,17 +96,24 @@ def test_engine_child_leaves_the_torchrun_world_but_keeps_its_device(monkeypatch
     assert "LOCAL_RANK" not in os.environ
 
 
-def test_shared_memory_gather_needs_room_in_dev_shm(monkeypatch):
+def test_shared_memory_gather_needs_room_in_dev_shm(monkeypatch, capsys):
     """Where /dev/shm cannot hold the slots (a container's default is 64 MB), the process
-    group's all-gather serves instead of a SIGBUS; where it can, every rank reads every slot."""
+    group's all-gather serves instead of a SIGBUS, and one line (once) says so and how to give
+    it room; where it can, every rank reads every slot."""
     import os
     from types import SimpleNamespace
 
     platform.init_distributed()  # a world of one
     group = dist.group.WORLD
-    small = SimpleNamespace(f_bavail=1, f_frsize=4096)
+    small = SimpleNamespace(f_bavail=256, f_frsize=4096)  # 1 MiB free
     monkeypatch.setattr(os, "statvfs", lambda path: small)
+    platform._note_small_dev_shm.cache_clear()
     assert platform.host_shared_gather(group, slot_bytes=1 << 20) is None
+    assert platform.host_shared_gather(group, slot_bytes=1 << 20) is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "/dev/shm has 1 MiB free, its shared-memory gather needs 2 MiB" in line
+    assert "gather through gloo" in line and "--shm-size" in line
+    platform._note_small_dev_shm.cache_clear()
     monkeypatch.undo()
     shared = platform.host_shared_gather(group, slot_bytes=64)
     slot = shared.my_slot(4, torch.float32)
