@@ -8,7 +8,8 @@ Trains the given config's steps (each step logs logprob_diff/max), then on the t
 measures max |generator - trainer| logprob of the sampled tokens for: prompts of mixed lengths
 (3 to 200 tokens, across vLLM's 128-token CPU KV block) sampled together; one prompt alone;
 the same prompt among 16 concurrent sequences. Several runs go one after another in the same
-world (`--then`). Rank 0 writes {NAME: figures} to OUT.json.
+world (`--then`). Rank 0 writes {NAME: figures} to OUT.json, with what the run's engine
+compiled (its graphs and their host reads: helpers/compiled_graphs.py).
 """
 
 import gc
@@ -18,6 +19,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import compiled_graphs
 
 from torchtitan_rl import platform
 from torchtitan_rl.types import rollout_batch
@@ -85,18 +87,18 @@ def split_runs(args: list[str]) -> list[tuple[str, list[str]]]:
 def probe(flags: list[str], rank: int, world_size: int) -> dict:
     """One run's RL steps, then the probes on its trained weights: its figures (rank 0's)."""
     recorder = StepDiffs()
-    run = RLTrainer(parse_args(flags, world_size), hooks=recorder)
-    run.train()
-
-    rng = random.Random(7)
-    mixed = [f"echo {digits(rng, n)}:" for n in (3, 17, 64, 121, 130, 200)]
-    target = f"echo {digits(rng, 40)}:"
-    crowd = [target] + [f"echo {digits(rng, rng.randint(2, 90))}:" for _ in range(7)]
-    mixed_diff, _ = max_diff(run, mixed, seed=11)
-    alone_diff, alone_logprobs = max_diff(run, [target], seed=13)
-    # 8 prompts x 2 samples = 16 concurrent sequences; the target is request 0 again, with the
-    # same per-request seed.
-    crowd_diff, crowd_logprobs = max_diff(run, crowd, seed=13)
+    with compiled_graphs.recording() as graphs:  # the engine's, over the run and the probes
+        run = RLTrainer(parse_args(flags, world_size), hooks=recorder)
+        run.train()
+        rng = random.Random(7)
+        mixed = [f"echo {digits(rng, n)}:" for n in (3, 17, 64, 121, 130, 200)]
+        target = f"echo {digits(rng, 40)}:"
+        crowd = [target] + [f"echo {digits(rng, rng.randint(2, 90))}:" for _ in range(7)]
+        mixed_diff, _ = max_diff(run, mixed, seed=11)
+        alone_diff, alone_logprobs = max_diff(run, [target], seed=13)
+        # 8 prompts x 2 samples = 16 concurrent sequences; the target is request 0 again,
+        # with the same per-request seed.
+        crowd_diff, crowd_logprobs = max_diff(run, crowd, seed=13)
     run.generator.close()  # the next run builds its own engine in this world
     return {
         "steps": recorder.steps,
@@ -104,6 +106,8 @@ def probe(flags: list[str], rank: int, world_size: int) -> dict:
         "alone": alone_diff,
         "among_16": crowd_diff,
         "alone_equals_among_16": alone_logprobs == crowd_logprobs,
+        "engine_compiled": run.generator.compiled,
+        "graphs": compiled_graphs.summary(graphs),
         "longest_prompt_tokens": len(
             run.producer.renderer.tokenizer.encode(mixed[-1], add_special_tokens=False)
         ),

@@ -96,13 +96,19 @@ def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     ("qwen3@tp2", both ranks with rank 0's prompts and seeds; the sampling checks, not those
     of stop ids and bad prompts, which do not depend on the layout); then Muse Glimmer's engine
     over both ranks (its sampling and weight sync checks); then Qwen3.5's, tensor parallel
-    (fp32), and its MoE's, expert parallel (bf16, on vLLM's kernels)."""
+    (fp32), and its MoE's, expert parallel (bf16, on vLLM's kernels); then the other MoE
+    families over both ranks, compiled on local shards: Qwen3-MoE's experts whole per rank
+    (expert parallel) on plain GEMMs, gpt-oss's experts' hidden units per rank (the plan's
+    default) on vLLM's kernels, DeepSeek-V3's on plain GEMMs."""
     checks = {
         "qwen3": "generator,weight_sync",
         "qwen3@tp2": "sampling,weight_sync,lora_sync",
         "muse_glimmer@tp2": "sampling,weight_sync",
         "qwen3_5@tp2": "sampling,weight_sync",
         "qwen3_5_moe@ep2+bf16": "sampling",
+        "moe@ep2+plain": "sampling,weight_sync",
+        "gpt_oss@tp2": "sampling,weight_sync",
+        "deepseek_v3@tp2+plain": "sampling",
     }
     return engine_world(tmp_path_factory, 2, checks)
 
@@ -124,7 +130,7 @@ def engines_plain(tmp_path_factory) -> dict[str, list[dict]]:
         "qwen3": "weight_sync,compiled",
         "llama3": "generator,compiled",
         "gpt_oss": "generator,weight_sync,compiled",
-        "moe": "compiled",
+        "moe": "sampling,compiled",
         "deepseek_v3": "generator,weight_sync,compiled",
         "muse_glimmer": "generator,weight_sync,compiled",
         "qwen3_5": "generator,weight_sync,compiled",

@@ -64,6 +64,8 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(demo_
     generator from its state slots: prefills, then decodes of varying batch), its gates through
     `ops.pointwise`."""
     tmp_path, results = demo_world
+    for name in ("demo", "muse_glimmer", "qwen3_5"):
+        assert_compiled_once_without_host_reads(name, results[name])
     for name in ("muse_glimmer", "qwen3_5"):
         assert diffs(results[name]) == [0.0] * 6, (name, results[name])
         assert results[name]["alone_equals_among_16"], name
@@ -86,6 +88,16 @@ def test_demo_learns_with_every_step_bitwise_on_policy_and_any_batch_after(demo_
     assert sum(r["reward/mean"] for r in last) / 10 > 0.9
     assert [result["mixed_lengths"], result["alone"], result["among_16"]] == [0.0] * 3, result
     assert result["alone_equals_among_16"]
+
+
+def assert_compiled_once_without_host_reads(name: str, result: dict) -> None:
+    """Issue 67: the run's engine (batch-invariant: the "eager" backend, this project's
+    kernels) traced its decoder once, over the run's steps, weight syncs and probes, and no
+    node of its graph reads the device on the host (helpers/compiled_graphs.py; the
+    batch-invariant experts and pointwise ops are opaque)."""
+    graphs = result["graphs"]
+    assert result["engine_compiled"] and graphs["graphs"] == 1, (name, graphs)
+    assert graphs["host_reads"] == [], (name, graphs["host_reads"])
 
 
 def diffs(result: dict) -> list[float]:
@@ -127,6 +139,7 @@ def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_p
         ),
     )
     for name, result in results.items():
+        assert_compiled_once_without_host_reads(name, result)
         assert diffs(result) == [0.0] * 6, (name, result)
         assert [step["offpolicy/ratio_max"] for step in result["steps"]] == [1.0] * 3, name
         assert result["alone_equals_among_16"], name

@@ -269,10 +269,11 @@ def test_mixture_of_experts_flavors_are_accepted():
         assert hf_architecture(name, flavor) == "DeepseekV3ForCausalLM"
 
 
-def test_enforce_eager_unset_compiles_where_the_generator_compiles():
+def test_enforce_eager_unset_compiles_where_the_generator_compiles(capsys):
     """generator.enforce_eager unset: compiled on one rank per engine and, tensor parallel, on
-    local shards (dense qwen3, llama3); an MoE's tensor-parallel generator runs eager, and
-    false for it is refused in one line naming the fix, before any engine starts."""
+    local shards, dense and MoE alike; a vocabulary the ranks do not split evenly (68 tokens
+    over 3) runs DTensors, eager, said in one console line, and false for it is refused in one
+    line naming the fix, before any engine starts."""
     from torchtitan_rl.config import ConfigError, GeneratorParallelismSection, GeneratorSection
     from torchtitan_rl.generator.engine import compiles
 
@@ -283,10 +284,15 @@ def test_enforce_eager_unset_compiles_where_the_generator_compiles():
     dense, moe = ModelSection(hf_checkpoint=TINY), ModelSection(flavor="tiny_moe")
     assert compiles(generator(1, None), dense) and compiles(generator(1, None), moe)
     assert compiles(generator(2, None), dense) and compiles(generator(2, False), dense)
-    assert not compiles(generator(2, None), moe)
+    assert compiles(generator(2, None), moe) and compiles(generator(2, False), moe)
     assert not compiles(generator(1, True), dense) and not compiles(generator(2, True), moe)
+    assert capsys.readouterr().err == ""
+    assert not compiles(generator(3, None), moe)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "runs eager on DTensors" in line and "vocabulary of 68" in line
+    assert "pick a tensor_parallel_degree that divides it" in line
     with pytest.raises(ConfigError) as error:
-        compiles(generator(2, False), moe)
+        compiles(generator(3, False), moe)
     message = str(error.value)
     assert "\n" not in message and "generator.enforce_eager = false" in message
     assert "unset enforce_eager or set it to true" in message

@@ -56,6 +56,32 @@ def test_packed_experts_compute_the_trainers_moe_layer_and_follow_weight_updates
         assert (updated - expected).abs().max() > 1e-3
 
 
+def test_experts_the_fused_kernel_cannot_take_run_plain_and_say_why_once(capsys):
+    """Issue 67: an MoE whose experts vLLM's fused-MoE kernel cannot take (a rank's expert
+    width not a multiple of 32: tiny_moe's 64 over 4 ranks; gpt-oss's clamp other than 7) keeps
+    the plain grouped GEMMs, and `_pack` says so in one line per cause, once."""
+    import torch
+
+    from torchtitan_rl.generator.packed import PackedExperts
+    from torchtitan_rl.generator.vllm_model import _pack
+    from torchtitan_rl.models import model_spec
+
+    model = model_spec("qwen3", "tiny_moe").model.build()
+    for layer in model.layers.values():
+        experts = layer.moe.routed_experts.inner_experts
+        experts.w2_EDF = torch.nn.Parameter(experts.w2_EDF[:, :, :16].clone())  # 64 / 4 ranks
+    _pack(model)
+    kept = [layer.moe.routed_experts for layer in model.layers.values()]
+    assert not any(isinstance(routed, PackedExperts) for routed in kept)
+    err = capsys.readouterr().err.splitlines()
+    (line,) = [line for line in err if line.startswith("note:")]  # one for every layer
+    assert "plain grouped GEMMs" in line and "expert width 16" in line
+    oss = model_spec("gpt_oss", "tiny").model.layers[0].moe.build().routed_experts.inner_experts
+    assert PackedExperts.fits(oss)
+    oss.swiglu_limit = 10.0
+    assert "clamp is 10" in PackedExperts.why_not(oss)
+
+
 def test_the_eager_rank_count_gives_vllms_integers_across_chunks():
     """vLLM's sampler counts, per row, the logprobs >= the sampled token's (its rank) with a
     torch.compile'd function; the engine installs an eager one that works 256 rows at a time

@@ -321,3 +321,77 @@ def test_batch_invariant_experts_compile_as_one_op_without_a_host_read(model):
             assert torch.equal(compiled(rows_RD, counts_E), experts(rows_RD, counts_E)), other
     assert len(graphs) == 1
     torch._dynamo.reset()
+
+
+def _rank_share(routed, rank: int, split: str):
+    """A copy of an MoE layer's routed experts as one of 2 tensor-parallel generator ranks
+    holds them on plain local shards (generator/tensor_parallel.py): every expert's hidden
+    units halved ("hidden", the plan's default), or half the experts whole ("experts")."""
+    import copy
+
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    from torchtitan_rl.generator.tensor_parallel import RankExperts
+
+    share = copy.deepcopy(routed)
+    inner, old = share.inner_experts, share.token_dispatcher
+    # Each weight's sharded dim under the plan: w1/w3 [E, F, D] and mlp1 [E, 2F, D] rows,
+    # w2 / mlp2 [E, D, F] columns, mlp1's bias [E, 2F]; mlp2's bias [E, D] whole.
+    hidden = {"w1_EFD": 1, "w3_EFD": 1, "w2_EDF": 2, "mlp1_weight_EGD": 1}
+    hidden |= {"mlp1_bias_EG": 1, "mlp2_weight_EDF": 2}
+    for name, param in list(inner.named_parameters()):
+        dim = 0 if split == "experts" else hidden.get(name)
+        if dim is not None:
+            piece = param.detach().chunk(2, dim=dim)[rank].clone()
+            setattr(inner, name, torch.nn.Parameter(piece, requires_grad=False))
+    if split == "experts":
+        count = old.num_experts // 2
+        share.token_dispatcher = RankExperts(old.num_experts, old.top_k, rank * count, count)
+    else:
+        config = LocalTokenDispatcher.Config(num_experts=old.num_experts, top_k=old.top_k)
+        share.token_dispatcher = LocalTokenDispatcher(config)
+        if isinstance(inner, OssExperts):
+            inner.tp_degree = 2  # each rank adds half of the output bias
+    return share
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["grouped", "invariant"])
+@pytest.mark.parametrize("split", ["hidden", "experts"])
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_experts_split_over_two_ranks_sum_to_the_whole_layer_compiled(model, split, invariant):
+    """Issue 67: a tensor-parallel generator's MoE layer on plain local shards, each of 2 ranks
+    holding half of every expert's hidden units or half the experts whole (`RankExperts`), sums
+    to the one-rank layer (the all-reduce), compiled as vLLM compiles (fullgraph, traced once
+    at one token count, guards dropped), at token counts it was not traced at, and the graph
+    reads nothing on the host (`torchtitan_rl::grouped_mm` for fp32, `looped_experts` under
+    batch-invariant mode: opaque)."""
+    from helpers.compiled_graphs import host_reads, recording
+
+    layer = tiny_moe(0, *model).layers["0"].moe
+    if invariant:
+        batch_invariant.make_linears_invariant(layer)
+    shares = [_rank_share(layer.routed_experts, rank, split) for rank in (0, 1)]
+
+    def routed(experts, x_1TD):
+        scores, ids, all_scores = layer.router(x_1TD, layer.expert_bias_E)
+        counts = torch.zeros_like(all_scores, dtype=torch.bool).scatter_(-1, ids, True)
+        return experts(x_1TD, scores, ids, counts.sum((0, 1)))  # as torchtitan's MoE counts
+
+    options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    inputs = [torch.randn(1, tokens, 128) for tokens in (24, 7, 61)]
+    torch._dynamo.mark_dynamic(inputs[0], 1)
+    summed = [0, 0, 0]
+    with torch.no_grad():
+        for share in shares:  # each rank's process traces its own graph, once
+            torch._dynamo.reset()
+            compiled = torch.compile(routed, backend="eager", fullgraph=True, options=options)
+            with recording() as graphs:
+                for i, x_1TD in enumerate(inputs):
+                    summed[i] = summed[i] + compiled(share, x_1TD)
+            assert len(graphs) == 1
+            assert host_reads(graphs[0]) == []
+        for x_1TD, total in zip(inputs, summed, strict=True):
+            whole = routed(layer.routed_experts, x_1TD)
+            torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
+            assert whole.abs().max() > 1e-3  # the layer computed something
+    torch._dynamo.reset()

@@ -9,6 +9,8 @@ refreshes the packed copies after every update. Both kernels are registered torc
 the compiled generator (vllm_model.Decoder) traces through them.
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -98,14 +100,21 @@ class PackedExperts(nn.Module):
 
     @staticmethod
     def fits(inner_experts: nn.Module) -> bool:
-        """The kernel's alignment: model and expert widths multiples of 32; for gpt-oss's,
-        torchtitan's SwiGLU clamp (7.0), which the kernel has built in."""
+        return not PackedExperts.why_not(inner_experts)
+
+    @staticmethod
+    def why_not(inner_experts: nn.Module) -> str:
+        """Why the kernel cannot take these experts ('' where it can): its alignment, model
+        and expert widths multiples of 32; for gpt-oss's, torchtitan's SwiGLU clamp (7.0),
+        which the kernel has built in."""
         if isinstance(inner_experts, OssExperts) and inner_experts.swiglu_limit != 7.0:
-            return False
+            return f"gpt-oss's SwiGLU clamp is {inner_experts.swiglu_limit:g}, the kernel's 7"
         if not isinstance(inner_experts, (Experts, OssExperts)):
-            return False
+            return f"{type(inner_experts).__name__} is not one of its expert kinds"
         _, D, F = PackedExperts._weights(inner_experts)[1].shape  # w2, read without a copy
-        return F % 32 == 0 and D % 32 == 0
+        if F % 32 or D % 32:
+            return f"expert width {F} or model width {D} (a rank's) is not a multiple of 32"
+        return ""
 
     @staticmethod
     def _weights(experts: nn.Module) -> tuple:
@@ -230,3 +239,11 @@ class PackedStack(nn.Module):
 
         y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), None)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@functools.cache
+def note_plain_experts(why: str) -> None:
+    console.warn(
+        f"note: generator.cpu_packed_gemm: the MoE experts run plain grouped GEMMs, not vLLM's "
+        f"fused-MoE kernel: {why}"
+    )

@@ -41,6 +41,7 @@ from torchtitan_rl.generator.packed import (
     PackedFeedForward,
     PackedLinear,
     PackedStack,
+    note_plain_experts,
     onednn_available,
 )
 from torchtitan_rl.generator.routing import RoutingLog
@@ -399,8 +400,12 @@ def _pack(model: nn.Module) -> None:
         if isinstance(module, nn.Linear) and not isinstance(owner, PackedFeedForward):
             if module not in stacked:
                 setattr(owner, child, PackedLinear(module))
-        elif child == "routed_experts" and PackedExperts.fits(module.inner_experts):
-            setattr(owner, child, PackedExperts(module))
+        elif child == "routed_experts":
+            why = PackedExperts.why_not(module.inner_experts)
+            if why:
+                note_plain_experts(why)
+            else:
+                setattr(owner, child, PackedExperts(module))
 
 
 def _local_heads(sinks: torch.Tensor | None, tp: int) -> torch.Tensor | None:

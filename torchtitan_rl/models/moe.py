@@ -91,17 +91,18 @@ class OssExperts(GptOssGroupedExperts):
         weights = (self.mlp1_weight_EGD, self.mlp1_bias_EG, self.mlp2_weight_EDF, self.mlp2_bias_ED)
         w1_EGD, b1_EG, w2_EDF, b2_ED = (local_shard(w).to(x_RD.dtype) for w in weights)
         limit = self.swiglu_limit
+        # Under TP every rank adds its share of the output bias before the partial sums are
+        # reduced (torchtitan divides it by the TP degree in the forward only).
+        tp = max(self.tp_degree, _tp_degree(self.mlp1_weight_EGD))
         if self.batch_invariant:
+            b2_ED = b2_ED if tp == 1 else ScaleBiasForward.apply(b2_ED, tp, x_RD.dtype)
             weights = [w1_EGD, b1_EG, w2_EDF, b2_ED]
             return _looped(x_RD, num_tokens_per_expert_E, weights, limit)
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         h_RG = grouped_mm(x_RD, w1_EGD.transpose(-2, -1), offsets_E)
         h_RF = swiglu(h_RG + _per_row(b1_EG, num_tokens_per_expert_E, x_RD.shape[0]), limit=limit)
         out_RD = grouped_mm(h_RF, w2_EDF.transpose(-2, -1), offsets_E)
-        # Under TP every rank adds the bias before the partial sums are reduced: torchtitan
-        # divides it by the TP degree in the forward only.
         b2_RD = _per_row(b2_ED, num_tokens_per_expert_E, x_RD.shape[0])
-        tp = max(self.tp_degree, _tp_degree(self.mlp1_weight_EGD))
         return out_RD + ScaleBiasForward.apply(b2_RD, tp, x_RD.dtype)
 
 
