@@ -41,9 +41,7 @@ def test_every_planted_host_read_is_found(planted, read):
     torch._dynamo.reset()
     options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
     with recording() as graphs:
-        torch.compile(planted, backend="eager", fullgraph=True, options=options)(
-            torch.randn(6) + 3
-        )
+        torch.compile(planted, backend="eager", fullgraph=True, options=options)(torch.randn(6) + 3)
     (graph,) = graphs
     found = host_reads(graph)
     assert found and read in found[0], found
