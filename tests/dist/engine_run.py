@@ -44,7 +44,8 @@ from torchtitan_rl.config import (
     ParallelismSection,
     TrainingSection,
 )
-from torchtitan_rl.generator.engine import LocalGenerator, kv_block_bytes
+from torchtitan_rl.generator.engine import LocalGenerator
+from torchtitan_rl.generator.engine_memory import kv_block_bytes
 from torchtitan_rl.trainer.lora import Merged
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
 from torchtitan_rl.types import LossScale, RolloutBatch

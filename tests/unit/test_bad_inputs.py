@@ -35,7 +35,8 @@ from torchtitan_rl.config import (
     parse_args,
 )
 from torchtitan_rl.episodes import open_task
-from torchtitan_rl.generator.engine import LocalGenerator, check_tokenizer_fits
+from torchtitan_rl.generator.engine import LocalGenerator
+from torchtitan_rl.generator.engine_build import check_tokenizer_fits
 from torchtitan_rl.launch import check_dump_folder
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows

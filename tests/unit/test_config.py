@@ -275,7 +275,7 @@ def test_enforce_eager_unset_compiles_where_the_generator_compiles(capsys):
     over 3) runs DTensors, eager, said in one console line, and false for it is refused in one
     line naming the fix, before any engine starts."""
     from torchtitan_rl.config import ConfigError, GeneratorParallelismSection, GeneratorSection
-    from torchtitan_rl.generator.engine import compiles
+    from torchtitan_rl.generator.engine_build import compiles
 
     def generator(tp: int, eager):
         parallelism = GeneratorParallelismSection(tensor_parallel_degree=tp)

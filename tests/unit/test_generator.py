@@ -85,25 +85,25 @@ def test_experts_the_fused_kernel_cannot_take_run_plain_and_say_why_once(capsys)
 def test_the_eager_rank_count_gives_vllms_integers_across_chunks():
     """vLLM's sampler counts, per row, the logprobs >= the sampled token's (its rank) with a
     torch.compile'd function; the engine installs an eager one that works 256 rows at a time
-    (engine.count_greater_equal). Same integers, rows on both sides of a chunk boundary, ties
-    counted."""
+    (engine_build.count_greater_equal). Same integers, rows on both sides of a chunk boundary,
+    ties counted."""
     import torch
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-    from torchtitan_rl.generator import engine
+    from torchtitan_rl.generator import engine_build
 
     g = torch.Generator().manual_seed(0)
     x_NV = torch.randn(600, 68, generator=g).round(decimals=1)  # ties
     values_N1 = x_NV[torch.arange(600), torch.randint(0, 68, (600,), generator=g)][:, None]
     expected = (x_NV >= values_N1).sum(-1)  # what vLLM's docstring and body say
-    assert torch.equal(engine.count_greater_equal(x_NV, values_N1), expected)
+    assert torch.equal(engine_build.count_greater_equal(x_NV, values_N1), expected)
     assert torch.equal(
         batched_count_greater_than._torchdynamo_orig_callable(x_NV, values_N1), expected
     )
-    assert engine.count_greater_equal(x_NV[:0], values_N1[:0]).shape == (0,)
-    engine._use_eager_logprob_ranks()
-    assert sampler.batched_count_greater_than is engine.count_greater_equal
+    assert engine_build.count_greater_equal(x_NV[:0], values_N1[:0]).shape == (0,)
+    engine_build._use_eager_logprob_ranks()
+    assert sampler.batched_count_greater_than is engine_build.count_greater_equal
 
 
 def test_num_kv_blocks_is_capped_at_what_the_kv_space_holds(capsys):
@@ -111,7 +111,7 @@ def test_num_kv_blocks_is_capped_at_what_the_kv_space_holds(capsys):
     8 MiB a block) would be 4 GiB: capped at the 1 GiB space's 128, and said; the tiny model's
     512 (128 KiB each) fit, and unset stays vLLM's."""
     from torchtitan_rl.config import GeneratorSection, ModelSection
-    from torchtitan_rl.generator.engine import kv_block_bytes, kv_blocks
+    from torchtitan_rl.generator.engine_memory import kv_block_bytes, kv_blocks
 
     debug, tiny = ModelSection(flavor="debugmodel"), ModelSection(flavor="tiny")
     capped = GeneratorSection(num_kv_blocks=512, kv_cache_space_gib=1)

@@ -9,7 +9,7 @@ import torch
 
 from torchtitan_rl.config import GeneratorParallelismSection
 from torchtitan_rl.errors import EngineError
-from torchtitan_rl.generator import engine
+from torchtitan_rl.generator import engine_memory, engine_requests
 from torchtitan_rl.tasks.toy import EchoDigitsTask
 from torchtitan_rl.types import Completions, Prompt, Rollouts, Sample, rollout_batch
 
@@ -159,22 +159,22 @@ def test_a_tensor_parallel_engine_refuses_requests_that_differ_between_its_ranks
         return [digest, digest]
 
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tp_group", lambda: Group())
-    monkeypatch.setattr(engine.platform, "all_gather_objects", same_on_both)
+    monkeypatch.setattr(engine_requests.platform, "all_gather_objects", same_on_both)
 
     def request(seed: int, prompt=(1, 2)):
         params = SamplingParams(seed=seed, max_tokens=4)
         return [("0", {"prompt_token_ids": list(prompt)}, params)]
 
     for requests in (request(3), request(3), request(4), request(3, (1, 3))):
-        engine._check_same_requests(requests)  # both ranks the same: no error
+        engine_requests._check_same_requests(requests)  # both ranks the same: no error
     assert digests[0] == digests[1] and len(set(digests)) == 3  # seed and prompt count
 
     def differ(digest, group=None):
         return [digest, digest + "x"]
 
-    monkeypatch.setattr(engine.platform, "all_gather_objects", differ)
+    monkeypatch.setattr(engine_requests.platform, "all_gather_objects", differ)
     with pytest.raises(EngineError, match="rank 1 of its group differs from rank 0"):
-        engine._check_same_requests(request(3))
+        engine_requests._check_same_requests(request(3))
 
 
 def test_stale_shared_memory_segments_are_removed_and_live_ones_kept():
@@ -183,13 +183,13 @@ def test_stale_shared_memory_segments_are_removed_and_live_ones_kept():
     this process stands for a running engine's."""
     import mmap
 
-    stale = engine.SHARED_MEMORY / "-tp:test-[0-1]-cpushm_0"
-    live = engine.SHARED_MEMORY / "-tp:test-[0-1]-cpushm_1"
+    stale = engine_memory.SHARED_MEMORY / "-tp:test-[0-1]-cpushm_0"
+    live = engine_memory.SHARED_MEMORY / "-tp:test-[0-1]-cpushm_1"
     for segment in (stale, live):
         segment.write_bytes(b"\0" * mmap.PAGESIZE)
     with live.open("r+b") as f, mmap.mmap(f.fileno(), 0):
         try:
-            removed = engine.remove_stale_segments()
+            removed = engine_memory.remove_stale_segments()
             assert stale in removed and not stale.exists()
             assert live not in removed and live.exists()
         finally:
