@@ -49,8 +49,9 @@ def measure(args) -> dict | None:
 
     platform.patch_torchtitan()
     rank, world = platform.init_distributed()
-    flavor = json.loads((REPO / args.checkpoint / "torchtitan.json").read_text())["flavor"]
-    model = ModelSection(hf_checkpoint=args.checkpoint, flavor=flavor)
+    recipe = json.loads((REPO / args.checkpoint / "torchtitan.json").read_text())
+    name, flavor = recipe["name"], recipe["flavor"]
+    model = ModelSection(name=name, flavor=flavor, hf_checkpoint=args.checkpoint)
     parallelism = GeneratorParallelismSection(
         tensor_parallel_degree=args.tp, expert_parallel=args.tp > 1 and args.expert_parallel
     )

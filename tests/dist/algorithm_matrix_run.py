@@ -127,9 +127,6 @@ def main() -> None:
             str(REPO / "run_configs" / "debug_cpu.toml"),
             "--model.hf_checkpoint",
             str(REPO / "assets" / "tiny_qwen3"),
-            # Eager engines: what this world checks is not the generator (helpers.launch.EAGER).
-            "--generator.enforce_eager",
-            "true",
             "--training.steps",
             "1000",
             "--training.prompts_per_step",

@@ -190,7 +190,7 @@ def preempt(
         *launcher(2),
         "-m",
         module,
-        *_eager_unless_set(flags, module),
+        *flags,
         "--job.dump_folder",
         str(out),
     ]
@@ -222,41 +222,22 @@ def preempt(
     return step
 
 
-EAGER = ("--generator.enforce_eager", "true")
-"""What every run launched through `run_train`, `start_train` and `preempt` adds unless its
-flags set generator.enforce_eager: an eager engine. A compiled engine starts 3-10 s later
-(vLLM traces and compiles the decoder; inductor's cache warm), which over the suite's ~80 runs
-would take it past its 15 minutes; and runs compared token for token (a resume against the
-uninterrupted run) must not mix compiled and eager engines (logprobs ~1e-7 apart). The
-compiled engine, the default, is what the tests/dist worlds run (`run_dist`: the generator's,
-the weight sync's, batch-invariant mode's bitwise checks, episodes, streams) and the
-scripts the tests run (`run_script`: the demo, the benches), and
-`test_generator.py` checks it samples the eager engine's tokens."""
-
-
-def _eager_unless_set(flags, module: str) -> tuple[str, ...]:
-    """An RL run's `flags` with EAGER added unless they set enforce_eager (SFT has no engine)."""
-    flags = tuple(flags)
-    if module != "torchtitan_rl.train" or any(f.split("=")[0] == EAGER[0] for f in flags):
-        return flags
-    return (*flags, *EAGER)
-
-
 def run_train(
     *flags: str,
     nproc: int = 0,
     env: dict[str, str] | None = None,
     module: str = "torchtitan_rl.train",
 ) -> subprocess.CompletedProcess:
-    """`python -m torchtitan_rl.train FLAGS` (or `module`); the result, not checked."""
-    return run([*launcher(nproc), "-m", module, *_eager_unless_set(flags, module)], env)
+    """`python -m torchtitan_rl.train FLAGS` (or `module`); the result, not checked. The
+    engine is the default, compiled, as users run it."""
+    return run([*launcher(nproc), "-m", module, *flags], env)
 
 
 def start_train(*flags: str, nproc: int, module: str = "torchtitan_rl.train") -> subprocess.Popen:
     """Start `python -m torchtitan_rl.train FLAGS` (or `module`) without waiting; its output
     goes to DEVNULL."""
     return subprocess.Popen(
-        [*launcher(nproc), "-m", module, *_eager_unless_set(flags, module)],
+        [*launcher(nproc), "-m", module, *flags],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

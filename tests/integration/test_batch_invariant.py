@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import runs
-from helpers.launch import DEBUG_TOML, EAGER, metric_rows, run_dist
+from helpers.launch import DEBUG_TOML, metric_rows, run_dist
 
 # Prompts up to 206 tokens: longer than vLLM's 128-token CPU KV block.
 LONG_PROMPTS = ("--generator.max_model_len", "320", "--training.max_prompt_len", "256")
@@ -36,15 +36,14 @@ def probe(out: Path, *named_flags: tuple[str, tuple[str, ...]]) -> dict[str, dic
 
 @pytest.fixture(scope="module")
 def demo_world(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
-    """One world: the dense tiny Qwen3 with the mode off, in float32 and in bf16 (eager
-    engines, as the suite's launched RL runs: inductor's compile would add its kernels' build
-    and change nothing these runs show), then (the mode stays on in a process once a run turns
-    it on) the echo demo, Muse Glimmer and Qwen3.5 with it on. (its folder, {run: figures})."""
+    """One world: the dense tiny Qwen3 with the mode off, in float32 and in bf16, then (the
+    mode stays on in a process once a run turns it on) the echo demo, Muse Glimmer and Qwen3.5
+    with it on, every engine compiled (the default). (its folder, {run: figures})."""
     out = tmp_path_factory.mktemp("demo_world")
     results = probe(
         out,
         *(
-            (dtype, (*STEPS, "--model.dtype", dtype, "--generator.dtype", dtype, *EAGER))
+            (dtype, (*STEPS, "--model.dtype", dtype, "--generator.dtype", dtype))
             for dtype in ("float32", "bfloat16")
         ),
         ("demo", ("--batch_invariant", "true")),

@@ -55,7 +55,6 @@ def test_torchrun_two_ranks_train_and_write_the_config(reference_run):
     # The written config is the resolved one, and feeding it back reproduces it.
     written = (dump / "config.toml").read_text()
     assert tomllib.loads(written)["training"]["steps"] == steps
-    # As it is: `run_train` would add helpers.launch.EAGER, which this config leaves unset.
     feed_back = ["--job.config_file", str(dump / "config.toml"), "--job.dry_run"]
     again = run([*launcher(0), "-m", "torchtitan_rl.train", *feed_back])
     assert again.returncode == 0, again.stderr
