@@ -14,9 +14,10 @@ Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; docs/batch_invariant
 - RMSNorm, log_softmax and logsumexp are row-invariant as they are.
 - Elementwise sigmoid, softplus and SiLU are not where a row is narrower than ATen's vector
   loop: ATen runs a tensor's elements in vectors of 2 x 16 (fp32, AVX-512) and the remainder
-  with scalar code, and the two differ in the last bit (measured: sigmoid 3.9%, softplus 11%
-  of 100,000 values). Rows of 4 (Qwen3.5's per-head gates) land in one or the other by the
-  tensor's size. `pointwise` pads a tensor to whole vectors; exp and rsqrt agree as they are.
+  with scalar code, and the two differ in the last bit (sigmoid 3.8%, softplus 14.5% of
+  100,000 values: scripts/bench/pointwise_tails.py on AVX-512). Rows of 4 (Qwen3.5's
+  per-head gates) land in one or the other by the tensor's size. `pointwise` pads a tensor to
+  whole vectors; exp and rsqrt agree as they are.
 - SDPA is not: decoding one row alone differs from the same row in a causal forward. For P @ V
   the contraction length must not change (trailing zero keys are not neutral past ~144 keys),
   while QK^T and softmax are neutral to trailing zero keys / -inf scores. `attention` therefore

@@ -133,11 +133,11 @@ class GeneratorSection:
     Compiled and eager give the same tokens (fp32 logprobs within 2e-6, 1e-5 for gpt-oss;
     bitwise under batch-invariant mode); compiling adds seconds to the engine's start."""
     cpu_packed_gemm: bool = True
-    """On CPU, run GEMMs on oneDNN-packed weight copies as vLLM's own models do: ~1.8x faster
-    generation for debugmodel-sized models, twice the weight memory, and a repack (~3x a
-    memcpy of the weights) in every weight sync. Mixture-of-experts layers likewise run
-    vLLM's CPU fused-MoE kernel on packed expert weights, and Qwen3.5's Gated DeltaNet
-    layers, in bf16, vLLM's CPU kernels (docs/qwen3_5.md). No effect on GPU."""
+    """On CPU, run GEMMs on oneDNN-packed weight copies as vLLM's own models do: 1.6-2.0x
+    faster generation for debugmodel-sized models (docs/limitations.md), twice the weight
+    memory, and a repack (~3x a memcpy of the weights) in every weight sync. Mixture-of-experts
+    layers likewise run vLLM's CPU fused-MoE kernel on packed expert weights, and Qwen3.5's
+    Gated DeltaNet layers, in bf16, vLLM's CPU kernels (docs/qwen3_5.md). No effect on GPU."""
     weight_sync_bucket_mb: float = 64.0
     """Weight sync gathers and copies parameters in buckets of about this size (peak extra
     memory); a larger parameter forms a bucket of its own."""
