@@ -101,6 +101,31 @@ def test_pointwise_traced_once_as_vllm_traces_runs_at_every_size(name):
     torch._dynamo.reset()
 
 
+def test_linear_traced_once_as_vllm_traces_keeps_its_rows_at_every_size():
+    """Issue 67: `ops.linear` pads its rows to ROW_TILE with shape arithmetic, no Python loop:
+    traced once as vLLM traces (one size, guards dropped, the token dimension dynamic), it runs
+    at sizes across the tile's boundaries with the eager op's bits, and a row's bits do not
+    depend on the rows around it; its graph reads nothing on the host."""
+    from helpers.compiled_graphs import host_reads, recording
+
+    g = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    torch._dynamo.reset()
+    compiled = torch.compile(ops.linear, backend="eager", fullgraph=True, options=options)
+    traced = torch.randn(1, 20, 64, generator=g)
+    torch._dynamo.mark_dynamic(traced, 1)
+    with recording() as graphs:
+        compiled(traced, weight, bias)
+        for tokens in (1, 15, 16, 17, 31, 33, 100):
+            x = torch.randn(1, tokens, 64, generator=g)
+            out = compiled(x, weight, bias)
+            assert torch.equal(out, ops.linear(x, weight, bias)), tokens
+            assert torch.equal(out[:, :1], ops.linear(x[:, :1], weight, bias)), tokens
+    assert len(graphs) == 1 and host_reads(graphs[0]) == []
+    torch._dynamo.reset()
+
+
 def test_pointwise_gradients_are_its_pieces_own():
     """The op's backward differentiates the same pieces: each element's derivative as ATen's
     vector code gives it, bit for bit what autograd through the pieces gave."""
