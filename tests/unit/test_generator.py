@@ -216,3 +216,24 @@ def test_a_gated_deltanets_six_projections_run_as_one_stacked_gemm():
     assert not torch.allclose(stale, updated, atol=1e-4)
     layer.stacked = None
     torch.testing.assert_close(updated, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_samples_of_one_prompt_share_the_routing_of_the_positions_one_of_them_ran():
+    """A prompt's samples: a position only some of them ran (the others read its KV from the
+    prefix cache) takes, where a sample did not run it, the first runner's routing; what a
+    sample ran itself is kept; a position none ran stays -1; positions past the prompt are
+    each sample's own."""
+    import torch
+
+    from torchtitan_rl.generator.engine_requests import _share_prompt_routing
+
+    def ids(*rows):  # [T, M=1, K=2]
+        return torch.tensor(rows, dtype=torch.int16)[:, None, :]
+
+    a = ids([1, 2], [-1, -1], [-1, -1], [-1, -1], [5, 6])
+    b = ids([-1, -1], [3, 4], [-1, -1], [7, 0], [-1, -1])
+    c = ids([0, 1], [4, 3], [-1, -1], [-1, -1], [2, 2])
+    _share_prompt_routing([a, b, c], prompt_length=4)
+    assert torch.equal(a, ids([1, 2], [3, 4], [-1, -1], [7, 0], [5, 6]))
+    assert torch.equal(b, ids([1, 2], [3, 4], [-1, -1], [7, 0], [-1, -1]))
+    assert torch.equal(c, ids([0, 1], [4, 3], [-1, -1], [7, 0], [2, 2]))
