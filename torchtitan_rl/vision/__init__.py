@@ -1,0 +1,1 @@
+"""Images in prompts: the vision model's preprocessing (preprocess.py), without torchvision."""
