@@ -146,12 +146,18 @@ class RankExperts(LocalTokenDispatcher):
 def _local_experts(routed: nn.Module, layouts: dict, experts_name: str) -> bool:
     """Make an MoE layer's routed experts run on the rank's shard of their weights; returns
     whether their output is partial (sharded: summed over the ranks)."""
-    shards = {fqn: layout for fqn, layout in layouts.items() if fqn.startswith(experts_name + ".")}
-    if not shards:
+    prefix = experts_name + "."
+    shards = [
+        layout
+        for fqn, layout in layouts.items()
+        if fqn.startswith(prefix) and any(isinstance(p, Shard) for p in layout[1])
+    ]
+    if not shards:  # replicated experts: every rank computes the whole output
         return False
     old = routed.token_dispatcher
-    mesh, placements, shape, _ = next(iter(shards.values()))
-    if any(p == Shard(0) for p in placements):  # whole experts over the ranks
+    whole = [layout for layout in shards if Shard(0) in layout[1]]
+    mesh, _, shape, _ = (whole or shards)[0]
+    if whole:  # whole experts over the ranks
         count = shape[0] // mesh.size()
         first = mesh.get_local_rank() * count
         routed.token_dispatcher = RankExperts(old.num_experts, old.top_k, first, count)
