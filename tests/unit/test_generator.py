@@ -130,9 +130,12 @@ def test_num_kv_blocks_is_capped_at_what_the_kv_space_holds(capsys):
 
 
 def test_routing_log_files_each_position_once_the_last_run_winning():
-    """`RoutingLog.take`: a request's routed experts [T, M, K] from the steps that ran it,
-    -1 where none did, past `length` dropped, and a position run twice (preempted, then
-    recomputed) with its last run's ids. The capture buffers are preallocated per router."""
+    """`RoutingLog`: each step's rows filed under the requests that ran them (vLLM's request
+    ids, "{id}-{8 hex}", taken back to the ids they were added with), then `take`: a
+    request's routed experts [T, M, K] from the steps that ran it, -1 where none did, past
+    `length` dropped, and a position run twice (preempted, then recomputed) with its last
+    run's ids, whether or not a take came between the steps. The capture buffers are
+    preallocated per router."""
     from types import SimpleNamespace
 
     from torchtitan_rl.generator.routing import RoutingLog
@@ -142,16 +145,26 @@ def test_routing_log_files_each_position_once_the_last_run_winning():
     assert [r.capture_TK.shape for r in routers] == [(16, 2)] * 2
     assert all((r.capture_TK == -1).all() and r.capture_TK.dtype == torch.int32 for r in routers)
     ids = torch.arange(6 * 2 * 2, dtype=torch.int16).view(6, 2, 2)
-    prefill = (torch.tensor([7, 0, 1, 2]), torch.cat([ids[:1], ids[:3]]))  # another's row first
-    decode = (torch.tensor([3, 9]), torch.cat([ids[3:4], ids[:1]]))
-    recomputed = (torch.tensor([2, 3]), ids[4:6])  # after a preemption: these win
-    log._requests["a"] = [(prefill, 1, 4), (decode, 0, 1), (recomputed, 0, 2)]
+    batch = SimpleNamespace(req_ids=[])
+    log.runner = SimpleNamespace(input_batch=batch)
+
+    def step(request_ids, positions, ids_TMK, starts):
+        batch.req_ids = [f"{r}-0123abcd" for r in request_ids]
+        log.file(torch.tensor(positions), ids_TMK, starts)
+
+    step(["b", "a", "c"], [7, 0, 1, 2], torch.cat([ids[:1], ids[:3]]), [0, 1, 4, 4])
+    step(["a", "b"], [3, 9], torch.cat([ids[3:4], ids[:1]]), [0, 1, 2])
+    assert (log.take("unknown", 3) == -1).all()  # groups the steps so far
+    step(["a"], [2, 3, 0], torch.cat([ids[4:6], ids[:1]]), [0, 2])  # recomputed: these win
     out = log.take("a", length=5)
     assert out.shape == (5, 2, 2) and out.dtype == torch.int16
     assert torch.equal(out[:2], ids[:2]) and torch.equal(out[2:4], ids[4:6])
     assert (out[4] == -1).all() and "a" not in log._requests
-    assert (log.take("unknown", 3) == -1).all()
+    b = log.take("b", length=10)
+    assert torch.equal(b[7], ids[0]) and torch.equal(b[9], ids[0])
+    assert (b[:7] == -1).all() and (b[8] == -1).all()
     assert torch.equal(log.take("a", 2), torch.full((2, 2, 2), -1, dtype=torch.int16))
+    assert log._requests == {}
 
 
 def test_packed_feed_forward_runs_w1_and_w3_in_one_gemm_and_follows_weight_updates():

@@ -34,8 +34,11 @@ class RoutingLog:
         self.runner = None
         """vLLM's model runner, whose `input_batch` lists the step's requests in row order
         (bound by `LocalGenerator` once the engine exists)."""
-        self._requests: dict[str, list[tuple[tuple, int, int]]] = {}
-        """Per request, ((positions_T, ids_TMK) of a step, first row, last row) of its steps."""
+        self._steps: list[tuple[torch.Tensor, torch.Tensor, list[str], list[int]]] = []
+        """Steps filed since the last `take`: (positions_T, ids_TMK, the request of each run
+        of rows, the run's rows), grouped by request when a request is next taken."""
+        self._requests: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Per request, (positions, ids_RMK) of its rows in each group of steps, in order."""
         for router in routers:
             weight = router.gate.weight
             device = weight.to_local().device if isinstance(weight, DTensor) else weight.device
@@ -56,29 +59,53 @@ class RoutingLog:
         if metadata is None:
             return
         ids_TMK = torch.stack([r.capture_TK[:tokens] for r in self.routers], dim=1)
-        ids_TMK = ids_TMK.to("cpu", torch.int16)
         starts = metadata.query_start_loc.tolist()
+        # Copies: vLLM reuses its buffers every step.
+        self.file(positions_T.to("cpu", copy=True), ids_TMK.to("cpu", torch.int16), starts)
+
+    def file(self, positions_T: torch.Tensor, ids_TMK: torch.Tensor, starts: list[int]) -> None:
+        """File a step's rows: request i of the runner's batch ran rows starts[i]:starts[i+1]."""
         request_ids = self.runner.input_batch.req_ids
-        step = (positions_T.to("cpu", copy=True), ids_TMK)  # vLLM reuses its buffer every step
-        # Only where each request's rows are: the slicing waits for `take` (per request and
-        # step, it was a fifth of a tiny MoE engine's time).
+        requests, rows = [], []
         for i in range(len(starts) - 1):
-            first, last = starts[i], starts[i + 1]
-            if last > first:
-                self._requests.setdefault(_external(request_ids[i]), []).append((step, first, last))
+            if starts[i + 1] > starts[i]:
+                requests.append(_external(request_ids[i]))
+                rows.append(starts[i + 1] - starts[i])
+        self._steps.append((positions_T[: starts[-1]], ids_TMK[: starts[-1]], requests, rows))
+
+    def _group(self) -> None:
+        """Group the steps filed since the last call by request, in one sort (per request and
+        step, slicing was a tenth of a tiny MoE engine's host time): each request's rows,
+        in step order."""
+        if not self._steps:
+            return
+        positions_R = torch.cat([step[0] for step in self._steps])
+        ids_RMK = torch.cat([step[1] for step in self._steps])
+        names = list(dict.fromkeys(name for step in self._steps for name in step[2]))
+        index = {name: i for i, name in enumerate(names)}
+        slots = [index[name] for step in self._steps for name in step[2]]
+        runs = [rows for step in self._steps for rows in step[3]]
+        slots, runs = torch.tensor(slots, dtype=torch.long), torch.tensor(runs, dtype=torch.long)
+        slot_R = slots.repeat_interleave(runs)
+        order_R = torch.argsort(slot_R, stable=True)  # within a request, in step order
+        positions_R, ids_RMK = positions_R[order_R], ids_RMK[order_R]
+        ends = torch.bincount(slot_R, minlength=len(names)).cumsum(0).tolist()
+        for name, first, last in zip(names, [0, *ends[:-1]], ends, strict=True):
+            group = (positions_R[first:last], ids_RMK[first:last])
+            self._requests.setdefault(name, []).append(group)
+        self._steps = []
 
     def take(self, request_id: str, length: int) -> torch.Tensor:
         """The request's ids [length, M, K] (-1 where not run), forgetting them. A position
         run twice (a request preempted and recomputed) keeps its last run's ids."""
+        self._group()
         K = self.routers[0].top_k
         out = torch.full((length, len(self.routers), K), -1, dtype=torch.int16)
-        chunks = self._requests.pop(request_id, [])
-        if not chunks:
+        groups = self._requests.pop(request_id, [])
+        if not groups:
             return out
-        # One indexing for all of the request's steps (per step, the host work of a long
-        # generation was a tenth of the engine's time on a tiny MoE).
-        positions = torch.cat([step[0][first:last] for step, first, last in chunks])
-        ids = torch.cat([step[1][first:last] for step, first, last in chunks])
+        positions = torch.cat([group[0] for group in groups])
+        ids = torch.cat([group[1] for group in groups])
         inside = positions < length
         positions, ids = positions[inside], ids[inside]
         order = torch.argsort(positions, stable=True)  # steps in order within a position
