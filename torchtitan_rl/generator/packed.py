@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_rl import console
+from torchtitan_rl.generator.tensor_parallel import RankExperts
 from torchtitan_rl.models.moe import Experts, OssExperts
 
 
@@ -54,17 +55,21 @@ class PackedLinear(nn.Module):
         self.bias_shares = getattr(linear, "tp_degree", 1)
         """A row-parallel linear's ranks, each adding this share of the bias before the sum
         (torchtitan's `ScaledBiasRowwiseLinear`); 1 elsewhere."""
+        self._bias_share = None
+        """With bias shares, this rank's share of the bias (a copy, refreshed by `repack`)."""
         self._handler = None
 
     def repack(self) -> None:
         from vllm import _custom_ops as ops
 
         self._handler = ops.create_onednn_mm(self.weight.detach().t(), 32)
+        if self.bias is not None and self.bias_shares > 1:
+            self._bias_share = self.bias.detach() / self.bias_shares
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from vllm import _custom_ops as ops
 
-        bias = self.bias if self.bias_shares == 1 else self.bias / self.bias_shares
+        bias = self.bias if self._bias_share is None else self._bias_share
         y = ops.onednn_mm(self._handler, x.reshape(-1, x.shape[-1]), bias)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.cap is None else self.cap(y)
@@ -94,8 +99,8 @@ class PackedExperts(nn.Module):
         super().__init__()
         self.inner_experts = routed_experts.inner_experts
         dispatcher = routed_experts.token_dispatcher
-        self.experts = (getattr(dispatcher, "first", 0), getattr(dispatcher, "count", None))
-        """The experts this rank holds: (first, count), count None for all of them."""
+        self.rank_experts = dispatcher if isinstance(dispatcher, RankExperts) else None
+        """Expert parallel: the dispatcher that knows this rank's experts (None: all here)."""
         self._w13_EGD = self._w2_EDF = None
 
     @staticmethod
@@ -151,10 +156,8 @@ class PackedExperts(nn.Module):
         K = topk_scores_BLK.shape[-1]
         scores_TK = topk_scores_BLK.reshape(-1, K).float()
         ids_TK = topk_expert_ids_BLK.reshape(-1, K)
-        first, count = self.experts
-        if count is not None:
-            local_TK = ids_TK - first
-            mine_TK = (local_TK >= 0) & (local_TK < count)
+        if self.rank_experts is not None:
+            local_TK, mine_TK = self.rank_experts.mine(ids_TK)
             scores_TK = torch.where(mine_TK, scores_TK, 0.0)
             ids_TK = torch.where(mine_TK, local_TK, 0)
         out_TD = torch.empty_like(x_TD)

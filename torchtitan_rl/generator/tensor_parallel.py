@@ -67,14 +67,10 @@ def why_not_local(spec, tp: int) -> str:
 
 
 def supported(spec, tp: int) -> bool:
-    """Whether `spec`'s model runs on local shards at `tp` ranks (see the module docstring)."""
+    """Whether `spec`'s model runs on local shards at `tp` ranks (see the module docstring),
+    so that its decoder compiles (one rank always does; the DTensor path runs eager). The
+    engine's choice and the wrapper's both read this."""
     return not why_not_local(spec, tp)
-
-
-def compiles(spec, tp: int) -> bool:
-    """Whether the generator's decoder compiles at `tp` ranks: on one rank, or on local shards
-    (the DTensor path runs eager). The engine's choice and the wrapper's both read this."""
-    return tp == 1 or supported(spec, tp)
 
 
 def localize(model: nn.Module) -> tuple[dict[str, Layout], list[str]]:
@@ -126,9 +122,14 @@ class RankExperts(LocalTokenDispatcher):
         super().__init__(LocalTokenDispatcher.Config(num_experts=num_experts, top_k=top_k))
         self.first, self.count = first, count
 
+    def mine(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each id as this rank's expert index, whether it is one of this rank's experts);
+        `PackedExperts` reads it too."""
+        local = expert_ids - self.first
+        return local, (local >= 0) & (local < self.count)
+
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
-        local_N = topk_expert_ids_TK.reshape(-1) - self.first
-        mine_N = (local_N >= 0) & (local_N < self.count)
+        local_N, mine_N = self.mine(topk_expert_ids_TK.reshape(-1))
         order_N = torch.argsort(torch.where(mine_N, local_N, self.count), stable=True)
         metadata = RankDispatchMetadata(
             token_indices_experts_sorted_N=order_N // self.top_k,

@@ -60,7 +60,7 @@ def _compiles(vllm_config: VllmConfig) -> bool:
     tp = vllm_config.parallel_config.tensor_parallel_size
     hf_config = vllm_config.model_config.hf_config
     spec = model_spec(hf_config.torchtitan_model, hf_config.torchtitan_flavor)
-    return tensor_parallel.compiles(spec, tp)
+    return tensor_parallel.supported(spec, tp)
 
 
 @support_torch_compile(
