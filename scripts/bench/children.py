@@ -1,16 +1,30 @@
 """What the benchmarks that measure in child processes share: assets, joining the torchrun
-world, result passing."""
+world, result passing; and timing a call."""
 
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT = "RESULT "
+
+
+def median_ms(fn, repeats: int, warmup: int = 1) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def ensure_checkpoint(path: str) -> None:

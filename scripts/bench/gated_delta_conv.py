@@ -12,22 +12,9 @@ gathers the requests' states, convolves, and scatters the new ones back, as it w
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
-
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of `fn()` over `repeats` calls, after 3 untimed."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from children import median_ms
 
 
 def main() -> None:
@@ -61,8 +48,8 @@ def main() -> None:
         pool_SCW[slots_R.long()] = new_RCW
 
     figures = {
-        "vllm_kernel_ms": round(timed(kernel, args.repeats), 3),
-        "torch_routine_ms": round(timed(routine, args.repeats), 3),
+        "vllm_kernel_ms": round(median_ms(kernel, args.repeats, warmup=3), 3),
+        "torch_routine_ms": round(median_ms(routine, args.repeats, warmup=3), 3),
     }
     figures["routine_vs_kernel"] = round(figures["torch_routine_ms"] / figures["vllm_kernel_ms"], 2)
     print(

@@ -12,22 +12,12 @@ JSON line: median milliseconds of each and `masked_over_per_document`.
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from children import median_ms
 from trainer import longtail_mix
 
 from torchtitan_rl.trainer import attention
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first warms up
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:])
 
 
 def main() -> None:
@@ -53,8 +43,8 @@ def main() -> None:
         out = kernel(q, k, v, docs, enable_gqa=True)
         out.sum().backward()
 
-    per_document = timed(lambda: step(attention.sdpa_per_document), args.repeats)
-    masked = timed(lambda: step(attention.masked_sdpa), args.repeats)
+    per_document = median_ms(lambda: step(attention.sdpa_per_document), args.repeats)
+    masked = median_ms(lambda: step(attention.masked_sdpa), args.repeats)
     row = {
         "bench": "packed_attention",
         "tokens": total,
@@ -75,9 +65,13 @@ def main() -> None:
         mask = create_block_mask(document_causal, 1, None, total, total, device="cpu")
         qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
         with torch.no_grad():
-            flex = timed(lambda: flex_attention(qt, kt, vt, block_mask=mask, enable_gqa=True), 3)
+            flex = median_ms(
+                lambda: flex_attention(qt, kt, vt, block_mask=mask, enable_gqa=True), 3
+            )
         with torch.no_grad():
-            forward = timed(lambda: attention.sdpa_per_document(q, k, v, docs, enable_gqa=True), 3)
+            forward = median_ms(
+                lambda: attention.sdpa_per_document(q, k, v, docs, enable_gqa=True), 3
+            )
         row["flex_forward_ms"] = round(flex, 2)
         row["per_document_forward_ms"] = round(forward, 2)
     except Exception as e:  # noqa: BLE001 - report why FlexAttention did not run

@@ -17,23 +17,11 @@ Children measure, the parent prints one JSON line:
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from children import REPO, ensure_checkpoint, report, run_child
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from children import REPO, ensure_checkpoint, median_ms, report, run_child
 
 
 def measure_ours(args) -> dict | None:

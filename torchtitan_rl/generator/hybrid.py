@@ -256,10 +256,10 @@ def _note_no_kernels() -> None:
 
 def _vllm_conv(qkv_TC, conv_weight, conv_SCW, metadata) -> torch.Tensor:
     """The batch's convolution on vLLM's CPU kernels (their unpacked-weight forms), in place
-    on the slots, as vLLM's own model runs it: the decodes in one update call (0.068 ms for
-    128 requests of 2,048 channels, where `gated_delta.causal_conv` on their gathered states
-    takes 0.53 ms: scripts/bench/gated_delta_conv.py --channels 2048), the prefills in one
-    call."""
+    on the slots, as vLLM's own model runs it: the decodes in one update call (0.06-0.11 ms
+    for 128 requests of 2,048 channels, where `gated_delta.causal_conv` on their gathered
+    states takes 0.53-3.6 ms: scripts/bench/gated_delta_conv.py --channels 2048), the
+    prefills in one call."""
     from vllm import _custom_ops as ops
 
     D, P = metadata.num_decodes, metadata.num_prefills
