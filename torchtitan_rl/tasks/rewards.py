@@ -41,6 +41,12 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if mv.verify(gold, guess, timeout_seconds=None) else 0.0
 
 
+def exact_match_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 if the completion, without surrounding whitespace, is `answer`: for answers that are
+    words ("red", "left"), which math_reward scores 0."""
+    return float(completion.strip() == answer.strip())
+
+
 @functools.cache
 def _math_verify():
     # Imported on first use (it pulls in sympy), then once: a `from ... import` per call was
