@@ -46,6 +46,9 @@ PAD, EOS, UNK = "<|pad|>", "<|eos|>", "<|unk|>"
 # ends with IM_END (a stop id in generation_config.json, as in Qwen3's).
 IM_START, IM_END, THINK, END_THINK = "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, IM_START, IM_END, THINK, END_THINK]
+# Muse Glimmer's image markers (torchtitan_rl/vision/preprocess.py), in the vision flavors'
+# tokenizers only: after the alphabet, so the text ids stay the text-only tokenizer's.
+IMAGE_TOKENS = ["<|patch|>", "<|image_start|>", "<|image_end|>"]
 # Qwen3's chat template reduced to what the tiny model needs: ChatML messages, the generation
 # prompt, and enable_thinking = false's empty think block.
 CHAT_TEMPLATE = (
@@ -59,13 +62,39 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
+# The same for a vision-language model: a message's content may be a list of OpenAI-style parts,
+# each image one `<|patch|>`, which the renderer expands to the image's placeholder run (as HF's
+# MuseGlimmerProcessor does).
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "message['content'] + '<|im_end|>\\n' }}",
+    "'' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|patch|>' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}",
+)
+# The vision flavors' image processor (HF's MuseGlimmerImageProcessor's defaults but the size
+# limit): an image gets at most 64 placeholder tokens, 8x8 cells of 28 pixels.
+PREPROCESSOR = {
+    "image_processor_type": "MuseGlimmerImageProcessor",
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "max_image_tokens": 64,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 # Digits and words for the toy tasks, math punctuation for JSONL math prompts (\boxed{...}).
 ALPHABET = string.digits + string.ascii_lowercase + " \n" + "+-*/=?:.,;!'\"()[]{}\\<>_"
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A character-level WordLevel tokenizer over ALPHABET, specials first (pad=0, eos=1)."""
-    if len(SPECIAL_TOKENS) + len(ALPHABET) > vocab_size:
+def build_tokenizer(vocab_size: int, vision: bool = False) -> Tokenizer:
+    """A character-level WordLevel tokenizer over ALPHABET, specials first (pad=0, eos=1);
+    `vision`: Muse Glimmer's image markers after the alphabet."""
+    extra = IMAGE_TOKENS if vision else []
+    if len(SPECIAL_TOKENS) + len(ALPHABET) + len(extra) > vocab_size:
         raise SystemExit(f"vocab_size {vocab_size} is smaller than the tokenizer alphabet")
     tokenizer = Tokenizer(models.WordLevel(unk_token=UNK))
     # Every character is its own pre-token, so the vocabulary is exactly the alphabet.
@@ -76,6 +105,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     )
     # Equal counts for every character: the trainer then orders them by character, stably.
     tokenizer.train_from_iterator([ALPHABET], trainer=trainer)
+    tokenizer.add_special_tokens(extra)
     return tokenizer
 
 
@@ -284,25 +314,49 @@ def _muse_glimmer_config(model_config, eos_id: int, pad_id: int) -> dict:
         "final_logit_softcapping": model_config.lm_head.output_soft_cap_temp,
         **_common_fields(model_config, eos_id, pad_id),
     }
-    vision = {
-        "model_type": "muse_glimmer_vision",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "num_hidden_layers": 1,
-        "pos_emb_height": 2,
-        "pos_emb_width": 2,
-    }
-    return {
+    encoder = model_config.vision_encoder
+    if encoder is None:
+        vision = {
+            "model_type": "muse_glimmer_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "pos_emb_height": 2,
+            "pos_emb_width": 2,
+        }
+    else:
+        vision = {
+            "model_type": "muse_glimmer_vision",
+            "hidden_size": encoder.latent_dim,
+            "intermediate_size": encoder.block.mlp.fc1.out_features,
+            "num_attention_heads": encoder.num_heads,
+            "num_hidden_layers": encoder.num_layers,
+            "pos_emb_height": encoder.pos_emb_grid_h,
+            "pos_emb_width": encoder.pos_emb_grid_w,
+            "max_position_embeddings": encoder.pos_emb_grid_h * encoder.pos_emb_grid_w,
+            "patch_size": encoder.patch_size,
+            "patch_temporal": encoder.patch_temporal,
+            "merge_size": encoder.downsample_factor,
+            "rope_parameters": {
+                "rope_type": "axial",
+                "rope_theta": float(encoder.rope_freq.rope_theta),
+            },
+        }
+    config = {
         "architectures": ["MuseGlimmerForConditionalGeneration"],
         "model_type": "muse_glimmer",
-        "has_vision": False,
+        "has_vision": encoder is not None,
         "text_config": text,
         "vision_config": vision,
-        "out_hidden_size": 4 * vision["hidden_size"],
+        "out_hidden_size": vision["hidden_size"] * 4,
         "projector_hidden_size": 64,
         **_common_fields(model_config, eos_id, pad_id),
     }
+    if encoder is not None:
+        config["out_hidden_size"] = encoder.output_dim
+        config["projector_hidden_size"] = model_config.vision_projection.in_features
+    return config
 
 
 def _qwen3_5_config(model_config, eos_id: int, pad_id: int) -> dict:
@@ -445,7 +499,8 @@ def write_checkpoint(
     spec = model_spec(name, flavor)
     if mean_tokens:
         platform.use_platform_attention(spec.model)  # calibration runs it (no parameters)
-    tokenizer = build_tokenizer(spec.model.vocab_size)
+    vision = getattr(spec.model, "vision_encoder", None) is not None
+    tokenizer = build_tokenizer(spec.model.vocab_size, vision)
     eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
     im_end_id = tokenizer.token_to_id(IM_END)
 
@@ -469,6 +524,8 @@ def write_checkpoint(
     adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = {k: v.detach().contiguous() for k, v in adapter.to_hf(model.state_dict()).items()}
     config = hf_config(name, spec.model, eos_id, pad_id)
+    if vision:
+        config["image_token_id"] = tokenizer.token_to_id(IMAGE_TOKENS[0])
     if (name, flavor) == ("deepseek_v3", "tiny"):
         hf_state |= mtp_layer(hf_state, config)
         config["num_nextn_predict_layers"] = 1
@@ -488,9 +545,11 @@ def write_checkpoint(
         "unk_token": UNK,
         "model_max_length": config.get("text_config", config)["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    if vision:
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ fi
 # The tiny checkpoint is deterministic: rebuild it only when its recipe changed.
 recipe=$(cat scripts/make_tiny_checkpoint.py torchtitan_rl/models/*.py | sha256sum | cut -d' ' -f1)
 for target in qwen3:tiny llama3:tiny qwen3:tiny_moe gpt_oss:tiny deepseek_v3:tiny \
-    deepseek_v3:tiny_grouped kimi_k2_7:tiny muse_glimmer:tiny qwen3_5:tiny qwen3_5:tiny_moe; do
+    deepseek_v3:tiny_grouped kimi_k2_7:tiny muse_glimmer:tiny muse_glimmer:tiny_vl qwen3_5:tiny \
+    qwen3_5:tiny_moe; do
     model=${target%%:*} flavor=${target#*:}
     ASSETS=assets/${flavor}_$model
     if [ "$(cat "$ASSETS/.recipe" 2>/dev/null)" != "$recipe" ]; then
@@ -43,4 +44,4 @@ for target in qwen3:tiny llama3:tiny qwen3:tiny_moe gpt_oss:tiny deepseek_v3:tin
         echo "$recipe" > "$ASSETS/.recipe"
     fi
 done
-echo "setup: ready ($VENV, assets/tiny_{qwen3,llama3,moe_qwen3,gpt_oss,deepseek_v3,grouped_deepseek_v3,kimi_k2_7,muse_glimmer,qwen3_5,moe_qwen3_5})"
+echo "setup: ready ($VENV, assets/tiny_{qwen3,llama3,moe_qwen3,gpt_oss,deepseek_v3,grouped_deepseek_v3,kimi_k2_7,muse_glimmer,vl_muse_glimmer,qwen3_5,moe_qwen3_5})"

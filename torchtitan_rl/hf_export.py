@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl import console
 from torchtitan_rl.config import ConfigError, ModelSection, read_json
 from torchtitan_rl.trainer.lora import is_lora_key
-from torchtitan_rl.trainer.model import is_unread_key, mtp_layers
+from torchtitan_rl.trainer.model import is_unread_key, mtp_layers, reads_vision
 
 HF_SIDE_FILES = (
     "config.json",
@@ -89,17 +89,17 @@ def export_hf(
 
 def _unread_tensors(source: Path, exported: dict, hf_config: dict) -> dict:
     """The source checkpoint's tensors that the model leaves unread (`is_unread_key`: a
-    vision-language model's vision tower, multi-token-prediction layers), as they are: the
+    text-only flavor's vision tower, multi-token-prediction layers), as they are: the
     export is then the source's whole model with the trained text tower, as its config.json
     (copied) describes it, and vLLM and transformers load it as they loaded the source."""
     from safetensors import safe_open
 
-    mtp = mtp_layers(exported, hf_config)
+    mtp, vision = mtp_layers(exported, hf_config), reads_vision(exported)
     found = {}
     for path in sorted(source.glob("*.safetensors")):
         with safe_open(path, "pt") as shard:
             for key in shard.keys():
-                if is_unread_key(key, mtp):
+                if is_unread_key(key, mtp, vision):
                     found[key] = shard.get_tensor(key)
     return found
 

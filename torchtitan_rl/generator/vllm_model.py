@@ -47,7 +47,7 @@ from torchtitan_rl.generator.packed import (
 from torchtitan_rl.generator.routing import RoutingLog
 from torchtitan_rl.models import attention_shape, model_spec, weights
 from torchtitan_rl.models.moe import local_shard, routers
-from torchtitan_rl.trainer.model import hf_shapes, is_unread_key, mtp_layers
+from torchtitan_rl.trainer.model import hf_shapes, is_unread_key, mtp_layers, reads_vision
 
 TP_BATCH_MULTIPLE = 64
 """A tensor-parallel generator pads each forward's tokens to a multiple of this (see forward)."""
@@ -277,7 +277,7 @@ class TorchTitanForCausalLM(nn.Module):
         """
         adapter = self.spec.state_dict_adapter(self.spec.model, None)
         expected = set(hf_shapes(self.spec))
-        mtp = mtp_layers(expected, self.hf_config.to_dict())
+        mtp, vision = mtp_layers(expected, self.hf_config.to_dict()), reads_vision(expected)
         layer_names: dict[str, set[str]] = {}
         for name in expected:
             layer_names.setdefault(_layer_of(name), set()).add(name)
@@ -299,8 +299,8 @@ class TorchTitanForCausalLM(nn.Module):
             unexpected.extend(result.unexpected_keys)
 
         for name, tensor in weights:
-            if is_unread_key(name, mtp):
-                continue  # a multi-token-prediction layer, the vision tower (trainer/model.py)
+            if is_unread_key(name, mtp, vision):
+                continue  # a multi-token-prediction layer, a text-only flavor's vision tower
             arrived.add(name)
             key = _layer_of(name)
             pending.setdefault(key, {})[name] = tensor

@@ -23,6 +23,7 @@ from torchtitan_rl.models.families import FAMILIES, SUPPORTED_MODELS, Family  # 
 from torchtitan_rl.models.gpt_oss import GptOssAdapter
 from torchtitan_rl.models.moe import use_project_moe
 from torchtitan_rl.models.tiny import EXTRA_FLAVORS
+from torchtitan_rl.models.vision import use_dense_vision_attention
 
 
 def family_module(name: str):
@@ -51,9 +52,10 @@ def expert_counts(name: str, flavor: str) -> set[int]:
 
 def refused_parts(name: str, flavor: str) -> str:
     """Why `name`/`flavor` cannot run though its family can ('' where it can): a vision tower
-    (Kimi K2.5's flavors but moonlight-16B-A3B), multi-token-prediction layers."""
+    but Muse Glimmer's (Kimi K2.5's flavors but moonlight-16B-A3B), multi-token-prediction
+    layers."""
     config = _config(name, flavor)
-    if getattr(config, "vision_encoder", None) is not None:
+    if getattr(config, "vision_encoder", None) is not None and name != "muse_glimmer":
         return "builds a vision tower (image and video inputs), which this project does not run"
     if getattr(config, "mtp_layers", None):
         return "has multi-token-prediction layers, which this project does not train"
@@ -153,6 +155,7 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
         from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
         spec.parallelize_fn = parallelize_qwen3
+        use_dense_vision_attention(spec.model)
     if name == "qwen3_5":
         from torchtitan_rl.models.qwen3_5 import adapter_class
 

@@ -315,6 +315,53 @@ def muse_glimmer_tiny(attn_backend: str):
     return config
 
 
+VL_VOCAB_SIZE = 72
+"""The vision-language tiny Muse Glimmer's vocabulary: the tiny alphabet's 68 ids plus the image
+markers `<|patch|>`, `<|image_start|>`, `<|image_end|>`, and one unused id (a multiple of 8)."""
+
+
+def muse_glimmer_tiny_vl(attn_backend: str):
+    """`tiny` with Muse Glimmer's vision tower, at the tiny size: an encoder of 2 layers of
+    width 32 (2 heads), windowed attention over 2x2 patch windows in the first layer and global
+    in the last, as the 30B's 50 layers alternate; 14-px patches of 2 frames, merged 2x2 into
+    one 128-wide token; the adapter's two linears to 64, and the decoder's projection to its
+    width. Its vocabulary holds the image markers (VL_VOCAB_SIZE)."""
+    import dataclasses
+
+    from torchtitan.models.muse_glimmer import (
+        _muse_glimmer_config,
+        muse_glimmer_vision_adapter_config,
+        muse_glimmer_vision_encoder_config,
+    )
+
+    encoder = muse_glimmer_vision_encoder_config(
+        latent_dim=32,
+        num_layers=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        pos_emb_grid_h=2,
+        pos_emb_grid_w=2,
+    )
+    adapter = muse_glimmer_vision_adapter_config(input_dim=encoder.output_dim, output_dim=64)
+    config = _muse_glimmer_config(
+        dim=DIM,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=HEAD_DIM,
+        vocab_size=VL_VOCAB_SIZE,
+        max_seq_len=4096,
+        window_pattern=[MUSE_GLIMMER_WINDOW] * 3 + [0],
+        output_multiplier=2.0,
+        attn_backend=attn_backend,
+        vision_adapter_dim=64,
+        vision_encoder=encoder,
+        vision_adapter=adapter,
+    )
+    config.lm_head = dataclasses.replace(config.lm_head, output_soft_cap_temp=5.0)
+    return config
+
+
 def qwen3_5_tiny(attn_backend: str, moe: bool = False):
     """Qwen3.5's text model at the tiny size: 4 layers, three Gated DeltaNet (2 key heads
     repeated to 4 value heads of 64, the smallest vLLM's own CPU kernels take, and a width-4
@@ -376,6 +423,6 @@ EXTRA_FLAVORS: dict[str, dict[str, Callable]] = {
     "gpt_oss": {"tiny": gpt_oss_tiny},
     "deepseek_v3": {"tiny": deepseek_v3_tiny, "tiny_grouped": deepseek_v3_tiny_grouped},
     "kimi_k2_7": {"tiny": kimi_k2_7_tiny},
-    "muse_glimmer": {"tiny": muse_glimmer_tiny},
+    "muse_glimmer": {"tiny": muse_glimmer_tiny, "tiny_vl": muse_glimmer_tiny_vl},
     "qwen3_5": {"tiny": qwen3_5_tiny, "tiny_moe": qwen3_5_tiny_moe},
 }

@@ -102,7 +102,8 @@ def check_hf_checkpoint(
             "DeepSeek-V3 and Kimi K2): convert it to bf16 first (docs/moe.md, DeepSeek-V3)"
         )
     mtp = mtp_layers(expected, read_json(path, "config.json", field))
-    found = {key: shape for key, shape in found.items() if not is_unread_key(key, mtp)}
+    vision = reads_vision(expected)
+    found = {key: shape for key, shape in found.items() if not is_unread_key(key, mtp, vision)}
     fix = "pick the flavor the checkpoint was saved from"
     for key, shape in expected.items():
         if key not in found:
@@ -138,16 +139,21 @@ def mtp_layers(expected, config) -> range:
 
 VISION_TOWER = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
 """Where a vision-language checkpoint (Muse Glimmer's) keeps its vision tower, beside the text
-tower under `model.language_model.`: the text tower is what the trainer and the generator run
-(a flavor with a vision tower is refused: models.refused_parts)."""
+tower under `model.language_model.`. A text-only flavor runs the text tower alone; a vision
+flavor (`tiny_vl`, `debugmodel_mm`, `30B_mm`) reads the tower too."""
 
 
-def is_unread_key(key: str, mtp: range) -> bool:
+def reads_vision(names) -> bool:
+    """Whether a model whose HF tensor names are `names` has a vision tower."""
+    return any(name.startswith(VISION_TOWER) for name in names)
+
+
+def is_unread_key(key: str, mtp: range, vision: bool = False) -> bool:
     """Whether the model leaves HF tensor `key` unread: one of the decoder layers `mtp`
-    (`mtp_layers`), or the vision tower's."""
+    (`mtp_layers`), or, for a model without a vision tower (not `vision`), the tower's."""
     parts = key.split(".")
     in_mtp = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) in mtp
-    return in_mtp or key.startswith(VISION_TOWER)
+    return in_mtp or (not vision and key.startswith(VISION_TOWER))
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
