@@ -10,10 +10,27 @@ imports its types from here. Shapes: P prompts, N samples per prompt, B sequence
 (prompt + completion, right-padded).
 """
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Images:
+    """A prompt's images as a vision-language model reads them (Muse Glimmer's:
+    vision/preprocess.py): their patch rows, grids, and where each image's run of placeholder
+    tokens lies in the prompt's ids. A prompt's samples share one."""
+
+    pixel_values_PX: torch.Tensor
+    """Every image's patch rows, image after image, in HF's layout (vision/preprocess.py)."""
+    grid_thw_N3: torch.Tensor
+    """Each image's patch grid (1, h, w), int64."""
+    starts: tuple[int, ...]
+    """Where each image's placeholder run starts in the prompt's ids."""
+    lengths: tuple[int, ...]
+    """Each image's placeholder tokens (its merged patches)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +46,9 @@ class Prompt:
     source: str = ""
     """The name of the mixture's source it was drawn from (task.sources); "" in a run of one
     task."""
+    images: tuple = ()
+    """The row's images in the order its messages show them (paths, data URLs, bytes or PIL
+    images), which the renderer reads; () for text."""
 
 
 def is_chat(messages) -> bool:
@@ -146,6 +166,8 @@ class Completions:
 
     prompts: list[list[int]]
     samples: list[list[Sample]]
+    images: "list[Images | None] | None" = None
+    """Each prompt's images (None: text prompts)."""
 
     @property
     def num_tokens(self) -> int:
@@ -372,6 +394,9 @@ class RolloutBatch:
     versions_BT: torch.Tensor | None = None
     """The policy version that sampled each token, int64, -1 where none did (continuous
     placement: `Sample.versions`); None where one version sampled the whole batch."""
+    images_B: tuple[Images | None, ...] | None = None
+    """Each row's prompt's images (None in a row without; None: no row has any). Host
+    objects, not tensors: `to` and `map` leave them, and `rows` picks them by a host index."""
 
     @property
     def batch_size(self) -> int:
@@ -381,19 +406,25 @@ class RolloutBatch:
         """`n` micro-batches of consecutive rows (the last ones may be one row shorter)."""
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"cannot split {self.batch_size} sequences into {n} micro-batches")
-        parts = {
-            f.name: torch.tensor_split(getattr(self, f.name), n)
-            for f in fields(self)
-            if getattr(self, f.name) is not None
-        }
+        parts = {name: torch.tensor_split(value, n) for name, value in self._tensors().items()}
+        if self.images_B is not None:
+            bounds = torch.arange(self.batch_size).tensor_split(n)
+            parts["images_B"] = [tuple(self.images_B[int(b)] for b in rows) for rows in bounds]
         return [RolloutBatch(**{k: v[i] for k, v in parts.items()}) for i in range(n)]
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "images_B" and getattr(self, f.name) is not None
+        }
 
     @staticmethod
     def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
         """The rows of `batches` in order, right-padded with 0 to the widest (the fields the
         first batch holds)."""
         width = max(b.tokens_BT.shape[1] for b in batches)
-        names = [f.name for f in fields(RolloutBatch) if getattr(batches[0], f.name) is not None]
+        names = list(batches[0]._tensors())
 
         def widened(name: str, tensor: torch.Tensor) -> torch.Tensor:
             if tensor.dim() < 2:
@@ -402,29 +433,38 @@ class RolloutBatch:
             pad = (0, 0) * (tensor.dim() - 2) + (0, width - tensor.shape[1])
             return torch.nn.functional.pad(tensor, pad, value=fill)
 
+        images_B = None
+        if any(b.images_B is not None for b in batches):
+            images_B = tuple(
+                image for b in batches for image in b.images_B or (None,) * b.batch_size
+            )
         return RolloutBatch(
             **{
                 name: torch.cat([widened(name, getattr(b, name)) for b in batches])
                 for name in names
-            }
+            },
+            images_B=images_B,
         )
 
     def rows(self, index_R: torch.Tensor) -> "RolloutBatch":
-        """The batch of the rows `index_R`, in that order."""
-        return self.map(lambda tensor: tensor[index_R.to(tensor.device)])
+        """The batch of the rows `index_R`, in that order (a host index where the rows have
+        images: picking them by a device index would read the device)."""
+        picked = self.map(lambda tensor: tensor[index_R.to(tensor.device)])
+        if self.images_B is None:
+            return picked
+        if index_R.device.type != "cpu":
+            raise ValueError("the rows of a batch with images are picked by a host index")
+        return dataclasses.replace(
+            picked, images_B=tuple(self.images_B[i] for i in index_R.tolist())
+        )
 
     def to(self, device: torch.device) -> "RolloutBatch":
         return self.map(lambda tensor: tensor.to(device))
 
     def map(self, fn) -> "RolloutBatch":
-        """`fn` applied to every tensor the batch holds."""
-        return RolloutBatch(
-            **{
-                f.name: fn(getattr(self, f.name))
-                for f in fields(self)
-                if getattr(self, f.name) is not None
-            }
-        )
+        """`fn` applied to every tensor the batch holds (its images stay as they are)."""
+        mapped = {name: fn(value) for name, value in self._tensors().items()}
+        return RolloutBatch(**mapped, images_B=self.images_B)
 
 
 def rollout_batch(
@@ -432,8 +472,10 @@ def rollout_batch(
     samples: "list[list[Sample]]",
     advantages_PN: torch.Tensor,
     pad_id: int,
+    images: "list[Images | None] | None" = None,
 ) -> RolloutBatch:
-    """Right-padded RolloutBatch of every (prompt, sample) pair, prompt-major.
+    """Right-padded RolloutBatch of every (prompt, sample) pair, prompt-major; `images`: each
+    prompt's (Completions.images), shared by its samples' rows.
 
     `samples[p][n]` is the n-th sample of prompt p (an episode: its turns and the environment's
     replies between them); the loss mask covers exactly the sampled tokens (a sampled stop
@@ -459,6 +501,9 @@ def rollout_batch(
         generator_logprobs_BT=torch.tensor([pad(lp, 0.0) for lp in logprobs]),
         routed_experts_BTMK=_routed(samples, width),
         versions_BT=_versions(prompts, samples, width),
+        images_B=None
+        if images is None or all(i is None for i in images)
+        else tuple(images[p] for p, group in enumerate(samples) for _ in group),
     )
 
 

@@ -11,7 +11,13 @@ import torch
 
 from tests.helpers.titan import torchtitan_model
 from torchtitan_rl.models import model_spec
-from torchtitan_rl.models.vision import VisionEncoder, encoder_rows
+from torchtitan_rl.models.vision import (
+    VisionEncoder,
+    VisionLanguageModel,
+    encoder_inputs,
+    encoder_rows,
+)
+from torchtitan_rl.types import Images
 from torchtitan_rl.vision.preprocess import ImageProcessorConfig, placeholder_count, preprocess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,17 +75,63 @@ def test_images_of_different_shapes_give_hf_logits(hf_model, titan_model):
         hf_logits = hf_model(
             input_ids=tokens_1T, pixel_values=pixel_values_PX, image_grid_thw=grid_thw_N3
         ).logits[0]
+        positions_1T = torch.arange(tokens_1T.shape[1])[None]
         ours = titan_model(
             tokens_1T,
-            positions=torch.arange(tokens_1T.shape[1])[None],
+            positions=positions_1T,
+            vision=_inputs(tokens_1T[0], pixel_values_PX, grid_thw_N3),
+        )[0]
+        # torchtitan's own injection, at every placeholder id, gives the same.
+        theirs = titan_model(
+            tokens_1T,
+            positions=positions_1T,
             pixel_values=encoder_rows(pixel_values_PX, grid_thw_N3, 14, 2),
             grid_thw=grid_thw_N3,
             special_tokens={"image_id": PATCH},
         )[0]
-        text_only = titan_model(tokens_1T, positions=torch.arange(tokens_1T.shape[1])[None])[0]
+        text_only = titan_model(tokens_1T, positions=positions_1T)[0]
     torch.testing.assert_close(ours, hf_logits, rtol=1e-5, atol=1e-4)
+    assert torch.equal(ours, theirs)
     # The images are read: without them, the placeholders' logits are another model's.
     assert (text_only - hf_logits).abs().max() > 0.1
+
+
+def _inputs(tokens_T: torch.Tensor, pixel_values_PX, grid_thw_N3, offset: int = 0):
+    """The encoder's inputs for a prompt `tokens_T` holding the images' placeholder runs."""
+    ids = tokens_T.tolist()
+    starts = tuple(i for i, t in enumerate(ids) if t == PATCH and (i == 0 or ids[i - 1] != PATCH))
+    lengths = tuple(placeholder_count(g, 2) for g in grid_thw_N3)
+    images = Images(pixel_values_PX, grid_thw_N3, starts, lengths)
+    return encoder_inputs([images], [offset], 14, 2)
+
+
+def test_a_placeholder_id_the_completion_samples_is_read_as_text(titan_model):
+    """A sampled `<|patch|>` after the prompt is a token like any other (as the generator
+    reads it): the features go where the prompt's images are, and torchtitan's injection
+    (every placeholder id) would refuse the row."""
+    config = ImageProcessorConfig.from_checkpoint(CHECKPOINT)
+    pixel_values_PX, grid_thw_N3 = preprocess(_images((28, 56)), config)
+    prompt = _prompt(grid_thw_N3)
+    tokens_1T = torch.tensor([prompt + [20, PATCH, PATCH, 21]])
+    vision = _inputs(torch.tensor(prompt), pixel_values_PX, grid_thw_N3)
+    with torch.no_grad():
+        logits = titan_model(
+            tokens_1T, positions=torch.arange(tokens_1T.shape[1])[None], vision=vision
+        )[0]
+        alone = titan_model(
+            tokens_1T[:, : len(prompt) + 1],
+            positions=torch.arange(len(prompt) + 1)[None],
+            vision=vision,
+        )[0]
+        with pytest.raises(ValueError, match="counts must match"):
+            titan_model(
+                tokens_1T,
+                positions=torch.arange(tokens_1T.shape[1])[None],
+                pixel_values=encoder_rows(pixel_values_PX, grid_thw_N3, 14, 2),
+                grid_thw=grid_thw_N3,
+                special_tokens={"image_id": PATCH},
+            )
+    torch.testing.assert_close(logits[: len(prompt) + 1], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_the_encoder_fixes_torchtitans_positions_for_images_not_square(hf_model, titan_model):
@@ -128,14 +180,15 @@ def test_images_batched_with_padding_encode_as_each_alone(titan_model):
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-6)
 
 
-def test_a_vision_flavor_builds_the_encoder_every_muse_glimmer_flavor_uses():
-    """Every Muse Glimmer flavor with a vision tower builds `VisionEncoder` (dense masks), and
-    the config refuses none of them; the text-only ones build none."""
+def test_every_muse_glimmer_vision_flavor_builds_the_projects_model():
+    """Every Muse Glimmer flavor with a vision tower builds `VisionLanguageModel` and
+    `VisionEncoder` (dense masks), and the config refuses none of them; the text-only ones
+    build none."""
     from torchtitan_rl.models import refused_parts
 
     for flavor in ("tiny_vl", "debugmodel_mm", "30B_mm"):
-        assert isinstance(
-            model_spec("muse_glimmer", flavor).model.vision_encoder, VisionEncoder.Config
-        )
+        config = model_spec("muse_glimmer", flavor).model
+        assert isinstance(config, VisionLanguageModel.Config)
+        assert isinstance(config.vision_encoder, VisionEncoder.Config)
         assert refused_parts("muse_glimmer", flavor) == ""
     assert model_spec("muse_glimmer", "tiny").model.vision_encoder is None

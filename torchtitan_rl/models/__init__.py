@@ -23,7 +23,7 @@ from torchtitan_rl.models.families import FAMILIES, SUPPORTED_MODELS, Family  # 
 from torchtitan_rl.models.gpt_oss import GptOssAdapter
 from torchtitan_rl.models.moe import use_project_moe
 from torchtitan_rl.models.tiny import EXTRA_FLAVORS
-from torchtitan_rl.models.vision import use_dense_vision_attention
+from torchtitan_rl.models.vision import use_vision_language_model
 
 
 def family_module(name: str):
@@ -155,7 +155,7 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
         from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
         spec.parallelize_fn = parallelize_qwen3
-        use_dense_vision_attention(spec.model)
+        spec.model = use_vision_language_model(spec.model)
     if name == "qwen3_5":
         from torchtitan_rl.models.qwen3_5 import adapter_class
 

@@ -1,6 +1,8 @@
-"""Muse Glimmer's vision encoder as the trainer and the generator run it: torchtitan's
+"""Muse Glimmer with its vision tower as the trainer and the generator run it: torchtitan's
 `MuseGlimmerVisionEncoder` with its attention masks dense, so that it runs on CPU and
-backpropagates there, plus the conversion of the image processor's patch rows to its input.
+backpropagates there; `VisionLanguageModel`, which writes the images' features where the
+caller says (not wherever a placeholder id is: a completion may sample one); and the
+conversion of prompts' images to the encoder's input.
 
     .venv/bin/python -m pytest tests/unit/test_vision.py
 
@@ -14,7 +16,7 @@ alone, so that no row's softmax is over nothing (SDPA's NaN would reach real row
 0 * NaN); padding rows are dropped before the adapter.
 
 Shapes: N images, P patch rows of the longest, X a row's values (temporal * 3 * patch**2),
-H heads, Dh head dim.
+H heads, Dh head dim; V placeholder tokens of all images, B rows of L tokens, D model dim.
 """
 
 import dataclasses
@@ -22,8 +24,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torchtitan.models.muse_glimmer.model import MuseGlimmerModel
 from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder
 from torchtitan.protocols.module import Module
+
+from torchtitan_rl.types import Images
 
 
 class MaskedAttention(Module):
@@ -84,17 +89,90 @@ class VisionEncoder(MuseGlimmerVisionEncoder):
         return (global_NPP | self_PP)[:, None], (window_NPP | self_PP)[:, None]
 
 
-def use_dense_vision_attention(model_config) -> None:
-    """Make a Muse Glimmer config's vision encoder (if any) build `VisionEncoder` with
-    `MaskedAttention`, in place (before build); parameter names stay torchtitan's."""
-    encoder = getattr(model_config, "vision_encoder", None)
-    if encoder is None or isinstance(encoder, VisionEncoder.Config):
-        return
+@dataclass(frozen=True, slots=True)
+class EncoderInputs:
+    """A forward's images, as `VisionLanguageModel` reads them."""
+
+    pixel_values_NPX: torch.Tensor
+    """Patch rows padded per image, torchtitan's layout (`encoder_rows`)."""
+    grid_thw_N3: torch.Tensor
+    where_V: torch.Tensor
+    """Each placeholder token's index in the forward's flattened tokens [B * L], image by
+    image."""
+
+    def to(self, device: torch.device) -> "EncoderInputs":
+        return EncoderInputs(
+            *(t.to(device) for t in (self.pixel_values_NPX, self.grid_thw_N3, self.where_V))
+        )
+
+
+def encoder_inputs(
+    images: list[Images | None], offsets: list[int], patch_size: int, temporal: int
+) -> EncoderInputs | None:
+    """The encoder's inputs for sequences whose prompts' `images` start at `offsets` in the
+    forward's flattened tokens (None: no image among them). Built on the host."""
+    rows, grids, where = [], [], []
+    for prompt_images, offset in zip(images, offsets, strict=True):
+        if prompt_images is None:
+            continue
+        rows.append(prompt_images.pixel_values_PX)
+        grids.append(prompt_images.grid_thw_N3)
+        for start, length in zip(prompt_images.starts, prompt_images.lengths, strict=True):
+            where.append(torch.arange(offset + start, offset + start + length))
+    if not rows:
+        return None
+    grid_thw_N3 = torch.cat(grids)
+    return EncoderInputs(
+        encoder_rows(torch.cat(rows), grid_thw_N3, patch_size, temporal),
+        grid_thw_N3,
+        torch.cat(where),
+    )
+
+
+class VisionLanguageModel(MuseGlimmerModel):
+    """torchtitan's Muse Glimmer with its vision tower, the images' features written at the
+    positions `EncoderInputs.where_V` names: projected, normed and scattered into the token
+    embeddings, as torchtitan's `_inject_vision` writes them at every placeholder id (which a
+    sampled completion may hold too, and which reads the device to find the runs)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MuseGlimmerModel.Config):
+        pass
+
+    def image_features(self, vision: EncoderInputs) -> torch.Tensor:
+        """[V, D]: the encoder, the adapter, the projection and the scaleless norm."""
+        features = self.vision_adapter(
+            self.vision_encoder(vision.pixel_values_NPX, grid_thw=vision.grid_thw_N3)
+        )
+        return self.perception_emb_norm(self.vision_projection(features))
+
+    def forward(self, tokens, positions=None, attention_masks=None, *, vision=None, **kwargs):
+        if vision is None:
+            return super().forward(tokens, positions, attention_masks, **kwargs)
+        h_BLD = self.tok_embeddings(tokens)
+        features_VD = self.image_features(vision).to(h_BLD.dtype)
+        h_BLD = h_BLD.flatten(0, 1).index_copy(0, vision.where_V, features_VD).view_as(h_BLD)
+        for layer in self.layers.values():
+            h_BLD = layer(h_BLD, attention_masks, positions)
+        h_BLD = self.norm(h_BLD)
+        return h_BLD if self._skip_lm_head else self.lm_head(h_BLD)
+
+
+def use_vision_language_model(model_config) -> "MuseGlimmerModel.Config":
+    """A Muse Glimmer config with a vision tower as `VisionLanguageModel`'s, its encoder
+    `VisionEncoder` with `MaskedAttention`; parameter names stay torchtitan's. A text-only
+    config is returned as it is."""
+    encoder = model_config.vision_encoder
+    if encoder is None:
+        return model_config
     block = encoder.block
     block.attn = dataclasses.replace(block.attn, inner_attention=MaskedAttention.Config())
-    model_config.vision_encoder = VisionEncoder.Config(
-        **{f.name: getattr(encoder, f.name) for f in dataclasses.fields(encoder)}
-    )
+    model_config.vision_encoder = _as(VisionEncoder.Config, encoder)
+    return _as(VisionLanguageModel.Config, model_config)
+
+
+def _as(config_class, config):
+    return config_class(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def encoder_rows(
