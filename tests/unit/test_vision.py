@@ -1,6 +1,7 @@
 """Muse Glimmer's vision tower as the project builds it (models/vision.py) against HF
 transformers' `MuseGlimmerForConditionalGeneration` on the tiny vision-language checkpoint
-(assets/tiny_vl_muse_glimmer, scripts/make_tiny_checkpoint.py)."""
+(assets/tiny_vl_muse_glimmer, scripts/make_tiny_checkpoint.py), and the trainer on prompts
+with images."""
 
 from pathlib import Path
 
@@ -8,17 +9,20 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from helpers.titan import torchtitan_model
 
-from tests.helpers.titan import torchtitan_model
+from torchtitan_rl import platform
 from torchtitan_rl.models import model_spec
 from torchtitan_rl.models.vision import (
     VisionEncoder,
     VisionLanguageModel,
     encoder_inputs,
     encoder_rows,
+    vision_parameters,
 )
-from torchtitan_rl.types import Images
+from torchtitan_rl.types import RolloutBatch
 from torchtitan_rl.vision.preprocess import ImageProcessorConfig, placeholder_count, preprocess
+from torchtitan_rl.vision.prompts import prompt_images
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT = REPO / "assets" / "tiny_vl_muse_glimmer"
@@ -96,13 +100,10 @@ def test_images_of_different_shapes_give_hf_logits(hf_model, titan_model):
     assert (text_only - hf_logits).abs().max() > 0.1
 
 
-def _inputs(tokens_T: torch.Tensor, pixel_values_PX, grid_thw_N3, offset: int = 0):
+def _inputs(tokens_T: torch.Tensor, pixel_values_PX, grid_thw_N3):
     """The encoder's inputs for a prompt `tokens_T` holding the images' placeholder runs."""
-    ids = tokens_T.tolist()
-    starts = tuple(i for i, t in enumerate(ids) if t == PATCH and (i == 0 or ids[i - 1] != PATCH))
-    lengths = tuple(placeholder_count(g, 2) for g in grid_thw_N3)
-    images = Images(pixel_values_PX, grid_thw_N3, starts, lengths)
-    return encoder_inputs([images], [offset], 14, 2)
+    images = prompt_images(tokens_T.tolist(), pixel_values_PX, grid_thw_N3, PATCH, 2)
+    return encoder_inputs([images], [0], 14, 2)
 
 
 def test_a_placeholder_id_the_completion_samples_is_read_as_text(titan_model):
@@ -192,3 +193,110 @@ def test_every_muse_glimmer_vision_flavor_builds_the_projects_model():
         assert isinstance(config.vision_encoder, VisionEncoder.Config)
         assert refused_parts("muse_glimmer", flavor) == ""
     assert model_spec("muse_glimmer", "tiny").model.vision_encoder is None
+
+
+def _rows():
+    """A batch of three rows: a prompt with two images, one with one, a text prompt, each
+    followed by a completion (the first samples a placeholder id); its loss mask covers the
+    completions, and each row's images say where their runs are."""
+    config = ImageProcessorConfig.from_checkpoint(CHECKPOINT)
+    g = torch.Generator().manual_seed(0)
+    rows, images_B, masks = [], [], []
+    for sizes in (((56, 84), (28, 28)), ((84, 56),), ()):
+        images = None
+        prompt = [3, 10, 11, 4, 3, 12]
+        if sizes:
+            pixel_values_PX, grid_thw_N3 = preprocess(_images(*sizes, seed=len(sizes)), config)
+            prompt = _prompt(grid_thw_N3)
+            images = prompt_images(prompt, pixel_values_PX, grid_thw_N3, PATCH, 2)
+        completion = torch.randint(7, 60, (9,), generator=g).tolist()
+        if len(sizes) == 2:
+            completion[3] = PATCH
+        rows.append(prompt + completion)
+        masks.append([0.0] * len(prompt) + [1.0] * len(completion))
+        images_B.append(images)
+    width = max(map(len, rows))
+    tokens_BT = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask_BT = torch.tensor([m + [0.0] * (width - len(m)) for m in masks])
+    return tokens_BT, mask_BT, tuple(images_B)
+
+
+def _policy(**fields):
+    from torchtitan_rl.config import ModelSection, ParallelismSection, TrainingSection
+    from torchtitan_rl.trainer.policy_trainer import PolicyTrainer
+
+    platform.patch_torchtitan()
+    platform.init_distributed()
+
+    training = fields.pop("training", TrainingSection())
+    model = ModelSection(
+        name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=str(CHECKPOINT), **fields
+    )
+    return PolicyTrainer(model=model, training=training, parallelism=ParallelismSection())
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [48, 0], ids=["packed", "padded"])
+def test_the_trainers_logprobs_read_each_rows_images(titan_model, micro_batch_tokens):
+    """Packed (under a budget that puts the rows in several packed rows, each image's
+    features at its own row's placeholders) or right-padded, the trainer's logprobs of the
+    completions are the model's on each row alone, with its images."""
+    from torchtitan_rl.config import TrainingSection
+
+    tokens_BT, mask_BT, images_B = _rows()
+    policy = _policy(training=TrainingSection(micro_batch_tokens=micro_batch_tokens))
+    if micro_batch_tokens:
+        assert len(policy.plan(RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=mask_BT))) > 1
+    logprobs_BT, _ = policy.logprobs(tokens_BT, mask_BT, images_B=images_B)
+    for b, images in enumerate(images_B):
+        length = int(mask_BT[b].nonzero().max()) + 1
+        row_1T = tokens_BT[b : b + 1, :length]
+        vision = None if images is None else encoder_inputs([images], [0], 14, 2)
+        with torch.no_grad():
+            logits = titan_model(row_1T, positions=torch.arange(length)[None], vision=vision)[0]
+        expected = logits.log_softmax(-1)[:-1].gather(1, row_1T[0, 1:, None])[:, 0]
+        scored = mask_BT[b, 1:length] > 0
+        torch.testing.assert_close(
+            logprobs_BT[b, 1:length][scored], expected[scored], rtol=1e-5, atol=1e-5
+        )
+    # Without its images a row's completion reads otherwise.
+    text_BT, _ = policy.logprobs(tokens_BT[1:2], mask_BT[1:2])
+    assert (text_BT[0] - logprobs_BT[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("freeze_vision", [True, False])
+def test_the_vision_tower_trains_only_when_unfrozen(freeze_vision):
+    """model.freeze_vision (the default): an optimizer step on image prompts leaves the vision
+    tower as it was, without gradient or optimizer state, while the decoder moves; false: the
+    tower moves too."""
+    from torchtitan_rl.config import TrainingSection
+
+    tokens_BT, mask_BT, images_B = _rows()
+    policy = _policy(freeze_vision=freeze_vision, training=TrainingSection(lr=1e-2))
+    before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    batch = RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.tensor([1.0, -1.0, 0.5]),
+        generator_logprobs_BT=torch.zeros(mask_BT.shape),
+        images_B=images_B,
+    )
+
+    def loss_fn(logprobs_BT, micro, scale):
+        weighted = micro.advantages_B[:, None] * logprobs_BT * micro.loss_mask_BT
+        return -weighted.sum() / scale.tokens, {}
+
+    policy.optimizer_step(batch, loss_fn)
+    after = policy.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    vision = {
+        k
+        for k in before
+        if k.startswith(("vision_encoder.", "vision_adapter.", "vision_projection."))
+    }
+    assert "layers.0.attention.wq.weight" in moved or any(k.startswith("layers.0.") for k in moved)
+    if freeze_vision:
+        assert not moved & vision
+        stateful = {p for state in policy.optimizers.optimizers[0].state for p in [state]}
+        assert not any(p is q for p in stateful for q in vision_parameters(policy.model))
+    else:
+        assert "vision_encoder.conv1_linear.weight" in moved and "vision_projection.weight" in moved

@@ -82,6 +82,10 @@ class ModelSection:
     """Directory with tokenizer.json; None: use model.hf_checkpoint."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer compute dtype (FSDP mixed precision); master weights and grads stay float32."""
+    freeze_vision: bool = True
+    """A vision-language flavor's vision tower (encoder, adapter, projection) is not trained:
+    no gradient, no optimizer state, sent to the generator once. false: trained and synced
+    like the rest (refused for a text-only flavor)."""
 
     @property
     def tokenizer_dir(self) -> str | None:
@@ -113,6 +117,13 @@ class ModelSection:
             not refused,
             f"model.flavor = {self.flavor!r} {refused}: use a text-only flavor "
             f"({', '.join(f for f in known if not refused_parts(self.name, f))})",
+        )
+        from torchtitan_rl.models import has_vision_tower
+
+        require(
+            self.freeze_vision or has_vision_tower(self.name, self.flavor),
+            f"model.freeze_vision = false, but {self.name} {self.flavor!r} has no vision tower: "
+            "remove it, or pick a vision-language flavor (muse_glimmer tiny_vl, 30B_mm)",
         )
         for name in ("hf_checkpoint", "tokenizer_path"):
             path = getattr(self, name)

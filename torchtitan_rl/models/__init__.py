@@ -62,6 +62,11 @@ def refused_parts(name: str, flavor: str) -> str:
     return ""
 
 
+def has_vision_tower(name: str, flavor: str) -> bool:
+    """Whether `name`/`flavor` reads images (Muse Glimmer's vision flavors: models/vision.py)."""
+    return getattr(_config(name, flavor), "vision_encoder", None) is not None
+
+
 def is_mixture_of_experts(name: str, flavor: str) -> bool:
     """Whether any layer of `name`/`flavor` routes tokens to experts."""
     return bool(expert_counts(name, flavor))

@@ -158,6 +158,19 @@ class VisionLanguageModel(MuseGlimmerModel):
         return h_BLD if self._skip_lm_head else self.lm_head(h_BLD)
 
 
+VISION_PARTS = ("vision_encoder", "vision_adapter", "vision_projection")
+"""The modules of a vision-language model's vision tower (the scaleless norm has no
+parameters); `model.freeze_vision` freezes them."""
+
+
+def vision_parameters(model: torch.nn.Module):
+    """The parameters of `model`'s vision tower (none for a text-only model)."""
+    for part in VISION_PARTS:
+        module = getattr(model, part, None)
+        if module is not None:
+            yield from module.parameters()
+
+
 def use_vision_language_model(model_config) -> "MuseGlimmerModel.Config":
     """A Muse Glimmer config with a vision tower as `VisionLanguageModel`'s, its encoder
     `VisionEncoder` with `MaskedAttention`; parameter names stay torchtitan's. A text-only

@@ -114,6 +114,9 @@ class PackedRow:
     """The scored tokens (loss mask > 0, column >= 1) of the micro-batch [R, T]."""
     predictors_N: torch.Tensor
     """The packed position whose hidden state predicts each scored token (its column - 1)."""
+    offsets: tuple[int | None, ...] = ()
+    """Where each row of the micro-batch starts in the packed row; None for a row it does
+    not hold (nothing scored). On the host: it places the rows' images (`vision`)."""
 
     def to(self, device: torch.device) -> "PackedRow":
         up = platform.upload
@@ -124,6 +127,7 @@ class PackedRow:
             up(self.rows_N, device),
             up(self.cols_N, device),
             up(self.predictors_N, device),
+            self.offsets,
         )
 
     def tokens(self, tokens_RT: torch.Tensor) -> torch.Tensor:
@@ -173,6 +177,7 @@ def pack_plan(
         cols_N=cols_N,
         # The hidden state at t - 1 predicts token t.
         predictors_N=offsets_R[rows_N] + cols_N - 1,
+        offsets=tuple(int(offsets_R[r]) if n > 0 else None for r, n in enumerate(lengths)),
     )
 
 

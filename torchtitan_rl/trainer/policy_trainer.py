@@ -15,6 +15,7 @@ rows run right-padded in `training.micro_batches` pieces with full logits.
 """
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from torchtitan_rl.config import (
 )
 from torchtitan_rl.errors import StopRun
 from torchtitan_rl.models import moe, weights
+from torchtitan_rl.models.vision import encoder_inputs, vision_parameters
 from torchtitan_rl.trainer import lora as lora_adapters
 from torchtitan_rl.trainer import packing, parallel
 from torchtitan_rl.trainer.logprobs import fused_head, token_logprobs
@@ -166,6 +168,9 @@ class PolicyTrainer:
         if model.hf_checkpoint is not None:
             load_hf_weights(module, self.spec, model.hf_checkpoint, group, checkpoint_fields)
         module.train()
+        if model.freeze_vision:
+            for param in vision_parameters(module):
+                param.requires_grad_(False)
         self.model: nn.Module = module
         # The sharded parameters the optimizer updates. FSDP swaps unsharded tensors into the
         # modules between a forward and its reshard, so they are captured here, once.
@@ -278,11 +283,11 @@ class PolicyTrainer:
         if self._routers:
             moe.expect(self._routers, routed_BLMK, self.router_replay)
 
-    def _forward_logprobs(self, tokens_BT: torch.Tensor, routed_BTMK=None):
+    def _forward_logprobs(self, tokens_BT: torch.Tensor, routed_BTMK=None, vision=None):
         """Padded path: full logits of right-padded rows, then logprobs and entropies [B, T]."""
         self._expect(routed_BTMK)
         positions_BT = torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT)
-        logits_BTV = self.model(tokens_BT, positions=positions_BT)
+        logits_BTV = self.model(tokens_BT, positions=positions_BT, **_images(vision))
         if isinstance(logits_BTV, DTensor):
             # Under TP the lm_head output is sharded over the vocabulary: gather it (its
             # backward slices this rank's share of the gradient back out).
@@ -290,7 +295,7 @@ class PolicyTrainer:
         return token_logprobs(logits_BTV, tokens_BT, self.temperature, with_entropy=True)
 
     def _forward_packed(
-        self, micro: RolloutBatch, row: packing.PackedRow
+        self, micro: RolloutBatch, row: packing.PackedRow, vision=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed path: logprobs and entropies [B, T] of `micro`'s scored tokens (loss mask > 0),
         0 elsewhere, from one packed row of its sequences, each cut after its last scored token
@@ -305,7 +310,10 @@ class PolicyTrainer:
         self.model._skip_lm_head = True  # the decoder returns normed hidden states
         try:
             hidden_1LD = self.model(
-                row.tokens(micro.tokens_BT), positions=row.positions_1L, attention_masks=row.docs
+                row.tokens(micro.tokens_BT),
+                positions=row.positions_1L,
+                attention_masks=row.docs,
+                **_images(vision),
             )
         finally:
             self.model._skip_lm_head = False
@@ -357,15 +365,41 @@ class PolicyTrainer:
         return packing.deal(batch, self.micro_batch_tokens, self.dp_group, self.device)
 
     def _forward(
-        self, micro: RolloutBatch, row: packing.PackedRow | None
+        self, micro: RolloutBatch, row: packing.PackedRow | None, vision=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropies [B, T] of `micro` (packed along `row`, or padded); its MoE
-        routing is compared with the generator's (`routing_counts`) and, with router replay,
-        used."""
+        """Logprobs and entropies [B, T] of `micro` (packed along `row`, or padded), whose
+        images are `vision` (`_vision`); its MoE routing is compared with the generator's
+        (`routing_counts`) and, with router replay, used."""
         with moe.counting(self._routers):
             if row is not None:
-                return self._forward_packed(micro, row)
-            return self._forward_logprobs(micro.tokens_BT, micro.routed_experts_BTMK)
+                return self._forward_packed(micro, row, vision)
+            return self._forward_logprobs(micro.tokens_BT, micro.routed_experts_BTMK, vision)
+
+    def _vision(self, images_B, planned: packing.MicroBatch, width: int):
+        """The encoder's inputs for micro-batch `planned` (on the host) of a batch whose rows'
+        images are `images_B` (rows of `width` tokens), on the device; None without images."""
+        if images_B is None:
+            return None
+        rows = planned.rows_R.tolist()
+        if planned.row is None:  # padded: row r of the micro-batch starts at r * width
+            offsets = [r * width for r in range(len(rows))]
+        else:
+            offsets = planned.row.offsets
+        picked = [(images_B[b], at) for b, at in zip(rows, offsets, strict=True) if at is not None]
+        encoder = self.model.vision_encoder
+        inputs = encoder_inputs(
+            [i for i, _ in picked],
+            [at for _, at in picked],
+            encoder.patch_size,
+            encoder.patch_temporal,
+        )
+        return None if inputs is None else inputs.to(self.device)
+
+    @staticmethod
+    def _uploaded(batch: RolloutBatch) -> tuple[RolloutBatch, tuple | None]:
+        """`batch`'s tensors on the device, and its rows' images (host objects) apart."""
+        images_B = batch.images_B
+        return dataclasses.replace(batch, images_B=None).map(platform.upload), images_B
 
     @torch.no_grad()
     def logprobs(
@@ -373,6 +407,7 @@ class PolicyTrainer:
         tokens_BT: torch.Tensor,
         mask_BT: torch.Tensor | None = None,
         routed_BTMK: torch.Tensor | None = None,
+        images_B: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs and entropies [B, T] of right-padded `tokens_BT` under logits / temperature,
         on `platform.device()`, in the micro-batches a train step would use (the memory of
@@ -380,22 +415,27 @@ class PolicyTrainer:
 
         Column t scores token t given tokens < t; column 0 is 0. Packed, only the columns where
         `mask_BT` > 0 are computed (every column when None), the others are 0.
-        `routed_BTMK`: the generator's MoE routing of the tokens (`RolloutBatch`).
+        `routed_BTMK`: the generator's MoE routing of the tokens, `images_B`: each row's
+        prompt's images (`RolloutBatch`).
         """
         if mask_BT is None:
             mask_BT = torch.ones(tokens_BT.shape)
         batch = RolloutBatch(
-            tokens_BT=tokens_BT, loss_mask_BT=mask_BT, routed_experts_BTMK=routed_BTMK
+            tokens_BT=tokens_BT,
+            loss_mask_BT=mask_BT,
+            routed_experts_BTMK=routed_BTMK,
+            images_B=images_B,
         )
         dealt = self._deal(batch)
         micro_batches = self.plan(dealt.batch, dealt.count)
-        batch = dealt.batch.map(platform.upload)
+        batch, images_B = self._uploaded(dealt.batch)
         logprobs_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
         entropy_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
         for planned in micro_batches:
+            vision = self._vision(images_B, planned, batch.tokens_BT.shape[1])
             planned = planned.to(self.device)
             micro_logprobs_BT, micro_entropy_BT = self._forward(
-                batch.rows(planned.rows_R), planned.row
+                batch.rows(planned.rows_R), planned.row, vision
             )
             logprobs_BT[planned.rows_R] = micro_logprobs_BT
             entropy_BT[planned.rows_R] = micro_entropy_BT
@@ -463,14 +503,15 @@ class PolicyTrainer:
         scale = dealt.scale or packing.padded_scale(
             dealt.batch.loss_mask_BT, self.group, self.tp_degree
         )
-        batch = dealt.batch.map(platform.upload)
+        batch, images_B = self._uploaded(dealt.batch)
         sums = torch.zeros(3, device=self.device)  # loss, entropy, non-finite logprobs
         metric_sums: dict[str, torch.Tensor | float] = {}
         pre_update_BT = torch.zeros(batch.tokens_BT.shape, device=self.device)
         for planned in micro_batches:
+            vision = self._vision(images_B, planned, batch.tokens_BT.shape[1])
             planned = planned.to(self.device)
             micro = batch.rows(planned.rows_R)
-            logprobs_BT, entropy_BT = self._forward(micro, planned.row)
+            logprobs_BT, entropy_BT = self._forward(micro, planned.row, vision)
             detached_BT = logprobs_BT.detach()
             pre_update_BT[planned.rows_R] = detached_BT
             loss, metrics = loss_fn(logprobs_BT, micro, scale)
@@ -542,3 +583,8 @@ class PolicyTrainer:
                 if not bool(torch.isfinite(local).all()):
                     return name
         return "a parameter on another rank"
+
+
+def _images(vision) -> dict:
+    """The model's keyword for a forward's images (`VisionLanguageModel`), none without."""
+    return {} if vision is None else {"vision": vision}
