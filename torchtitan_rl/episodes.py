@@ -48,9 +48,9 @@ from torchtitan_rl.tasks.agent import Agent, Endpoint, load_agent, row_of
 from torchtitan_rl.tasks.dataset import read_rows
 from torchtitan_rl.tasks.env import Environment, EnvStep, SingleTurn, load_env
 from torchtitan_rl.tasks.mixture import Mixture
-from torchtitan_rl.tasks.render import Renderer, build_renderer
+from torchtitan_rl.tasks.render import Renderer, build_renderer, image_reader
 from torchtitan_rl.tasks.rewards import Reward, RewardError, Scorer, load_rewards
-from torchtitan_rl.types import Completions, Prompt, Sample, Scored, Trace, is_chat
+from torchtitan_rl.types import Completions, Images, Prompt, Sample, Scored, Trace, is_chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +78,8 @@ class Episode(Trace):
     messages: list[dict] = field(default_factory=list)
     """Every message so far, the system prompt's and the opening ones included."""
     tools: list[dict] | None = None
+    images: Images | None = None
+    """The first prompt's images (every turn's context starts with it)."""
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -154,10 +156,15 @@ class Episodes:
         env_s = 0.0
         began = time.perf_counter()
         groups = [[self._open(p) for _ in range(n)] for p in prompts]
-        first_ids = await self._reset(groups)
+        first_ids, images = await self._reset(groups)
         env_s += time.perf_counter() - began
         completions = generator.generate(
-            first_ids, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed
+            first_ids,
+            n=n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=seed,
+            **_with(images),
         )
         live = [
             (episode, sample, first_ids[p], seed + p * n + j)
@@ -186,6 +193,7 @@ class Episodes:
                 temperature=temperature,
                 max_tokens=[min(max_tokens, self.max_model_len - len(c)) for c in contexts],
                 seed=[(s * 1_000_003 + e.turns) % 2**62 for e, _, s in going],
+                **_with([episode.images for episode, _, _ in going]),
             )
             live = [
                 (episode, group[0], prompt_ids, episode_seed)
@@ -201,7 +209,12 @@ class Episodes:
             for p, group in enumerate(groups)
         ]
         rewards_PN = torch.tensor([[e.reward for e in group] for group in groups])
-        return Scored(Completions(first_ids, samples), rewards_PN, env_s, parts_PN)
+        return Scored(
+            Completions(first_ids, samples, _with(images).get("images")),
+            rewards_PN,
+            env_s,
+            parts_PN,
+        )
 
     async def run_group(
         self,
@@ -384,8 +397,10 @@ class Episodes:
             for name, values in parts.items()
         }
 
-    async def _reset(self, groups: list[list[Episode]]) -> list[list[int]]:
-        """Open every episode; the first prompt's ids of each group."""
+    async def _reset(
+        self, groups: list[list[Episode]]
+    ) -> tuple[list[list[int]], list[Images | None]]:
+        """Open every episode; the first prompt's ids of each group, and its images."""
         try:
             opened = await asyncio.gather(
                 *(self._call(e.env.reset(e.prompt), "reset") for group in groups for e in group)
@@ -393,7 +408,7 @@ class Episodes:
         except _EnvFailed as e:
             # Without its opening there is no prompt to sample: the run stops, naming it.
             raise RewardError(f"task.env: {e}") from e.__cause__
-        first_ids = []
+        first_ids, first_images = [], []
         for p, group in enumerate(groups):
             mine = opened[p * len(group) : (p + 1) * len(group)]
             try:
@@ -409,11 +424,14 @@ class Episodes:
                 )
             prompt = dataclasses.replace(group[0].prompt, messages=tuple(messages))
             renderer = group[0].source.renderer
+            (ids,), (images,) = renderer.encode_images([prompt], tools=tools)
             for episode in group:
                 episode.messages = renderer.messages(prompt)
                 episode.tools = tools
-            first_ids.append(renderer.encode([prompt], tools=tools)[0])
-        return first_ids
+                episode.images = images
+            first_ids.append(ids)
+            first_images.append(images)
+        return first_ids, first_images
 
     async def _call(self, coroutine, what: str):
         """Await an environment's `what` (reset or step) within task.env_timeout_s."""
@@ -585,7 +603,11 @@ def open_task(config: JobConfig) -> OpenTask:
         at = f"task.sources.{name}" if name else "task"
         tasks[name] = build_task(source, seed=config.job.seed, at=at)
         renderer = build_renderer(
-            source, config.model.tokenizer_dir, config.training.max_prompt_len, at=at
+            source,
+            config.model.tokenizer_dir,
+            config.training.max_prompt_len,
+            at=at,
+            images=image_reader(config.model),
         )
         rewards[name] = load_rewards(source.reward_fn, source.rewards, at)
         make_env, agent, parsers = SingleTurn, None, None
@@ -659,3 +681,9 @@ def _check_reward_names(rewards: dict[str, list[Reward]]) -> None:
                     f"different functions called {reward.name!r}: both would log as "
                     f"reward/{reward.name}; rename one"
                 )
+
+
+def _with(images: list) -> dict:
+    """The `images` keyword of a generate call whose prompts have `images` (none when none
+    has any: a text-only generator takes no such keyword)."""
+    return {} if all(i is None for i in images) else {"images": images}

@@ -124,13 +124,14 @@ class Learner:
             completions.samples,
             torch.zeros_like(rewards_PN),
             self.pad_id,
+            completions.images,
         )
         check_finite(step, "generator", batch.generator_logprobs_BT, batch.loss_mask_BT.bool())
         metrics = {}
         if self.reference is not None:
             # Only the sampled tokens' logprobs are read (packed, only those are computed).
             batch.reference_logprobs_BT, _ = self.reference.logprobs(
-                batch.tokens_BT, batch.loss_mask_BT
+                batch.tokens_BT, batch.loss_mask_BT, images_B=batch.images_B
             )
             if algorithm.kl_in_reward:
                 penalty_B, metrics["kl"] = self.kl_in_reward(batch)
@@ -174,7 +175,7 @@ class Learner:
         n = advantages_PN.shape[1]
         distilled_B = torch.tensor([how != "reward" for how in learn_from]).repeat_interleave(n)
         mask_BT = batch.loss_mask_BT * distilled_B[:, None]
-        teacher_BT, _ = self.teacher.logprobs(batch.tokens_BT, mask_BT)
+        teacher_BT, _ = self.teacher.logprobs(batch.tokens_BT, mask_BT, images_B=batch.images_B)
         teacher_BT = teacher_BT.cpu() * mask_BT
         check_finite(step, "teacher", teacher_BT, mask_BT.bool())
         reverse_kl_BT = (batch.generator_logprobs_BT - teacher_BT) * mask_BT
@@ -239,7 +240,7 @@ class Learner:
             self.routing = self.trainer.routing_counts()
             return result.logprobs_BT, [result]
         batch.old_logprobs_BT, _ = self.trainer.logprobs(
-            batch.tokens_BT, routed_BTMK=batch.routed_experts_BTMK
+            batch.tokens_BT, routed_BTMK=batch.routed_experts_BTMK, images_B=batch.images_B
         )
         self.routing = self.trainer.routing_counts()  # of the old policy's pass alone
         # The same order on every rank of a TP group, which holds the same batch.

@@ -52,9 +52,20 @@ class Prompt:
 
 
 def is_chat(messages) -> bool:
-    """Whether `messages` is a list of {"role": str, "content": str} chat messages."""
+    """Whether `messages` is a list of {"role": str, "content": str or a list of parts} chat
+    messages (parts: OpenAI-style dicts with a "type": text, image or image_url)."""
     return isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict)
+        and isinstance(m.get("role"), str)
+        and (
+            isinstance(m.get("content"), str)
+            or (
+                isinstance(m.get("content"), list)
+                and all(
+                    isinstance(p, dict) and isinstance(p.get("type"), str) for p in m["content"]
+                )
+            )
+        )
         for m in messages
     )
 
@@ -249,6 +260,9 @@ class Rollouts:
             completions=Completions(
                 prompts=[self.completions.prompts[i] for i in index],
                 samples=[self.completions.samples[i] for i in index],
+                images=None
+                if self.completions.images is None
+                else [self.completions.images[i] for i in index],
             ),
             rewards_PN=self.rewards_PN[keep_P],
             reward_parts_PN={k: v[keep_P] for k, v in self.reward_parts_PN.items()},
@@ -262,6 +276,13 @@ class Rollouts:
             completions=Completions(
                 prompts=[p for part in parts for p in part.completions.prompts],
                 samples=[g for part in parts for g in part.completions.samples],
+                images=None
+                if all(part.completions.images is None for part in parts)
+                else [
+                    image
+                    for part in parts
+                    for image in part.completions.images or [None] * len(part.completions.prompts)
+                ],
             ),
             rewards_PN=torch.cat([part.rewards_PN for part in parts]),
             rounds=sum(part.rounds for part in parts),

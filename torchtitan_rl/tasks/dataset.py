@@ -19,6 +19,7 @@ from pathlib import Path
 from torchtitan_rl.config import ConfigError
 from torchtitan_rl.tasks.rewards import math_reward
 from torchtitan_rl.types import Prompt, is_chat
+from torchtitan_rl.vision.prompts import image_parts
 
 # Nothing is downloaded: local files only.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -63,7 +64,7 @@ def read_rows(path: str, keys: DatasetKeys, field: str = "task.dataset_path") ->
     prompts = []
     for file in dataset_files(path, field):
         for number, row in enumerate(_load(file, keys, field), start=1):
-            prompts.append(_prompt(row, keys, f"{file}:{number}"))
+            prompts.append(_prompt(row, keys, f"{file}:{number}", file.parent))
     if not prompts:
         raise ConfigError(f"{field} = {path!r} has no rows")
     return prompts
@@ -127,11 +128,12 @@ def _unreadable(file: Path, keys: DatasetKeys, field: str, error: Exception) -> 
     return f"{field}: cannot read {file} ({reason})"
 
 
-def _prompt(row: dict, keys: DatasetKeys, where: str) -> Prompt:
-    messages = None
+def _prompt(row: dict, keys: DatasetKeys, where: str, folder: Path | None = None) -> Prompt:
+    messages, images = None, ()
     if keys.messages_key is not None:
-        messages = _messages(row.get(keys.messages_key), keys, where)
-        text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        messages = _messages(row.get(keys.messages_key), keys, where, folder)
+        images = tuple(image_parts(messages))
+        text = next((_text(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
     else:
         text = row.get(keys.prompt_key)
         if not isinstance(text, str):
@@ -149,23 +151,71 @@ def _prompt(row: dict, keys: DatasetKeys, where: str) -> Prompt:
                 f"{sorted(row)}"
             )
         answer = _answer(str(row[keys.answer_key]), keys.answer_format, where)
-    return Prompt(
-        text=text,
-        answer=answer,
-        row=where,
-        messages=messages,
+    return Prompt(text=text, answer=answer, row=where, messages=messages, images=images)
+
+
+def _messages(value, keys: DatasetKeys, source: str, folder: Path | None) -> tuple[dict, ...]:
+    bad = ConfigError(
+        f'{source}: "{keys.messages_key}" ({keys.at}.messages_key) must be a non-empty list of '
+        '{"role": ..., "content": ...} messages, each content a string or a list of '
+        '{"type": "text" | "image" | "image_url", ...} parts'
     )
-
-
-def _messages(value, keys: DatasetKeys, source: str) -> tuple[dict, ...]:
-    if not (value and is_chat(value)):
-        raise ConfigError(
-            f'{source}: "{keys.messages_key}" ({keys.at}.messages_key) must be a non-empty list of '
-            '{"role": ..., "content": ...} messages'
+    if not (value and isinstance(value, list)):
+        raise bad
+    messages = []
+    for m in value:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            content = _parts(content, folder, bad)
+        messages.append(
+            {"role": m.get("role") if isinstance(m, dict) else None, "content": content}
         )
-    if not any(m["content"].strip() for m in value):
+    if not is_chat(messages):
+        raise bad
+    if not any(_text(m["content"]).strip() or not isinstance(m["content"], str) for m in messages):
         raise ConfigError(f"{source}: the prompt is empty")
-    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+    return tuple(messages)
+
+
+def _parts(parts: list, folder: Path | None, bad: ConfigError) -> str | list[dict]:
+    """A message's content parts, as the chat template reads them: text parts alone are joined
+    into a string; an image's path is resolved against the dataset file's `folder`, and an HF
+    `datasets` Image feature ({"bytes", "path"}) becomes its bytes (or its path)."""
+    found = []
+    for part in parts:
+        if isinstance(part, str):  # `datasets` writes parts of mixed keys as JSON strings
+            try:
+                part = json.loads(part)
+            except json.JSONDecodeError:
+                raise bad from None
+        if not isinstance(part, dict) or part.get("type") not in ("text", "image", "image_url"):
+            raise bad
+        kind = part["type"]
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad
+            found.append({"type": "text", "text": part["text"]})
+            continue
+        image = part.get(kind)
+        if kind == "image_url" and isinstance(image, dict):
+            image = image.get("url")
+        if isinstance(image, dict):  # an HF datasets Image feature
+            image = image.get("bytes") or image.get("path")
+        if isinstance(image, str) and not image.startswith("data:") and folder is not None:
+            image = str(folder / image)  # absolute paths stay as they are
+        if not isinstance(image, str | bytes):
+            raise bad
+        found.append({"type": "image", "image": image})
+    if all(part["type"] == "text" for part in found):
+        return "".join(part["text"] for part in found)
+    return found
+
+
+def _text(content: str | list[dict]) -> str:
+    """A message's text (its text parts, joined)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part["type"] == "text")
 
 
 def _answer(answer: str, answer_format: str, source: str) -> str:

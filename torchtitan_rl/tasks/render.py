@@ -12,9 +12,11 @@ tokens (the template writes them). `task.chat_template = false` encodes the prom
 import functools
 from pathlib import Path
 
-from torchtitan_rl.config import ConfigError, read_json
+from torchtitan_rl.config import ConfigError, ModelSection, read_json
 from torchtitan_rl.config.task import SourceSection
-from torchtitan_rl.types import Prompt
+from torchtitan_rl.types import Images, Prompt
+from torchtitan_rl.vision.preprocess import IMAGE_TOKEN, ImageProcessorConfig
+from torchtitan_rl.vision.prompts import ImageReader
 
 # What AutoTokenizer reads as JSON from a checkpoint folder, when there.
 _TOKENIZER_JSON_FILES = (
@@ -83,13 +85,17 @@ class Renderer:
         enable_thinking: bool | None = None,
         max_prompt_len: int,
         length_field: str = "training.max_prompt_len",
+        images: ImageReader | None = None,
     ):
         """`tokenizer`: a transformers tokenizer (`load_tokenizer`), read from `tokenizer_dir`.
-        `length_field`: the config field holding `max_prompt_len`, named in its error."""
+        `length_field`: the config field holding `max_prompt_len`, named in its error.
+        `images`: a vision-language model's image processor (`image_reader`); None: prompts
+        with images are refused."""
         self.tokenizer, self.tokenizer_dir = tokenizer, tokenizer_dir
         self.chat_template, self.system_prompt = chat_template, system_prompt
         self.enable_thinking, self.max_prompt_len = enable_thinking, max_prompt_len
         self.length_field = length_field
+        self.images = images
 
     def messages(self, prompt: Prompt) -> list[dict]:
         """The chat messages of `prompt`: its own, or its text as the user's, after the system
@@ -161,11 +167,41 @@ class Renderer:
         return self.tokenizer.encode(before[cut:] + after[len(before) :], add_special_tokens=False)
 
     def encode(self, prompts: list[Prompt], tools: list[dict] | None = None) -> list[list[int]]:
-        """Token ids of each prompt; an empty or too long prompt is a ConfigError naming its
-        source (file:row for dataset rows)."""
-        ids = [
-            self.tokenizer.encode(self.text(p, tools), add_special_tokens=False) for p in prompts
-        ]
+        """Token ids of each prompt; an empty or too long prompt, or a bad image, is a
+        ConfigError naming its source (file:row for dataset rows)."""
+        return self.encode_images(prompts, tools)[0]
+
+    def encode_images(
+        self, prompts: list[Prompt], tools: list[dict] | None = None
+    ) -> tuple[list[list[int]], list[Images | None]]:
+        """`encode`, and each prompt's images as the model reads them (None without): each
+        image part's placeholder expanded to its run (vision/prompts.py)."""
+        ids, images = [], []
+        for prompt in prompts:
+            text, pixels = self._render(prompt, tools)
+            ids.append(self.tokenizer.encode(text, add_special_tokens=False))
+            images.append(None if pixels is None else self.images.images(ids[-1], *pixels))
+        self._check(prompts, ids)
+        return ids, images
+
+    def _render(self, prompt: Prompt, tools: list[dict] | None):
+        """The prompt's text with its images' runs, and their (pixel_values_PX, grid_thw_N3)."""
+        if not prompt.images:
+            return self.text(prompt, tools), None
+        where = f"{prompt.row}: " if prompt.row else ""
+        if self.images is None:
+            raise ConfigError(
+                f"{where}the prompt has {len(prompt.images)} image(s), but the model reads no "
+                "images: use a vision-language flavor (muse_glimmer tiny_vl, 30B_mm), or drop "
+                "the rows' image parts"
+            )
+        try:
+            pixels = self.images.read(prompt.images)
+            return self.images.expand(self.text(prompt, tools), pixels[1]), pixels
+        except ValueError as e:
+            raise ConfigError(f"{where}{e}") from None
+
+    def _check(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
         for prompt, tokens in zip(prompts, ids, strict=True):
             where = f"{prompt.row}: " if prompt.row else ""
             if not tokens:
@@ -181,11 +217,33 @@ class Renderer:
                     f"{self.length_field} = {self.max_prompt_len}: raise it or shorten the "
                     "prompt"
                 )
-        return ids
 
     def decode(self, token_ids: list[int]) -> str:
         """The completion's text without special tokens (stop ids, chat markers)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def image_reader(model: ModelSection) -> ImageReader | None:
+    """A vision-language `model`'s image processor (its checkpoint's preprocessor_config.json)
+    and placeholder id; None for a text-only model."""
+    from torchtitan_rl.models import has_vision_tower
+
+    if not has_vision_tower(model.name, model.flavor):
+        return None
+    folder = model.hf_checkpoint or model.tokenizer_dir
+    try:
+        config = ImageProcessorConfig.from_checkpoint(folder)
+    except ValueError as e:
+        raise ConfigError(f"model.hf_checkpoint = {folder!r}: {e}") from None
+    tokenizer = load_tokenizer(model.tokenizer_dir)
+    placeholder = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if placeholder is None or placeholder == tokenizer.unk_token_id:
+        raise ConfigError(
+            f"model.tokenizer_path = {model.tokenizer_dir!r}: the tokenizer has no {IMAGE_TOKEN} "
+            "token, which a vision-language model's prompts hold for each image: use the "
+            "checkpoint's own tokenizer"
+        )
+    return ImageReader(config, placeholder)
 
 
 def build_renderer(
@@ -194,10 +252,12 @@ def build_renderer(
     max_prompt_len: int,
     length_field: str = "training.max_prompt_len",
     at: str = "task",
+    images: ImageReader | None = None,
 ) -> Renderer:
     """The renderer of source section `task` (the config section `at`). Its chat_template
     unset: the checkpoint's chat template for dataset tasks when it has one, raw text for the
-    toy tasks (their prompts are not chat)."""
+    toy tasks (their prompts are not chat). `images`: a vision-language model's
+    (`image_reader`)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     wanted = task.chat_template
@@ -231,4 +291,5 @@ def build_renderer(
         enable_thinking=task.enable_thinking,
         max_prompt_len=max_prompt_len,
         length_field=length_field,
+        images=images,
     )
