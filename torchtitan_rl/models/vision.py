@@ -28,6 +28,7 @@ from torchtitan.models.muse_glimmer.model import MuseGlimmerModel
 from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder
 from torchtitan.protocols.module import Module
 
+from torchtitan_rl import platform
 from torchtitan_rl.types import Images
 
 
@@ -81,6 +82,7 @@ class VisionEncoder(MuseGlimmerVisionEncoder):
         return sampled_1D1P[0, :, 0, :].T
 
     def _build_padded_masks(self, num_patch_N, win_id_NP, max_num_patch: int, device):
+        num_patch_N = platform.upload(num_patch_N, device)  # from a host grid: no read back
         p = torch.arange(max_num_patch, device=device)
         valid_NP = p[None, :] < num_patch_N[:, None]
         self_PP = torch.eye(max_num_patch, dtype=torch.bool, device=device)
@@ -91,19 +93,21 @@ class VisionEncoder(MuseGlimmerVisionEncoder):
 
 @dataclass(frozen=True, slots=True)
 class EncoderInputs:
-    """A forward's images, as `VisionLanguageModel` reads them."""
+    """A forward's images, as `VisionLanguageModel` reads them: each image's patch rows on the
+    device, its grid on the host (the encoder plans its windows and positions from it without
+    reading the device)."""
 
-    pixel_values_NPX: torch.Tensor
-    """Patch rows padded per image, torchtitan's layout (`encoder_rows`)."""
-    grid_thw_N3: torch.Tensor
+    rows: tuple[torch.Tensor, ...]
+    """Each image's patch rows [1, P_i, X], torchtitan's layout (`encoder_rows`)."""
+    grids: tuple[torch.Tensor, ...]
+    """Each image's grid [1, 3] (1, h, w), on the host."""
     where_V: torch.Tensor
     """Each placeholder token's index in the forward's flattened tokens [B * L], image by
     image."""
 
     def to(self, device: torch.device) -> "EncoderInputs":
-        return EncoderInputs(
-            *(t.to(device) for t in (self.pixel_values_NPX, self.grid_thw_N3, self.where_V))
-        )
+        rows = tuple(platform.upload(r, device) for r in self.rows)
+        return EncoderInputs(rows, self.grids, platform.upload(self.where_V, device))
 
 
 def encoder_inputs(
@@ -115,43 +119,54 @@ def encoder_inputs(
     for prompt_images, offset in zip(images, offsets, strict=True):
         if prompt_images is None:
             continue
-        rows.append(prompt_images.pixel_values_PX)
-        grids.append(prompt_images.grid_thw_N3)
-        for start, length in zip(prompt_images.starts, prompt_images.lengths, strict=True):
+        counts = (prompt_images.grid_thw_N3[:, 1] * prompt_images.grid_thw_N3[:, 2]).tolist()
+        pieces = prompt_images.pixel_values_PX.split(counts)
+        for pixels_PX, grid_3, start, length in zip(
+            pieces,
+            prompt_images.grid_thw_N3,
+            prompt_images.starts,
+            prompt_images.lengths,
+            strict=True,
+        ):
+            rows.append(encoder_rows(pixels_PX, grid_3[None], patch_size, temporal))
+            grids.append(grid_3[None])
             where.append(torch.arange(offset + start, offset + start + length))
     if not rows:
         return None
-    grid_thw_N3 = torch.cat(grids)
-    return EncoderInputs(
-        encoder_rows(torch.cat(rows), grid_thw_N3, patch_size, temporal),
-        grid_thw_N3,
-        torch.cat(where),
-    )
+    return EncoderInputs(tuple(rows), tuple(grids), torch.cat(where))
 
 
 class VisionLanguageModel(MuseGlimmerModel):
     """torchtitan's Muse Glimmer with its vision tower, the images' features written at the
     positions `EncoderInputs.where_V` names: projected, normed and scattered into the token
     embeddings, as torchtitan's `_inject_vision` writes them at every placeholder id (which a
-    sampled completion may hold too, and which reads the device to find the runs)."""
+    sampled completion may hold too, and which reads the device to find the runs).
+
+    Each image is encoded alone, so that its features do not depend on the images beside it:
+    the trainer's micro-batch and the generator's batch hold different ones, and under
+    batch-invariant mode the two give the same bits (tests/dist/batch_invariant_run.py)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MuseGlimmerModel.Config):
         pass
 
-    def image_features(self, vision: EncoderInputs) -> torch.Tensor:
-        """[V, D]: the encoder, the adapter, the projection and the scaleless norm."""
-        features = self.vision_adapter(
-            self.vision_encoder(vision.pixel_values_NPX, grid_thw=vision.grid_thw_N3)
-        )
+    def image_features(self, rows_1PX: torch.Tensor, grid_13: torch.Tensor) -> torch.Tensor:
+        """[V_i, D] of one image: the encoder, the adapter, the projection and the scaleless
+        norm."""
+        features = self.vision_adapter(self.vision_encoder(rows_1PX, grid_thw=grid_13))
         return self.perception_emb_norm(self.vision_projection(features))
+
+    def embed_images(self, h_BLD: torch.Tensor, vision: EncoderInputs) -> torch.Tensor:
+        """The token embeddings `h_BLD` with the images' features at their placeholders."""
+        features_VD = torch.cat(
+            [self.image_features(r, g) for r, g in zip(vision.rows, vision.grids, strict=True)]
+        ).to(h_BLD.dtype)
+        return h_BLD.flatten(0, 1).index_copy(0, vision.where_V, features_VD).view_as(h_BLD)
 
     def forward(self, tokens, positions=None, attention_masks=None, *, vision=None, **kwargs):
         if vision is None:
             return super().forward(tokens, positions, attention_masks, **kwargs)
-        h_BLD = self.tok_embeddings(tokens)
-        features_VD = self.image_features(vision).to(h_BLD.dtype)
-        h_BLD = h_BLD.flatten(0, 1).index_copy(0, vision.where_V, features_VD).view_as(h_BLD)
+        h_BLD = self.embed_images(self.tok_embeddings(tokens), vision)
         for layer in self.layers.values():
             h_BLD = layer(h_BLD, attention_masks, positions)
         h_BLD = self.norm(h_BLD)
