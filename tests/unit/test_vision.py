@@ -95,7 +95,7 @@ def test_images_of_different_shapes_give_hf_logits(hf_model, titan_model):
         )[0]
         text_only = titan_model(tokens_1T, positions=positions_1T)[0]
     torch.testing.assert_close(ours, hf_logits, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
     # The images are read: without them, the placeholders' logits are another model's.
     assert (text_only - hf_logits).abs().max() > 0.1
 
