@@ -46,13 +46,14 @@ from torchtitan_rl.generator.engine_requests import (
     _delta,
     _each,
     _samples,
+    check_images,
     check_prompt,
     run_until_finished,
     vllm_request,
 )
 from torchtitan_rl.models import checkpoint_stop_ids, model_spec
 from torchtitan_rl.trainer.model import read_hf_shapes
-from torchtitan_rl.types import Completions, Delta
+from torchtitan_rl.types import Completions, Delta, Images
 
 
 class LocalGenerator:
@@ -137,18 +138,23 @@ class LocalGenerator:
         max_tokens: int | Sequence[int] | None = None,
         seed: int | Sequence[int] | None = None,
         progress: bool = False,
+        images: Sequence[Images | None] | None = None,
     ) -> Completions:
         """Sample `n` completions of each prompt (defaults from `generator.sampling`).
 
         `seed` makes the samples of request i depend only on (seed, i), not on the batch; a
         sequence gives request i its own first seed, `seed[i]`. `max_tokens` likewise: one
-        limit for all, or one per request.
+        limit for all, or one per request. `images`: each prompt's (None: a text prompt), for
+        a vision-language model.
         """
         from vllm.sampling_params import RequestOutputKind
 
         sampling = self.config.sampling
+        images = _each(images, len(prompt_token_ids))
         for i, prompt in enumerate(prompt_token_ids):
             check_prompt(prompt, f"prompt {i}", self.config)
+            if images[i] is not None:
+                check_images(prompt, images[i], f"prompt {i}")
         first = self._next_request
         self._next_request += len(prompt_token_ids)
         count = len(prompt_token_ids)
@@ -172,6 +178,7 @@ class LocalGenerator:
                 seed=seeds[i],
                 # One output per prompt with all n samples, once they are all done.
                 output_kind=RequestOutputKind.FINAL_ONLY,
+                images=images[i],
             )
             for i, prompt in enumerate(prompt_token_ids)
         ]
@@ -191,6 +198,7 @@ class LocalGenerator:
         return Completions(
             prompts=[list(p) for p in prompt_token_ids],
             samples=[_samples(finished[i], routing) for i in range(len(prompt_token_ids))],
+            images=None if all(i is None for i in images) else list(images),
         )
 
     def submit(
@@ -287,9 +295,12 @@ class LocalGenerator:
         self.engine.reset_prefix_cache(reset_running_requests=recompute)
 
     def refresh_after_weight_update(self) -> None:
-        """Refresh what derives from the weights: packed GEMM copies and cached KV blocks."""
+        """Refresh what derives from the weights: packed GEMM copies, cached KV blocks, and a
+        vision-language model's cached image features (vLLM keys them on the image alone)."""
         self.repack_weights()
         self.reset_prefix_cache()
+        if getattr(self._wrapper(), "supports_multimodal", False):
+            self.engine.reset_encoder_cache()
 
     def repack_weights(self) -> None:
         """Rebuild the packed GEMM copies of the weights (CPU); part of the refresh above."""

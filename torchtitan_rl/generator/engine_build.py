@@ -18,8 +18,13 @@ from torchtitan_rl.config import (
     text_fields,
 )
 from torchtitan_rl.generator.engine_memory import kv_blocks
-from torchtitan_rl.generator.plugin import ARCH, HYBRID_ARCH, HYBRID_HOST_OPS
-from torchtitan_rl.models import attention_shape, has_linear_attention, model_spec
+from torchtitan_rl.generator.plugin import ARCH, HYBRID_ARCH, HYBRID_HOST_OPS, VISION_ARCH
+from torchtitan_rl.models import (
+    attention_shape,
+    has_linear_attention,
+    has_vision_tower,
+    model_spec,
+)
 from torchtitan_rl.tasks.render import read_tokenizer_json
 
 # vLLM reads these at import: the engine must run inside this process, not a child, and its
@@ -96,8 +101,9 @@ def engine_args(
 
     under_torchrun = "RANK" in os.environ
     hybrid = has_linear_attention(model.name, model.flavor)
+    vision = has_vision_tower(model.name, model.flavor)
     overrides = {
-        "architectures": [HYBRID_ARCH if hybrid else ARCH],
+        "architectures": [HYBRID_ARCH if hybrid else VISION_ARCH if vision else ARCH],
         "torchtitan_model": model.name,
         "torchtitan_flavor": model.flavor,
         "torchtitan_packed_gemm": generator.cpu_packed_gemm,
@@ -105,6 +111,7 @@ def engine_args(
         "torchtitan_expert_parallel": generator.parallelism.expert_parallel,
         **_decompressed_attention(model),
         **_text_positions(model),
+        **(_image_overrides(model, generator) if vision else {}),
     }
     return EngineArgs(
         model=model.hf_checkpoint,
@@ -139,7 +146,33 @@ def engine_args(
         enable_chunked_prefill=platform.device_type() != "cpu",
         enable_sleep_mode=generator.enable_sleep_mode and platform.vllm_can_sleep(),
         num_gpu_blocks_override=None if hybrid else kv_blocks(model, generator),
+        # The encoder's profile run (compiled engines) would encode the largest images the
+        # budget takes, seconds to minutes on CPU, to size a cache the CPU backend does not
+        # size from it; and requests' images come preprocessed, so no processor cache.
+        skip_mm_profiling=True,
+        mm_processor_cache_gb=0,
     )
+
+
+def _image_overrides(model: ModelSection, generator: GeneratorSection) -> dict:
+    """hf_overrides for a vision-language flavor: its image markers and sizes, which the
+    generator's multimodal processor reads (generator/vision.py)."""
+    from torchtitan_rl.generator.vision import image_overrides
+    from torchtitan_rl.tasks.render import load_tokenizer
+    from torchtitan_rl.vision.preprocess import ImageProcessorConfig
+
+    if generator.parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"generator.parallelism.tensor_parallel_degree = "
+            f"{generator.parallelism.tensor_parallel_degree}: a vision-language generator "
+            f"({model.name}/{model.flavor}) runs on one rank for now: set it to 1"
+        )
+    folder = model.hf_checkpoint or model.tokenizer_dir
+    try:
+        limit = ImageProcessorConfig.from_checkpoint(folder).max_image_tokens
+    except ValueError as e:
+        raise ConfigError(f"model.hf_checkpoint = {folder!r}: {e}") from None
+    return image_overrides(model.name, model.flavor, load_tokenizer(model.tokenizer_dir), limit)
 
 
 def _decompressed_attention(model: ModelSection) -> dict:

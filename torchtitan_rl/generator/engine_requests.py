@@ -16,7 +16,7 @@ from torchtitan_rl import platform
 from torchtitan_rl.config import GeneratorSection, SamplingSection
 from torchtitan_rl.errors import EngineError
 from torchtitan_rl.generator.routing import RoutingLog
-from torchtitan_rl.types import Delta, Sample
+from torchtitan_rl.types import Delta, Images, Sample
 
 
 def vllm_request(
@@ -33,12 +33,15 @@ def vllm_request(
     output_kind,
     top_p: float | None = None,
     stop: Sequence[str] | None = None,
+    images: Images | None = None,
 ) -> tuple:
     """vLLM's (id, prompt, params) of one request, `sampling` filling what the caller leaves
     unset. The prompt carries the policy version as its cache salt: the prefix cache serves it
     no KV that other weights computed, even while requests of an older version are in flight
-    (stream.py)."""
+    (stream.py). `images`: the prompt's (a vision-language generator's: generator/vision.py),
+    whose runs the prompt holds."""
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
     from vllm.inputs.engine import tokens_input
 
     stop = list(sampling.stop) + list(stop or [])
@@ -60,7 +63,11 @@ def vllm_request(
         output_kind=output_kind,
     )
     salt = f"policy-{policy_version}"
-    return request_id, tokens_input(list(prompt), cache_salt=salt), params
+    if images is None:
+        return request_id, tokens_input(list(prompt), cache_salt=salt), params
+    data = {"image": {"pixel_values": images.pixel_values_PX, "image_grid_thw": images.grid_thw_N3}}
+    request = TokensPrompt(prompt_token_ids=list(prompt), multi_modal_data=data, cache_salt=salt)
+    return request_id, request, params
 
 
 def check_prompt(prompt: Sequence[int], what: str, generator: GeneratorSection) -> None:
@@ -75,14 +82,24 @@ def check_prompt(prompt: Sequence[int], what: str, generator: GeneratorSection) 
         )
 
 
+def check_images(prompt: Sequence[int], images: Images, what: str) -> None:
+    """Refuse images whose placeholder runs the prompt does not hold where `images` says."""
+    for start, length in zip(images.starts, images.lengths, strict=True):
+        run = prompt[start : start + length]
+        if len(run) != length or len(set(run)) != 1:
+            raise ValueError(f"{what}: its image at {start} has no run of {length} placeholders")
+
+
 def run_until_finished(
     engine, requests: list, first: int, progress: bool, keep: Callable[[object], None]
 ) -> dict:
     """Add `requests` (id, prompt, params) and step `engine` until all are finished; their
     outputs by index (request id - `first`). A stream's requests in flight go on meanwhile;
     `keep` holds their outputs for its next step."""
-    for request in requests:
-        engine.add_request(*request)
+    for request_id, prompt, params in requests:
+        if "multi_modal_data" in prompt:  # vLLM's renderer locates and hashes the images
+            (prompt,) = engine.renderer.render_cmpl([prompt])
+        engine.add_request(request_id, prompt, params)
     finished = {}
     bar = _progress_bar(len(requests)) if progress else None
     mine = {request_id for request_id, *_ in requests}
