@@ -45,7 +45,7 @@ PALETTE = {
 }
 BACKGROUND = (255, 255, 255)
 SIDES = (28, 56, 84)  # whole cells of patch_size * merge_size = 28 pixels
-TRAIN_ROWS, EVAL_ROWS = 2000, 200
+TRAIN_ROWS, EVAL_ROWS, SFT_ROWS = 2000, 200, 400
 
 COUNT = "how many dots?"
 COLOUR = "what colour is the shape: red, green, blue or yellow?"
@@ -149,20 +149,38 @@ def split(
 
 def row(image_path: str, question: str, answer: str) -> dict:
     """A dataset row: one user message (the image, then the question) and the answer."""
-    content = [{"type": "image", "image": image_path}, {"type": "text", "text": question}]
+    # The image last, next to the answer: the tiny model's sliding layers see 16 tokens back.
+    content = [{"type": "text", "text": question}, {"type": "image", "image": image_path}]
     return {"messages": [{"role": "user", "content": content}], "answer": answer}
 
 
-def write(out: Path, seed: int = 0, train_rows: int = TRAIN_ROWS, eval_rows: int = EVAL_ROWS):
-    """train.jsonl, eval.jsonl and images/{train,eval}_NNNNN.png under `out`."""
+def demonstration(image_path: str, question: str, answer: str) -> dict:
+    """An SFT row: the dataset row's message, then the assistant's answer."""
+    messages = row(image_path, question, answer)["messages"]
+    return {"messages": [*messages, {"role": "assistant", "content": answer}]}
+
+
+def write(
+    out: Path,
+    seed: int = 0,
+    train_rows: int = TRAIN_ROWS,
+    eval_rows: int = EVAL_ROWS,
+    sft_rows: int = SFT_ROWS,
+):
+    """train.jsonl, eval.jsonl and images/{train,eval}_NNNNN.png under `out`; sft.jsonl, the
+    first `sft_rows` train rows as demonstrations (the SFT warm start's)."""
     (out / "images").mkdir(parents=True, exist_ok=True)
     for name, examples in split(seed, train_rows, eval_rows).items():
-        lines = []
+        lines, shown = [], []
         for i, (question, image, answer) in enumerate(examples):
             path = f"images/{name}_{i:05d}.png"
             image.save(out / path, format="PNG")
             lines.append(json.dumps(row(path, question, answer)) + "\n")
+            if name == "train" and i < sft_rows:
+                shown.append(json.dumps(demonstration(path, question, answer)) + "\n")
         (out / f"{name}.jsonl").write_text("".join(lines))
+        if name == "train":
+            (out / "sft.jsonl").write_text("".join(shown))
 
 
 def main() -> None:
@@ -171,8 +189,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-rows", type=int, default=TRAIN_ROWS)
     parser.add_argument("--eval-rows", type=int, default=EVAL_ROWS)
+    parser.add_argument("--sft-rows", type=int, default=SFT_ROWS)
     args = parser.parse_args()
-    write(args.out, args.seed, args.train_rows, args.eval_rows)
+    write(args.out, args.seed, args.train_rows, args.eval_rows, args.sft_rows)
     print(f"wrote {args.out}: {args.train_rows} train rows, {args.eval_rows} eval rows")
 
 

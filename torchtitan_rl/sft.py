@@ -134,7 +134,9 @@ class SFTTrainer:
         filler = dataclasses.replace(held_out[0], prompt_len=len(held_out[0]))
         mine = mine + [filler] * (per_rank - len(mine))
         batch = sft_batch(mine)
-        logprobs_BT, _ = self.trainer.logprobs(batch.tokens_BT, batch.loss_mask_BT)
+        logprobs_BT, _ = self.trainer.logprobs(
+            batch.tokens_BT, batch.loss_mask_BT, images_B=batch.images_B
+        )
         mask_BT = batch.loss_mask_BT.to(logprobs_BT.device)
         sums = torch.tensor([float(-(logprobs_BT * mask_BT).sum()), float(mask_BT.sum())])
         platform.all_reduce_host(sums)
@@ -159,7 +161,8 @@ class SFTTrainer:
             return []
         max_tokens = self.config.eval.max_tokens or max(len(e) - e.prompt_len for e in examples)
         prompts = [e.tokens[: e.prompt_len] for e in examples]
-        completions = self.trainer.greedy(prompts, max_tokens, self.data.stop_ids)
+        images = [e.images for e in examples]
+        completions = self.trainer.greedy(prompts, max_tokens, self.data.stop_ids, images)
         renderer = self.data.renderer
         return [
             {

@@ -1,7 +1,9 @@
 """The flags of the runs several integration tests share (tests/integration/conftest.py starts
 each once per session) and of the runs that repeat them (killed and resumed, other layouts)."""
 
-from helpers.launch import DEBUG_TOML
+from pathlib import Path
+
+from helpers.launch import DEBUG_TOML, REPO
 
 # The echo demo on 2 ranks: 6 steps at a learning rate that moves the policy, a KL penalty
 # (so a reference model and a "kl" figure), checkpoints at steps 3 and 6, an HF export, every
@@ -40,6 +42,33 @@ MUSE_GLIMMER_MODEL = (
     *("--model.name", "muse_glimmer", "--model.flavor", "tiny"),
     *("--model.hf_checkpoint", "assets/tiny_muse_glimmer"),
 )
+# Muse Glimmer with its vision tower (trained: freeze_vision false), on a small copy of the
+# vision demo's data (`vision_task`): prompts of a question and an image of 1 to 9 tokens.
+VISION_MODEL = (
+    *("--model.name", "muse_glimmer", "--model.flavor", "tiny_vl"),
+    *("--model.hf_checkpoint", "assets/tiny_vl_muse_glimmer", "--model.freeze_vision", "false"),
+)
+
+
+def vision_task(folder: Path, train_rows: int = 64, eval_rows: int = 16) -> tuple[str, ...]:
+    """The vision demo's task (scripts/make_visual_data.py) on `train_rows` rows written to
+    `folder`: its flags."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "visual", REPO / "scripts" / "make_visual_data.py"
+    )
+    visual = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(visual)
+    visual.write(folder, seed=0, train_rows=train_rows, eval_rows=eval_rows, sft_rows=train_rows)
+    return (
+        *("--task.name", "dataset", "--task.messages_key", "messages"),
+        *("--task.dataset_path", str(folder / "train.jsonl")),
+        *("--task.reward_fn", "torchtitan_rl.tasks.rewards:exact_match_reward"),
+        *("--generator.sampling.max_tokens", "8"),
+    )
+
+
 # Qwen3.5: three Gated DeltaNet layers and a gated full-attention one; its MoE with a
 # sigmoid-gated shared expert, the experts over the 2 ranks (EP = 2).
 QWEN3_5_MODEL = (

@@ -88,7 +88,12 @@ def _load(file: Path, keys: DatasetKeys, field: str) -> list[dict]:
             raise ConfigError(_unreadable(file, keys, field, e)) from None
         finally:
             datasets.logging.set_verbosity(verbosity)
-    return table.to_list()
+    # Decoded through the features (`to_list` is not): a column of contents that are strings
+    # in some rows and lists of parts in others is a `Json` feature, JSON text until decoded.
+    columns = table[:]
+    return [
+        dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
+    ]
 
 
 def _unreadable(file: Path, keys: DatasetKeys, field: str, error: Exception) -> str:
@@ -165,6 +170,8 @@ def _messages(value, keys: DatasetKeys, source: str, folder: Path | None) -> tup
     messages = []
     for m in value:
         content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, int | float) and not isinstance(content, bool):
+            content = json.dumps(content)  # a `Json` column decodes the string "4" to 4
         if isinstance(content, list):
             content = _parts(content, folder, bad)
         messages.append(

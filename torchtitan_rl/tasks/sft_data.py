@@ -18,8 +18,9 @@ import torch
 from torchtitan_rl.config import ConfigError, JobConfig
 from torchtitan_rl.models import checkpoint_stop_ids
 from torchtitan_rl.tasks.dataset import DatasetKeys, read_rows
-from torchtitan_rl.tasks.render import Renderer, build_renderer
-from torchtitan_rl.types import Prompt, RolloutBatch
+from torchtitan_rl.tasks.render import Renderer, build_renderer, image_reader
+from torchtitan_rl.types import Images, Prompt, RolloutBatch
+from torchtitan_rl.vision.prompts import image_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class Example:
     prompt: Prompt
     """The prompt it renders (its source names file:row), for greedy samples."""
     response: str
+    images: Images | None = None
+    """The prompt's images (a vision-language model's rows)."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -66,7 +69,10 @@ def turns(row: Prompt) -> list[tuple[Prompt, str]]:
                 f"{row.row}: assistant message {i} has no user message before it to answer"
             )
         user = next(m["content"] for m in reversed(context) if m["role"] == "user")
-        prompt = Prompt(text=user, answer="", row=row.row, messages=context)
+        if not isinstance(user, str):  # content parts: the text parts
+            user = "".join(p["text"] for p in user if p["type"] == "text")
+        images = tuple(image_parts(context))
+        prompt = Prompt(text=user, answer="", row=row.row, messages=context, images=images)
         pairs.append((prompt, message["content"]))
     if not pairs:
         raise ConfigError(
@@ -88,7 +94,7 @@ def read_examples(
     examples = []
     for row in read_rows(path, keys, field):
         for prompt, response in turns(row):
-            (prompt_ids,) = renderer.encode([prompt])
+            (prompt_ids,), (images,) = renderer.encode_images([prompt])
             response_ids = renderer.tokenizer.encode(response, add_special_tokens=False)
             tokens = prompt_ids + response_ids + [stop_id]
             if len(tokens) > max_seq_len:
@@ -97,7 +103,7 @@ def read_examples(
                     f"{len(prompt_ids)}, response {len(response_ids) + 1}), more than "
                     f"sft.max_seq_len = {max_seq_len}: raise it or shorten the row"
                 )
-            examples.append(Example(tokens, len(prompt_ids), prompt, response))
+            examples.append(Example(tokens, len(prompt_ids), prompt, response, images))
     return examples
 
 
@@ -120,7 +126,13 @@ def open_sft_data(config: JobConfig) -> SFTData:
         messages_key=task.messages_key,
         answer_key=None if task.messages_key else task.answer_key,
     )
-    renderer = build_renderer(task, config.model.tokenizer_dir, max_seq_len, "sft.max_seq_len")
+    renderer = build_renderer(
+        task,
+        config.model.tokenizer_dir,
+        max_seq_len,
+        "sft.max_seq_len",
+        images=image_reader(config.model),
+    )
     hf_checkpoint = config.model.hf_checkpoint
     checkpoint_stops = checkpoint_stop_ids(hf_checkpoint) if hf_checkpoint else []
     stop_id = response_stop_id(renderer, checkpoint_stops)
@@ -141,4 +153,9 @@ def sft_batch(examples: list[Example], pad_id: int = 0) -> RolloutBatch:
     for b, example in enumerate(examples):
         tokens_BT[b, : len(example)] = torch.tensor(example.tokens)
         loss_mask_BT[b, example.prompt_len : len(example)] = 1.0
-    return RolloutBatch(tokens_BT=tokens_BT, loss_mask_BT=loss_mask_BT)
+    images_B = tuple(e.images for e in examples)
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=loss_mask_BT,
+        images_B=None if all(i is None for i in images_B) else images_B,
+    )

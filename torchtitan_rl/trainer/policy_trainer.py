@@ -446,19 +446,34 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def greedy(
-        self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int]
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        stop_ids: set[int],
+        images: list | None = None,
     ) -> list[list[int]]:
-        """Greedy completions of `prompts` (token ids), each ending after its first stop id or
-        at `max_tokens`. Recomputes every sequence for each token (no KV cache): for the few
-        samples an SFT evaluation shows. Every trainer rank calls it with the same prompts and
-        runs `max_tokens` forwards, as FSDP's gathers are collective."""
+        """Greedy completions of `prompts` (token ids; `images`: each one's, or None), each
+        ending after its first stop id or at `max_tokens`. Recomputes every sequence for each
+        token (no KV cache): for the few samples an SFT evaluation shows. Every trainer rank
+        calls it with the same prompts and runs `max_tokens` forwards, as FSDP's gathers are
+        collective."""
         completions: list[list[int]] = [[] for _ in prompts]
+        images = images or [None] * len(prompts)
         for _ in range(max_tokens):
             rows = [p + c for p, c in zip(prompts, completions, strict=True)]
             width = max(len(r) for r in rows)
             tokens_BT = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
             positions_BT = torch.arange(width, device=self.device).expand_as(tokens_BT)
-            logits_BTV = self.model(tokens_BT, positions=positions_BT)
+            encoder = getattr(self.model, "vision_encoder", None)
+            vision = None
+            if encoder is not None:
+                offsets = [b * width for b in range(len(rows))]
+                vision = encoder_inputs(images, offsets, encoder.patch_size, encoder.patch_temporal)
+            logits_BTV = self.model(
+                tokens_BT,
+                positions=positions_BT,
+                **_images(None if vision is None else vision.to(self.device)),
+            )
             if isinstance(logits_BTV, DTensor):
                 logits_BTV = logits_BTV.full_tensor()
             last_B = torch.tensor([len(r) - 1 for r in rows], device=self.device)
