@@ -9,6 +9,7 @@
 #   MIXTURE=1 ./scripts/demo.sh   # both tasks in one run, 1:1 (task.sources), each with its figures
 #   MOE=1 ./scripts/demo.sh       # the arithmetic demo on a mixture-of-experts model, EP = 2
 #   DISTILL=1 ./scripts/demo.sh   # the arithmetic demo's RL export teaches the SFT export
+#   VLM=1 ./scripts/demo.sh       # vision-language: questions about images (docs/vision.md)
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -36,6 +37,11 @@ if [[ -n "${DISTILL:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.train --job.config_file run_configs/arith_rl_from_sft_cpu.toml
     exec "${torchrun[@]}" -m torchtitan_rl.train \
         --job.config_file run_configs/distill_cpu.toml "$@"
+fi
+if [[ -n "${VLM:-}" ]]; then
+    "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_visual_cpu.toml
+    exec "${torchrun[@]}" -m torchtitan_rl.train \
+        --job.config_file run_configs/visual_rl_from_sft_cpu.toml "$@"
 fi
 if [[ -n "${AGENT:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_tools_cpu.toml

@@ -44,4 +44,9 @@ for target in qwen3:tiny llama3:tiny qwen3:tiny_moe gpt_oss:tiny deepseek_v3:tin
         echo "$recipe" > "$ASSETS/.recipe"
     fi
 done
+# The vision demo's images and questions (deterministic, drawn with PIL: no download).
+if [ "$(cat data/visual/.recipe 2>/dev/null)" != "$(sha256sum < scripts/make_visual_data.py)" ]; then
+    "$VENV/bin/python" scripts/make_visual_data.py --out data/visual > /dev/null
+    sha256sum < scripts/make_visual_data.py > data/visual/.recipe
+fi
 echo "setup: ready ($VENV, assets/tiny_{qwen3,llama3,moe_qwen3,gpt_oss,deepseek_v3,grouped_deepseek_v3,kimi_k2_7,muse_glimmer,vl_muse_glimmer,qwen3_5,moe_qwen3_5})"

@@ -176,7 +176,7 @@ class Teacher:
     def __init__(self, logprobs_BT: torch.Tensor):
         self.logprobs_BT, self.masks = logprobs_BT, []
 
-    def logprobs(self, tokens_BT, mask_BT):
+    def logprobs(self, tokens_BT, mask_BT, images_B=None):
         self.masks.append(mask_BT)
         return self.logprobs_BT, None
 

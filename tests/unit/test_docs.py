@@ -11,6 +11,8 @@ import tomllib
 import pytest
 from helpers.launch import REPO, TINY
 
+VL = str(REPO / "assets" / "tiny_vl_muse_glimmer")
+
 from torchtitan_rl.config import JobConfig, parse_args
 from torchtitan_rl.sft import SFT
 from torchtitan_rl.train import RL
@@ -66,7 +68,8 @@ def test_every_named_run_config_exists_and_passes_the_dry_run_checks(tmp_path):
         flags = ["--job.config_file", name]
         toml = tomllib.loads((REPO / name).read_text())
         if toml["model"]["hf_checkpoint"].startswith("outputs/"):
-            flags += ["--model.hf_checkpoint", TINY]
+            stand_in = VL if toml["model"].get("flavor") == "tiny_vl" else TINY
+            flags += ["--model.hf_checkpoint", stand_in]
         # So does a distill teacher that an earlier stage exports.
         if toml.get("distill", {}).get("teacher_checkpoint", "").startswith("outputs/"):
             flags += ["--distill.teacher_checkpoint", TINY]

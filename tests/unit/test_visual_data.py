@@ -47,7 +47,7 @@ def read(out: Path, name: str) -> list[tuple[str, np.ndarray, str]]:
     for line in (out / f"{name}.jsonl").read_text().splitlines():
         row = json.loads(line)
         [message] = row["messages"]
-        image_part, text_part = message["content"]
+        text_part, image_part = message["content"]
         assert message["role"] == "user" and image_part["type"] == "image"
         assert text_part["type"] == "text" and isinstance(row["answer"], str)
         with Image.open(out / image_part["image"]) as image:
@@ -134,9 +134,9 @@ def test_same_seed_same_files_and_held_out_rows_independent_of_train_rows(tmp_pa
         root = tmp_path / name
         return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
-    assert files("a") == files("b") and len(files("a")) == 2 + 30
+    assert files("a") == files("b") and len(files("a")) == 3 + 30  # train, eval, sft
     assert files("a") != files("c")
-    held_out = {p: b for p, b in files("a").items() if not p.name.startswith("train")}
+    held_out = {p: b for p, b in files("a").items() if not p.name.startswith(("train", "sft"))}
     assert held_out.items() <= files("d").items()
 
 

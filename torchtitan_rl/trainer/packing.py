@@ -177,8 +177,18 @@ def pack_plan(
         cols_N=cols_N,
         # The hidden state at t - 1 predicts token t.
         predictors_N=offsets_R[rows_N] + cols_N - 1,
-        offsets=tuple(int(offsets_R[r]) if n > 0 else None for r, n in enumerate(lengths)),
+        offsets=_starts(lengths),
     )
+
+
+def _starts(lengths: list[int]) -> tuple[int | None, ...]:
+    """Where each row starts in the packed row of rows `lengths` long (None: a row it does not
+    hold), counted on the host."""
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at if n > 0 else None)
+        at += n
+    return tuple(starts)
 
 
 @dataclass(frozen=True, slots=True)
