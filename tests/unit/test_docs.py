@@ -11,12 +11,11 @@ import tomllib
 import pytest
 from helpers.launch import REPO, TINY
 
-VL = str(REPO / "assets" / "tiny_vl_muse_glimmer")
-
 from torchtitan_rl.config import JobConfig, parse_args
 from torchtitan_rl.sft import SFT
 from torchtitan_rl.train import RL
 
+VL = str(REPO / "assets" / "tiny_vl_muse_glimmer")
 pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
