@@ -294,6 +294,25 @@ BAD_INPUTS = {
         [],
         ["model.flavor = 'Kimi-K2.5' builds a vision tower", "moonlight-16B-A3B"],
     ),
+    "a trained vision tower on a text-only flavor": (
+        "[model]\nfreeze_vision = false\n",
+        [],
+        ["model.freeze_vision = false, but qwen3 'tiny' has no vision tower", "tiny_vl"],
+    ),
+    "a trained vision tower under LoRA": (
+        '[model]\nname = "muse_glimmer"\nflavor = "tiny_vl"\n'
+        'hf_checkpoint = "assets/tiny_vl_muse_glimmer"\nfreeze_vision = false\n'
+        "[lora]\nenable = true\n",
+        [],
+        ["model.freeze_vision = false, but lora.enable = true freezes", "remove one"],
+    ),
+    "a vision-language model streamed by the continuous placement": (
+        '[model]\nname = "muse_glimmer"\nflavor = "tiny_vl"\n'
+        'hf_checkpoint = "assets/tiny_vl_muse_glimmer"\n'
+        '[generator]\nplacement = "continuous"\n',
+        ["--world_size_for_test", "2"],
+        ["a vision-language model (muse_glimmer 'tiny_vl') is not supported", "disaggregated"],
+    ),
     "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
     "off-policy band without a correction": (
         "[algorithm]\noffpolicy_ratio_max = 5.0\n",

@@ -105,6 +105,10 @@ class JobConfig:
             "generator.parallelism.tensor_parallel_degree > 1": (
                 generator.parallelism.tensor_parallel_degree > 1
             ),
+            # Its streamed requests carry no images: vLLM would read the runs as text.
+            f"a vision-language model ({self.model.name} {self.model.flavor!r})": _reads_images(
+                self.model
+            ),
         }
         for what, set_ in refused.items():
             require(
@@ -370,6 +374,11 @@ class JobConfig:
             "lora.enable = true trains adapters on frozen weights, but model.hf_checkpoint is "
             "unset (random weights): set model.hf_checkpoint to the model to adapt",
         )
+        require(
+            not (self.lora.enable and not self.model.freeze_vision),
+            "model.freeze_vision = false, but lora.enable = true freezes every weight but the "
+            "adapters, the vision tower's too: remove one of them",
+        )
         self._validate_linear_attention()
         self._validate_heads()
         self._validate_experts()
@@ -516,3 +525,9 @@ def _get(config: JobConfig, dotted: str) -> object:
     for name in dotted.split("."):
         value = getattr(value, name)
     return value
+
+
+def _reads_images(model) -> bool:
+    from torchtitan_rl.models import has_vision_tower
+
+    return has_vision_tower(model.name, model.flavor)
