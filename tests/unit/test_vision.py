@@ -264,10 +264,10 @@ def test_the_trainers_logprobs_read_each_rows_images(titan_model, micro_batch_to
 
 
 @pytest.mark.parametrize("freeze_vision", [True, False])
-def test_the_vision_tower_trains_only_when_unfrozen(freeze_vision):
+def test_the_vision_tower_trains_only_when_unfrozen(freeze_vision, tmp_path):
     """model.freeze_vision (the default): an optimizer step on image prompts leaves the vision
     tower as it was, without gradient or optimizer state, while the decoder moves; false: the
-    tower moves too."""
+    tower moves too, and the HF export carries it to transformers."""
     from torchtitan_rl.config import TrainingSection
 
     tokens_BT, mask_BT, images_B = _rows()
@@ -298,5 +298,16 @@ def test_the_vision_tower_trains_only_when_unfrozen(freeze_vision):
         assert not moved & vision
         stateful = {p for state in policy.optimizers.optimizers[0].state for p in [state]}
         assert not any(p is q for p in stateful for q in vision_parameters(policy.model))
-    else:
-        assert "vision_encoder.conv1_linear.weight" in moved and "vision_projection.weight" in moved
+        return
+    assert "vision_encoder.conv1_linear.weight" in moved and "vision_projection.weight" in moved
+    # The HF export holds the trained tower, and transformers reads it.
+    from transformers import AutoModelForImageTextToText
+
+    from torchtitan_rl.hf_export import export_hf
+
+    whole = {k: v.full_tensor() for k, v in after.items()}
+    out = tmp_path / "hf"
+    export_hf(whole, policy.spec, str(CHECKPOINT), str(CHECKPOINT), out)
+    exported = AutoModelForImageTextToText.from_pretrained(out).model.vision_projection.weight
+    assert torch.equal(exported, whole["vision_projection.weight"])
+    assert not torch.equal(exported, before["vision_projection.weight"].full_tensor())
