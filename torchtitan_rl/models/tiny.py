@@ -288,13 +288,14 @@ MUSE_GLIMMER_WINDOW = 16
 sequences, so that its sliding layers drop keys."""
 
 
-def muse_glimmer_tiny(attn_backend: str):
+def muse_glimmer_tiny(attn_backend: str, vocab_size: int = VOCAB_SIZE, **vision):
     """Muse Glimmer's text tower at the tiny size: 4 layers, three with RoPE and a sliding
     window, the last one global and without RoPE (iRoPE, as every fourth layer of the 30B);
     QK-norm with the query scaled after it, a sigmoid gate on the attention output, gain-centred
     norms before and after each sub-layer, a scaleless norm on the embeddings, untied, and an
     LM head whose logits are scaled and tanh soft-capped. The cap is 5 (the 30B's: 20) and the
-    multiplier 2, so that the cap bends logits of a random model's size."""
+    multiplier 2, so that the cap bends logits of a random model's size. `vision`: the vision
+    tower's configs (`muse_glimmer_tiny_vl`)."""
     import dataclasses
 
     from torchtitan.models.muse_glimmer import _muse_glimmer_config
@@ -305,11 +306,12 @@ def muse_glimmer_tiny(attn_backend: str):
         n_heads=4,
         n_kv_heads=2,
         head_dim=HEAD_DIM,
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         max_seq_len=4096,
         window_pattern=[MUSE_GLIMMER_WINDOW] * 3 + [0],
         output_multiplier=2.0,
         attn_backend=attn_backend,
+        **vision,
     )
     config.lm_head = dataclasses.replace(config.lm_head, output_soft_cap_temp=5.0)
     return config
@@ -326,10 +328,7 @@ def muse_glimmer_tiny_vl(attn_backend: str):
     in the last, as the 30B's 50 layers alternate; 14-px patches of 2 frames, merged 2x2 into
     one 128-wide token; the adapter's two linears to 64, and the decoder's projection to its
     width. Its vocabulary holds the image markers (VL_VOCAB_SIZE)."""
-    import dataclasses
-
     from torchtitan.models.muse_glimmer import (
-        _muse_glimmer_config,
         muse_glimmer_vision_adapter_config,
         muse_glimmer_vision_encoder_config,
     )
@@ -343,23 +342,13 @@ def muse_glimmer_tiny_vl(attn_backend: str):
         pos_emb_grid_w=2,
     )
     adapter = muse_glimmer_vision_adapter_config(input_dim=encoder.output_dim, output_dim=64)
-    config = _muse_glimmer_config(
-        dim=DIM,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=HEAD_DIM,
-        vocab_size=VL_VOCAB_SIZE,
-        max_seq_len=4096,
-        window_pattern=[MUSE_GLIMMER_WINDOW] * 3 + [0],
-        output_multiplier=2.0,
-        attn_backend=attn_backend,
+    return muse_glimmer_tiny(
+        attn_backend,
+        VL_VOCAB_SIZE,
         vision_adapter_dim=64,
         vision_encoder=encoder,
         vision_adapter=adapter,
     )
-    config.lm_head = dataclasses.replace(config.lm_head, output_soft_cap_temp=5.0)
-    return config
 
 
 def qwen3_5_tiny(attn_backend: str, moe: bool = False):
