@@ -244,7 +244,7 @@ class Episodes:
         env_s = 0.0
         began = time.perf_counter()
         group = [self._open(prompt) for _ in range(n)]
-        (first_ids,) = await self._reset([group])
+        (first_ids,), _ = await self._reset([group])  # no images: refused (job_config.py)
         env_s += time.perf_counter() - began
 
         async def episode(j: int, episode: Episode) -> tuple[str, float]:

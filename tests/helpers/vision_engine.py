@@ -1,0 +1,122 @@
+"""The tiny vision-language Muse Glimmer in a real vLLM engine (compiled, as users run it), its
+requests carrying each prompt's images; print JSON on the last line.
+
+    .venv/bin/python tests/helpers/vision_engine.py
+
+Runs in its own process: vLLM's CPU worker binds threads, and its registry of HF config
+classes (its own Muse Glimmer config among them) must not leak into pytest.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers.titan
+
+from helpers.titan import torchtitan_model  # noqa: E402
+
+from torchtitan_rl.config import GeneratorSection, ModelSection  # noqa: E402
+from torchtitan_rl.generator.engine import LocalGenerator  # noqa: E402
+from torchtitan_rl.models.vision import encoder_inputs  # noqa: E402
+from torchtitan_rl.vision.preprocess import (  # noqa: E402
+    ImageProcessorConfig,
+    placeholder_count,
+    preprocess,
+)
+from torchtitan_rl.vision.prompts import prompt_images  # noqa: E402
+
+CHECKPOINT = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_vl_muse_glimmer")
+PATCH, IMAGE_START, IMAGE_END = 68, 69, 70
+
+
+def prompt(sizes, seed: int):
+    """A prompt with an image of each size (random pixels), and its Images."""
+    rng = np.random.default_rng(seed)
+    pictures = [PIL.Image.fromarray(rng.integers(0, 256, (*s, 3), dtype=np.uint8)) for s in sizes]
+    config = ImageProcessorConfig.from_checkpoint(CHECKPOINT)
+    pixel_values_PX, grid_thw_N3 = preprocess(pictures, config)
+    ids = [3, 10, 11]
+    for grid in grid_thw_N3:
+        ids += [IMAGE_START] + [PATCH] * placeholder_count(grid, 2) + [IMAGE_END] + [12]
+    ids += [4, 3]
+    return ids, prompt_images(ids, pixel_values_PX, grid_thw_N3, PATCH, 2)
+
+
+def against_the_trainer(engine) -> float:
+    """Three prompts in one batch (two images of different shapes, one, none), two samples
+    each: the largest |generator - torchtitan model| logprob over the sampled tokens."""
+    prompts = [prompt(((56, 84), (28, 28)), 0), prompt(((84, 56),), 1), ([3, 10, 11, 4, 3], None)]
+    completions = engine.generate(
+        [ids for ids, _ in prompts],
+        n=2,
+        temperature=1.0,
+        max_tokens=8,
+        seed=0,
+        images=[images for _, images in prompts],
+    )
+    assert completions.images[2] is None and completions.images[0] is prompts[0][1]
+    model = torchtitan_model(CHECKPOINT, "tiny_vl", "muse_glimmer")
+    worst = 0.0
+    for (ids, images), samples in zip(prompts, completions.samples, strict=True):
+        vision = None if images is None else encoder_inputs([images], [0], 14, 2)
+        for sample in samples:
+            row = ids + sample.token_ids
+            with torch.no_grad():
+                logits = model(
+                    torch.tensor([row]), positions=torch.arange(len(row))[None], vision=vision
+                )
+            logprobs = logits[0].log_softmax(-1)[len(ids) - 1 : -1]
+            expected = logprobs.gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            worst = max(worst, float((expected - torch.tensor(sample.logprobs)).abs().max()))
+    return worst
+
+
+def prefix_cache(engine) -> dict:
+    """The same ids with the same image twice, then with another image of the same size."""
+    ids, first = prompt(((56, 56),), 2)
+    _, other = prompt(((56, 56),), 3)
+
+    def logprobs(images):
+        completions = engine.generate(
+            [ids], n=1, temperature=0.0, max_tokens=4, seed=0, images=[images]
+        )
+        return completions.samples[0][0].logprobs
+
+    once, again, another = logprobs(first), logprobs(first), logprobs(other)
+    return {
+        "same_image_equal": once == again,
+        "other_image_diff": max(abs(a - b) for a, b in zip(another, once, strict=True)),
+    }
+
+
+def misplaced(engine) -> str:
+    """A prompt whose image's run is cut short: the generator's one line."""
+    ids, images = prompt(((28, 56),), 4)
+    try:
+        engine.generate([ids[:5] + ids[7:]], n=1, max_tokens=2, seed=0, images=[images])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def main() -> None:
+    engine = LocalGenerator(
+        generator=GeneratorSection(max_model_len=256),
+        model=ModelSection(name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=CHECKPOINT),
+    )
+    figures = {
+        "compiled": engine.compiled,
+        "trainer_diff": against_the_trainer(engine),
+        **prefix_cache(engine),
+        "misplaced": misplaced(engine),
+    }
+    engine.close()
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
