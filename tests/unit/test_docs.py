@@ -30,6 +30,7 @@ GPU_RECIPES = {
     "run_configs/deepseek_v3_671b.toml": 256,
     "run_configs/moonlight_16b_a3b.toml": 8,
     "run_configs/muse_glimmer_30b.toml": 8,
+    "run_configs/muse_glimmer_30b_mm.toml": 8,
     "run_configs/qwen3_5_9b.toml": 8,
     "run_configs/qwen3_5_35b_a3b.toml": 8,
 }
