@@ -229,10 +229,13 @@ def _policy(**fields):
     platform.init_distributed()
 
     training = fields.pop("training", TrainingSection())
+    lora = fields.pop("lora", None)
     model = ModelSection(
         name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=str(CHECKPOINT), **fields
     )
-    return PolicyTrainer(model=model, training=training, parallelism=ParallelismSection())
+    return PolicyTrainer(
+        model=model, training=training, parallelism=ParallelismSection(), lora=lora
+    )
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [48, 0], ids=["packed", "padded"])
@@ -263,15 +266,19 @@ def test_the_trainers_logprobs_read_each_rows_images(titan_model, micro_batch_to
     assert (text_BT[0] - logprobs_BT[1]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("freeze_vision", [True, False])
-def test_the_vision_tower_trains_only_when_unfrozen(freeze_vision, tmp_path):
+@pytest.mark.parametrize("mode", ["frozen", "trained", "lora"])
+def test_the_vision_tower_trains_only_when_unfrozen(mode, tmp_path):
     """model.freeze_vision (the default): an optimizer step on image prompts leaves the vision
     tower as it was, without gradient or optimizer state, while the decoder moves; false: the
-    tower moves too, and the HF export carries it to transformers."""
-    from torchtitan_rl.config import TrainingSection
+    tower moves too, and the HF export carries it to transformers. LoRA on every linear of
+    the language model (target all): only its adapters move, none on the tower."""
+    from torchtitan_rl.config import LoRASection, TrainingSection
 
     tokens_BT, mask_BT, images_B = _rows()
-    policy = _policy(freeze_vision=freeze_vision, training=TrainingSection(lr=1e-2))
+    freeze_vision = mode != "trained"
+    lora = LoRASection(enable=True, target="all") if mode == "lora" else None
+    training = TrainingSection(lr=1e-2)
+    policy = _policy(freeze_vision=freeze_vision, training=training, lora=lora)
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     batch = RolloutBatch(
         tokens_BT=tokens_BT,
@@ -293,7 +300,10 @@ def test_the_vision_tower_trains_only_when_unfrozen(freeze_vision, tmp_path):
         for k in before
         if k.startswith(("vision_encoder.", "vision_adapter.", "vision_projection."))
     }
-    assert "layers.0.attention.wq.weight" in moved or any(k.startswith("layers.0.") for k in moved)
+    assert any(k.startswith("layers.0.") for k in moved)
+    if mode == "lora":
+        assert moved and all(".lora_a." in k or ".lora_b." in k for k in moved), moved
+        assert not any("lora" in k for k in vision)
     if freeze_vision:
         assert not moved & vision
         stateful = {p for state in policy.optimizers.optimizers[0].state for p in [state]}
