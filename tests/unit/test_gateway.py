@@ -234,6 +234,13 @@ def test_errors_answer_in_openai_format_naming_the_field(renderer):
                 await client.chat.completions.create(model="policy", messages=USER, **extra)
             except openai.BadRequestError as e:
                 caught[name] = e.body["param"]
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        try:
+            await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": [image]}]
+            )
+        except openai.BadRequestError as e:
+            caught["image"] = e.message
         long = [{"role": "user", "content": "9" * 60}]
         try:
             await client.chat.completions.create(model="policy", messages=long)
@@ -265,6 +272,7 @@ def test_errors_answer_in_openai_format_naming_the_field(renderer):
         "temperature": "temperature",
         "tool_choice": "tool_choice",
     }
+    assert "image_url parts are not supported by the gateway yet" in caught["image"]
     assert "generator.max_model_len = 40" in caught["long"]
     assert "task.max_turns" in caught["turns"]
     assert caught["key"] and caught["ended"]

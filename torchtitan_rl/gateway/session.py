@@ -186,6 +186,12 @@ def text_of(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        kinds = {part.get("type") for part in content if isinstance(part, dict)}
+        if kinds - {"text"}:
+            raise ValueError(
+                f"{sorted(map(str, kinds - {'text'}))[0]} parts are not supported by the "
+                "gateway yet (images reach the policy in dataset rows: docs/vision.md): send text"
+            )
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     raise ValueError(f"content must be a string or a list of parts, not {type(content).__name__}")
 
