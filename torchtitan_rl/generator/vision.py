@@ -36,7 +36,7 @@ from vllm.multimodal.processing.inputs import ProcessorInputs
 
 from torchtitan_rl.generator.vllm_model import TorchTitanForCausalLM
 from torchtitan_rl.models import model_spec
-from torchtitan_rl.models.vision import encoder_rows
+from torchtitan_rl.models.vision import each_image
 
 
 def _fields(data: Mapping[str, torch.Tensor]) -> Mapping[str, MultiModalFieldConfig]:
@@ -198,14 +198,8 @@ class TorchTitanVisionForCausalLM(TorchTitanForCausalLM, SupportsMultiModal):
             pixel_values = torch.cat(list(pixel_values))
         encoder = self.model.vision_encoder
         pixel_values = pixel_values.to(encoder.conv1_linear.weight.device)
-        sizes = grid_I3.prod(-1).tolist()
-        return [
-            self.model.image_features(
-                encoder_rows(rows, grid[None], encoder.patch_size, encoder.patch_temporal),
-                grid[None],
-            )
-            for rows, grid in zip(pixel_values.split(sizes), grid_I3.cpu(), strict=True)
-        ]
+        images = each_image(pixel_values, grid_I3, encoder.patch_size, encoder.patch_temporal)
+        return [self.model.image_features(rows, grid) for rows, grid in images]
 
     def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
         """The tokens' embeddings, the images' features at the positions `is_multimodal`

@@ -110,30 +110,38 @@ class EncoderInputs:
         return EncoderInputs(rows, self.grids, platform.upload(self.where_V, device))
 
 
+def each_image(
+    pixel_values_PX: torch.Tensor, grid_thw_N3: torch.Tensor, patch_size: int, temporal: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each image's patch rows [1, P_i, X] in torchtitan's layout (`encoder_rows`) and its grid
+    [1, 3] on the host, from the images' rows concatenated in HF's layout: what
+    `VisionLanguageModel.image_features` encodes, one image at a time."""
+    grid_thw_N3 = grid_thw_N3.cpu()
+    counts = (grid_thw_N3[:, 1] * grid_thw_N3[:, 2]).tolist()
+    return [
+        (encoder_rows(pixels_PX, grid_3[None], patch_size, temporal), grid_3[None])
+        for pixels_PX, grid_3 in zip(pixel_values_PX.split(counts), grid_thw_N3, strict=True)
+    ]
+
+
 def encoder_inputs(
     images: list[Images | None], offsets: list[int], patch_size: int, temporal: int
 ) -> EncoderInputs | None:
     """The encoder's inputs for sequences whose prompts' `images` start at `offsets` in the
     forward's flattened tokens (None: no image among them). Built on the host."""
-    rows, grids, where = [], [], []
+    encoded, where = [], []
     for prompt_images, offset in zip(images, offsets, strict=True):
         if prompt_images is None:
             continue
-        counts = (prompt_images.grid_thw_N3[:, 1] * prompt_images.grid_thw_N3[:, 2]).tolist()
-        pieces = prompt_images.pixel_values_PX.split(counts)
-        for pixels_PX, grid_3, start, length in zip(
-            pieces,
-            prompt_images.grid_thw_N3,
-            prompt_images.starts,
-            prompt_images.lengths,
-            strict=True,
-        ):
-            rows.append(encoder_rows(pixels_PX, grid_3[None], patch_size, temporal))
-            grids.append(grid_3[None])
+        encoded += each_image(
+            prompt_images.pixel_values_PX, prompt_images.grid_thw_N3, patch_size, temporal
+        )
+        for start, length in zip(prompt_images.starts, prompt_images.lengths, strict=True):
             where.append(torch.arange(offset + start, offset + start + length))
-    if not rows:
+    if not encoded:
         return None
-    return EncoderInputs(tuple(rows), tuple(grids), torch.cat(where))
+    rows, grids = zip(*encoded, strict=True)
+    return EncoderInputs(rows, grids, torch.cat(where))
 
 
 class VisionLanguageModel(MuseGlimmerModel):

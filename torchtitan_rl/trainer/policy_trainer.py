@@ -386,14 +386,16 @@ class PolicyTrainer:
         else:
             offsets = planned.row.offsets
         picked = [(images_B[b], at) for b, at in zip(rows, offsets, strict=True) if at is not None]
+        return self._encoder_inputs([i for i, _ in picked], [at for _, at in picked])
+
+    def _encoder_inputs(self, images: list, offsets: list[int]):
+        """`encoder_inputs` of `images` at `offsets` with the model's patch sizes, on the
+        device; None where none of them has images (a text-only model has no encoder)."""
+        if all(i is None for i in images):
+            return None
         encoder = self.model.vision_encoder
-        inputs = encoder_inputs(
-            [i for i, _ in picked],
-            [at for _, at in picked],
-            encoder.patch_size,
-            encoder.patch_temporal,
-        )
-        return None if inputs is None else inputs.to(self.device)
+        inputs = encoder_inputs(images, offsets, encoder.patch_size, encoder.patch_temporal)
+        return inputs.to(self.device)
 
     @staticmethod
     def _uploaded(batch: RolloutBatch) -> tuple[RolloutBatch, tuple | None]:
@@ -464,16 +466,8 @@ class PolicyTrainer:
             width = max(len(r) for r in rows)
             tokens_BT = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
             positions_BT = torch.arange(width, device=self.device).expand_as(tokens_BT)
-            encoder = getattr(self.model, "vision_encoder", None)
-            vision = None
-            if encoder is not None:
-                offsets = [b * width for b in range(len(rows))]
-                vision = encoder_inputs(images, offsets, encoder.patch_size, encoder.patch_temporal)
-            logits_BTV = self.model(
-                tokens_BT,
-                positions=positions_BT,
-                **_images(None if vision is None else vision.to(self.device)),
-            )
+            vision = self._encoder_inputs(images, [b * width for b in range(len(rows))])
+            logits_BTV = self.model(tokens_BT, positions=positions_BT, **_images(vision))
             if isinstance(logits_BTV, DTensor):
                 logits_BTV = logits_BTV.full_tensor()
             last_B = torch.tensor([len(r) - 1 for r in rows], device=self.device)
