@@ -487,6 +487,19 @@ def raise_stop_logit(model, stop_id: int, mean_tokens: int, seed: int) -> float:
     return p_stop
 
 
+def unit_gain_vision_projection(model) -> None:
+    """Draw the vision adapter's and projection's weights at unit gain (std 1 / sqrt(fan_in)),
+    as a trained model's carry its features. torchtitan's init (std 0.02) shrinks the random
+    tower's features to about 1e-3 before the projection's scaleless norm, which then scales
+    their gradients up about 1000 times: gradient clipping (training.max_grad_norm) then all but
+    stops every update: the vision demo's SFT stays at chance (colour questions, 300 steps of
+    16, held-out 0.30 at std 0.02, 0.83 at unit gain)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(("vision_adapter.", "vision_projection.")) and param.dim() == 2:
+                param.normal_(0.0, param.shape[1] ** -0.5)
+
+
 def write_checkpoint(
     out: Path, seed: int = 0, name: str = "qwen3", flavor: str = "tiny", mean_tokens: int = 0
 ) -> None:
@@ -518,6 +531,8 @@ def write_checkpoint(
         if centre is not None:
             with torch.no_grad():
                 module.weight.normal_(1.0 - centre, 0.1)
+    if vision:
+        unit_gain_vision_projection(model)
     if mean_tokens:
         p_stop = raise_stop_logit(model, eos_id, mean_tokens, seed)
         print(f"stop probability per token: {p_stop:.5f} (1 / {1 / p_stop:.1f})")

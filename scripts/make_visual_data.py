@@ -3,7 +3,8 @@ is a digit or a word, as train and held-out JSONL rows of chat messages.
 
     .venv/bin/python scripts/make_visual_data.py --out data/visual
 
-Three kinds of question, drawn with equal odds, each answer with equal odds:
+Three kinds of question, each answer with equal odds; `--kinds` picks which (equal odds between
+them), and the demo's data is the colour question alone:
 
     how many dots?                                          1 to 4 dots of one colour
     what colour is the shape: red, green, blue or yellow?   one circle, square or triangle
@@ -45,7 +46,7 @@ PALETTE = {
 }
 BACKGROUND = (255, 255, 255)
 SIDES = (28, 56, 84)  # whole cells of patch_size * merge_size = 28 pixels
-TRAIN_ROWS, EVAL_ROWS, SFT_ROWS = 2000, 200, 400
+TRAIN_ROWS, EVAL_ROWS, SFT_ROWS = 2000, 200, 2000
 
 COUNT = "how many dots?"
 COLOUR = "what colour is the shape: red, green, blue or yellow?"
@@ -112,11 +113,16 @@ def bars(rng: random.Random, width: int, height: int) -> tuple[Image.Image, str]
 
 
 QUESTIONS = {COUNT: dots, COLOUR: shape, BARS: bars}
+KINDS = {"dots": COUNT, "colour": COLOUR, "bars": BARS}
+DEMO_KINDS = ("colour",)
+"""The demo's questions. At the tiny model's size, with its vision tower random, the colour
+question is learned within the demo's minutes (held-out 0.83 after 300 SFT steps of 16); the
+three kinds mixed are not (each at chance after 600)."""
 
 
-def draw(rng: random.Random) -> tuple[str, Image.Image, str]:
-    """(question, image, answer) of a random kind and size."""
-    question = rng.choice(list(QUESTIONS))
+def draw(rng: random.Random, kinds: tuple[str, ...] = DEMO_KINDS) -> tuple[str, Image.Image, str]:
+    """(question, image, answer) of a random one of `kinds` (KINDS' keys) and a random size."""
+    question = rng.choice([KINDS[kind] for kind in kinds])
     image, answer = QUESTIONS[question](rng, rng.choice(SIDES), rng.choice(SIDES))
     return question, image, answer
 
@@ -129,7 +135,10 @@ def twin_key(question: str, image: Image.Image) -> str:
 
 
 def split(
-    seed: int = 0, train_rows: int = TRAIN_ROWS, eval_rows: int = EVAL_ROWS
+    seed: int = 0,
+    train_rows: int = TRAIN_ROWS,
+    eval_rows: int = EVAL_ROWS,
+    kinds: tuple[str, ...] = DEMO_KINDS,
 ) -> dict[str, list[tuple[str, Image.Image, str]]]:
     """{"eval": ..., "train": ...} lists of (question, image, answer), none a twin of another.
     The held-out rows come first, from their own stream, so they do not change with
@@ -139,7 +148,7 @@ def split(
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
         rng, out[name] = random.Random(f"{seed}/{name}"), []
         while len(out[name]) < rows:
-            question, image, answer = draw(rng)
+            question, image, answer = draw(rng, kinds)
             key = twin_key(question, image)
             if key not in seen:
                 seen.add(key)
@@ -166,11 +175,12 @@ def write(
     train_rows: int = TRAIN_ROWS,
     eval_rows: int = EVAL_ROWS,
     sft_rows: int = SFT_ROWS,
+    kinds: tuple[str, ...] = DEMO_KINDS,
 ):
     """train.jsonl, eval.jsonl and images/{train,eval}_NNNNN.png under `out`; sft.jsonl, the
     first `sft_rows` train rows as demonstrations (the SFT warm start's)."""
     (out / "images").mkdir(parents=True, exist_ok=True)
-    for name, examples in split(seed, train_rows, eval_rows).items():
+    for name, examples in split(seed, train_rows, eval_rows, kinds).items():
         lines, shown = [], []
         for i, (question, image, answer) in enumerate(examples):
             path = f"images/{name}_{i:05d}.png"
@@ -190,8 +200,14 @@ def main() -> None:
     parser.add_argument("--train-rows", type=int, default=TRAIN_ROWS)
     parser.add_argument("--eval-rows", type=int, default=EVAL_ROWS)
     parser.add_argument("--sft-rows", type=int, default=SFT_ROWS)
+    parser.add_argument(
+        "--kinds", default=",".join(DEMO_KINDS), help=f"comma-separated, of {', '.join(KINDS)}"
+    )
     args = parser.parse_args()
-    write(args.out, args.seed, args.train_rows, args.eval_rows, args.sft_rows)
+    kinds = tuple(args.kinds.split(","))
+    if not set(kinds) <= set(KINDS):
+        parser.error(f"--kinds {args.kinds}: each must be one of {', '.join(KINDS)}")
+    write(args.out, args.seed, args.train_rows, args.eval_rows, args.sft_rows, kinds)
     print(f"wrote {args.out}: {args.train_rows} train rows, {args.eval_rows} eval rows")
 
 

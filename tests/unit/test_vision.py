@@ -181,6 +181,24 @@ def test_images_batched_with_padding_encode_as_each_alone(titan_model):
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-6)
 
 
+def test_the_checkpoints_image_features_reach_the_scaleless_norm_at_unit_scale(titan_model):
+    """The tiny checkpoint's adapter and projection are drawn at unit gain: the projected
+    features reach the scaleless norm at a scale near 1, so the norm does not scale their
+    gradients up. At torchtitan's init (std 0.02) they reach it at about 1e-3, and the
+    norm's gradient, about 1 / scale, makes the tower's gradients dwarf the decoder's under
+    gradient clipping: the vision demo then never learns (make_tiny_checkpoint.py)."""
+    config = ImageProcessorConfig.from_checkpoint(CHECKPOINT)
+    pixel_values_PX, grid_thw_N3 = preprocess(_images((56, 84), seed=2), config)
+    rows_NPX = encoder_rows(pixel_values_PX, grid_thw_N3, 14, 2)
+    with torch.no_grad():
+        adapted = titan_model.vision_adapter(
+            titan_model.vision_encoder(rows_NPX, grid_thw=grid_thw_N3)
+        )
+        projected_VD = titan_model.vision_projection(adapted)
+    rms_V = projected_VD.pow(2).mean(-1).sqrt()
+    assert projected_VD.shape == (6, 128) and (rms_V > 0.1).all() and (rms_V < 10).all(), rms_V
+
+
 def test_every_muse_glimmer_vision_flavor_builds_the_projects_model():
     """Every Muse Glimmer flavor with a vision tower builds `VisionLanguageModel` and
     `VisionEncoder` (dense masks), and the config refuses none of them; the text-only ones

@@ -36,8 +36,15 @@ def tokenizer_alphabet() -> str:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("visual")
-    visual.write(out, seed=0, train_rows=300, eval_rows=100)
+    visual.write(out, seed=0, train_rows=300, eval_rows=100, kinds=tuple(visual.KINDS))
     return out
+
+
+def test_the_demo_asks_the_colour_question_alone(tmp_path):
+    visual.write(tmp_path, seed=0, train_rows=40, eval_rows=10, sft_rows=5)
+    rows = read(tmp_path, "train") + read(tmp_path, "eval")
+    assert {question for question, _, _ in rows} == {visual.COLOUR}
+    assert {answer for _, _, answer in rows} == set(visual.PALETTE)
 
 
 def read(out: Path, name: str) -> list[tuple[str, np.ndarray, str]]:
