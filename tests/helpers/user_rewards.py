@@ -70,3 +70,11 @@ def batch_drops_one(prompts: list[str], completions: list[str], answers: list[st
 
 def not_a_number(prompt: str, completion: str, answer: str):
     return "1.0"
+
+
+def letters_of_answer(prompt: str, completion: str, answer: str) -> float:
+    """The share of the answer's letters the completion holds: a random model's samples differ
+    on it, so every group has advantages and every step trains (the exact match a random model
+    never scores)."""
+    letters = set(answer)
+    return len(letters & set(completion)) / len(letters)

@@ -7,9 +7,15 @@ tests/unit/test_vision.py and tests/integration/test_batch_invariant.py.
 """
 
 import json
+import shutil
+from pathlib import Path
 
+import torch
 from helpers import runs
-from helpers.launch import DEBUG_TOML, metric_rows, run_helper, run_train
+from helpers.launch import DEBUG_TOML, assert_resumed_as, metric_rows, run_helper, run_train
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_generator_reads_images_as_the_trainer_does_and_caches_by_image():
@@ -27,12 +33,17 @@ def test_the_generator_reads_images_as_the_trainer_does_and_caches_by_image():
     assert figures["misplaced"] == "prompt 0: its image at 4 has no run of 2 placeholders"
 
 
-def test_a_disaggregated_run_trains_on_images_its_generator_reads(tmp_path):
+def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tmp_path):
     """The vision demo's task (a question and an image per prompt) on 2 ranks, the generator on
     its own rank (disaggregated: requests and their images cross a process boundary), the
     tower trained and synced, with the weight sync verified by digest: every step's
     generator and trainer logprobs agree within 1e-4 in fp32, which a generator that dropped
-    the images would not (its placeholders read as text)."""
+    the images would not (its placeholders read as text).
+
+    Then the same command resumed from step 1's checkpoint (step 2's removed) logs step 2 as
+    the uninterrupted run did, and exports the same weights bit for bit, the trained tower's
+    included: the checkpoint holds the tower and its optimizer state, and the data and the
+    generator pick up where they were."""
     flags = (
         *(
             "--job.config_file",
@@ -42,10 +53,26 @@ def test_a_disaggregated_run_trains_on_images_its_generator_reads(tmp_path):
         ),
         *("--generator.placement", "disaggregated", "--generator.verify_weight_sync", "true"),
         *("--training.steps", "2", "--training.max_prompt_len", "256"),
-        *("--generator.max_model_len", "320", "--job.dump_folder", str(tmp_path / "run")),
+        *("--generator.max_model_len", "320"),
+        *("--checkpoint.enable", "true", "--checkpoint.interval", "1"),
+        *("--checkpoint.export_hf_at_end", "true"),
     )
-    result = run_train(*flags, nproc=2)
+    uninterrupted, resumed = tmp_path / "run", tmp_path / "resumed"
+    result = run_train(*flags, "--job.dump_folder", str(uninterrupted), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = metric_rows(tmp_path / "run")
+    rows = metric_rows(uninterrupted)
     assert len(rows) == 2
     assert all(0 < row["logprob_diff/max"] < 1e-4 for row in rows), rows
+    assert all(row["reward/std"] > 0 and row["grad_norm"] > 0 for row in rows), rows
+    initial = load_file(REPO / "assets" / "tiny_vl_muse_glimmer" / "model.safetensors")
+    trained = load_file(uninterrupted / "hf" / "model.safetensors")
+    tower = [name for name in initial if name.startswith("model.vision_tower.")]
+    assert tower and all(not torch.equal(trained[name], initial[name]) for name in tower)
+
+    shutil.copytree(uninterrupted, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-2")
+    shutil.rmtree(resumed / "hf")
+    result = run_train(*flags, "--job.dump_folder", str(resumed), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {resumed / 'checkpoints' / 'step-1'}" in result.stdout
+    assert_resumed_as(uninterrupted, resumed, 1, exact=False)

@@ -105,7 +105,9 @@ class JobConfig:
             "generator.parallelism.tensor_parallel_degree > 1": (
                 generator.parallelism.tensor_parallel_degree > 1
             ),
-            # Its streamed requests carry no images: vLLM would read the runs as text.
+            # Weights load between engine steps with requests in flight, and each load must empty
+            # vLLM's encoder cache (it keys features on the image alone), which vLLM 0.32 does
+            # not keep consistent with requests in flight (EngineCore.reset_encoder_cache).
             f"a vision-language model ({self.model.name} {self.model.flavor!r})": _reads_images(
                 self.model
             ),
