@@ -244,13 +244,18 @@ class Episodes:
         env_s = 0.0
         began = time.perf_counter()
         group = [self._open(prompt) for _ in range(n)]
-        (first_ids,), _ = await self._reset([group])  # no images: refused (job_config.py)
+        (first_ids,), (images,) = await self._reset([group])
         env_s += time.perf_counter() - began
+        with_images = {} if images is None else {"images": images}
 
         async def episode(j: int, episode: Episode) -> tuple[str, float]:
             episode_seed, spent = seed + j, 0.0
             sample = await stream.sample(
-                first_ids, seed=episode_seed, max_tokens=max_tokens, temperature=temperature
+                first_ids,
+                seed=episode_seed,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                **with_images,
             )
             while True:
                 began = time.perf_counter()
@@ -265,6 +270,7 @@ class Episodes:
                     seed=(episode_seed * 1_000_003 + episode.turns) % 2**62,
                     max_tokens=min(max_tokens, self.max_model_len - len(context)),
                     temperature=temperature,
+                    **with_images,
                 )
 
         ended = await asyncio.gather(*(episode(j, e) for j, e in enumerate(group)))
@@ -275,7 +281,8 @@ class Episodes:
             e.sample(finish, len(first_ids)) for e, (finish, _) in zip(group, ended, strict=True)
         ]
         rewards_PN = torch.tensor([[e.reward for e in group]])
-        return Scored(Completions([first_ids], [samples]), rewards_PN, env_s, parts_PN)
+        completions = Completions([first_ids], [samples], _with([images]).get("images"))
+        return Scored(completions, rewards_PN, env_s, parts_PN)
 
     async def _agents(self, sample, drive, prompts, seed, n, temperature, max_tokens) -> Scored:
         """The episodes of an agent task: `n` agents per prompt, each on a gateway session

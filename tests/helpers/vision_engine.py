@@ -62,17 +62,20 @@ def against_the_trainer(engine) -> float:
     model = torchtitan_model(CHECKPOINT, "tiny_vl", "muse_glimmer")
     worst = 0.0
     for (ids, images), samples in zip(prompts, completions.samples, strict=True):
-        vision = None if images is None else encoder_inputs([images], [0], 14, 2)
         for sample in samples:
-            row = ids + sample.token_ids
-            with torch.no_grad():
-                logits = model(
-                    torch.tensor([row]), positions=torch.arange(len(row))[None], vision=vision
-                )
-            logprobs = logits[0].log_softmax(-1)[len(ids) - 1 : -1]
-            expected = logprobs.gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            expected = model_logprobs(model, ids, images, sample.token_ids)
             worst = max(worst, float((expected - torch.tensor(sample.logprobs)).abs().max()))
     return worst
+
+
+def model_logprobs(model, ids: list[int], images, token_ids: list[int]) -> torch.Tensor:
+    """The torchtitan model's logprob of each of `token_ids` after `ids` (with `images`)."""
+    row = ids + token_ids
+    vision = None if images is None else encoder_inputs([images], [0], 14, 2)
+    with torch.no_grad():
+        logits = model(torch.tensor([row]), positions=torch.arange(len(row))[None], vision=vision)
+    logprobs = logits[0].log_softmax(-1)[len(ids) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
 
 
 def prefix_cache(engine) -> dict:
@@ -90,6 +93,81 @@ def prefix_cache(engine) -> dict:
     return {
         "same_image_equal": once == again,
         "other_image_diff": max(abs(a - b) for a, b in zip(another, once, strict=True)),
+    }
+
+
+def in_flight(engine) -> dict:
+    """Requests with the same image streamed across weight updates of the tower alone (the
+    continuous placement's), each token checked against the torchtitan model with the tower
+    of the version that sampled it, over its whole prefix:
+    - "recompute" (the default): a request in flight at the update 0 -> 1, its prompt and
+      tokens prefilled again, and one submitted after it;
+    - "keep": a request in flight at the update 1 -> 2 (its tokens before it), and one
+      submitted after it, which no reset of the encoder cache protects."""
+    from torchtitan_rl.generator.stream import RequestStream
+
+    model = torchtitan_model(CHECKPOINT, "tiny_vl", "muse_glimmer")
+    towers = {0: {n: t.clone() for n, t in model.state_dict().items() if n.startswith("vision_")}}
+    ids, images = prompt(((56, 56),), 5)
+    stream = RequestStream(engine)
+    samples = {}
+
+    def run(steps: int | None = None) -> None:
+        for _ in range(steps or 1000):
+            samples.update(stream.step())
+            if not len(stream):
+                return
+
+    def submit(key: str, seed: int) -> None:
+        stream.submit(key, ids, seed=seed, max_tokens=10, temperature=1.0, images=images)
+
+    def update(version: int) -> None:
+        noise = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, param in engine.weights().items():
+                if name.startswith("vision_"):
+                    param.add_(torch.randn(param.shape, generator=noise) * param.std() / 2)
+        towers[version] = {n: engine.weights()[n].detach().clone() for n in towers[0]}
+        engine.refresh_after_weight_update()
+        engine.policy_version = version
+
+    def logprobs(sample, version: int) -> torch.Tensor:
+        model.load_state_dict(towers[version], strict=False)
+        return model_logprobs(model, ids, images, sample.token_ids)
+
+    def diff(sample, versions: set[int]) -> float:
+        worst = 0.0
+        for version in versions:
+            mine = torch.tensor([v == version for v in sample.versions])
+            expected = logprobs(sample, version)[mine]
+            worst = max(worst, float((expected - torch.tensor(sample.logprobs)[mine]).abs().max()))
+        return worst
+
+    submit("in flight", 1)
+    run(3)
+    update(1)
+    submit("after", 2)
+    run()
+    straddling = samples["in flight"]
+    moved = logprobs(straddling, 1) - logprobs(straddling, 0)
+    figures = {
+        "recompute_versions": sorted(set(straddling.versions)),
+        "recompute_diff": max(diff(straddling, {0, 1}), diff(samples["after"], {1})),
+        "tower_update_moves": float(moved.abs().max()),
+    }
+    engine.config.inflight_kv = "keep"
+    submit("kept", 3)
+    run(3)
+    update(2)
+    submit("after keep", 4)
+    run()
+    engine.config.inflight_kv = "recompute"
+    model.load_state_dict(towers[0], strict=False)
+    return {
+        **figures,
+        "keep_versions": sorted(set(samples["kept"].versions)),
+        "keep_before_update_diff": diff(samples["kept"], {1}),
+        "keep_after_diff": diff(samples["after keep"], {2}),
     }
 
 
@@ -113,6 +191,7 @@ def main() -> None:
         "trainer_diff": against_the_trainer(engine),
         **prefix_cache(engine),
         "misplaced": misplaced(engine),
+        **in_flight(engine),
     }
     engine.close()
     print(json.dumps(figures))

@@ -306,13 +306,6 @@ BAD_INPUTS = {
         [],
         ["model.freeze_vision = false, but lora.enable = true freezes", "remove one"],
     ),
-    "a vision-language model streamed by the continuous placement": (
-        '[model]\nname = "muse_glimmer"\nflavor = "tiny_vl"\n'
-        'hf_checkpoint = "assets/tiny_vl_muse_glimmer"\n'
-        '[generator]\nplacement = "continuous"\n',
-        ["--world_size_for_test", "2"],
-        ["a vision-language model (muse_glimmer 'tiny_vl') is not supported", "disaggregated"],
-    ),
     "unknown task": ('[task]\nname = "chess"\n', [], ["task.name", "'chess'", "'echo_digits'"]),
     "off-policy band without a correction": (
         "[algorithm]\noffpolicy_ratio_max = 5.0\n",

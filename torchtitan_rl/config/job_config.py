@@ -105,12 +105,6 @@ class JobConfig:
             "generator.parallelism.tensor_parallel_degree > 1": (
                 generator.parallelism.tensor_parallel_degree > 1
             ),
-            # Weights load between engine steps with requests in flight, and each load must empty
-            # vLLM's encoder cache (it keys features on the image alone), which vLLM 0.32 does
-            # not keep consistent with requests in flight (EngineCore.reset_encoder_cache).
-            f"a vision-language model ({self.model.name} {self.model.flavor!r})": _reads_images(
-                self.model
-            ),
         }
         for what, set_ in refused.items():
             require(
@@ -527,9 +521,3 @@ def _get(config: JobConfig, dotted: str) -> object:
     for name in dotted.split("."):
         value = getattr(value, name)
     return value
-
-
-def _reads_images(model) -> bool:
-    from torchtitan_rl.models import has_vision_tower
-
-    return has_vision_tower(model.name, model.flavor)

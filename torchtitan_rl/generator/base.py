@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from torchtitan_rl.types import Completions, Delta
+from torchtitan_rl.types import Completions, Delta, Images
 
 
 class Generator(Protocol):
@@ -37,8 +37,10 @@ class Generator(Protocol):
         seed: int,
         max_tokens: int,
         temperature: float | None = None,
+        images: Images | None = None,
     ) -> None:
-        """Add one sample's request, stepped by `step_outputs` (stream.RequestStream)."""
+        """Add one sample's request, stepped by `step_outputs` (stream.RequestStream);
+        `images`: the prompt's (None: a text prompt)."""
 
     def step_outputs(self) -> list[Delta]:
         """One engine step: each submitted request's new tokens, tagged with their version."""

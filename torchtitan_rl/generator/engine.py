@@ -46,6 +46,7 @@ from torchtitan_rl.generator.engine_requests import (
     _delta,
     _each,
     _samples,
+    add_request,
     check_images,
     check_prompt,
     run_until_finished,
@@ -211,12 +212,16 @@ class LocalGenerator:
         temperature: float | None = None,
         top_p: float | None = None,
         stop: Sequence[str] | None = None,
+        images: Images | None = None,
     ) -> None:
         """Add one sample's request, stepped by `step_outputs` (stream.RequestStream);
-        `top_p` and `stop` (strings, beside generator.sampling.stop) as a client asked."""
+        `top_p` and `stop` (strings, beside generator.sampling.stop) as a client asked;
+        `images`: the prompt's (None: a text prompt)."""
         from vllm.sampling_params import RequestOutputKind
 
         check_prompt(prompt_token_ids, f"request {request_id}", self.config)
+        if images is not None:
+            check_images(prompt_token_ids, images, f"request {request_id}")
         request = vllm_request(
             request_id,
             prompt_token_ids,
@@ -230,9 +235,10 @@ class LocalGenerator:
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens
             top_p=top_p,
             stop=stop,
+            images=images,
         )
         try:
-            self.engine.add_request(*request)
+            add_request(self.engine, request)
         except Exception as e:
             raise EngineError(f"the generator's engine raised {e!r}") from e
         self._streamed[request_id] = len(prompt_token_ids)
@@ -295,12 +301,19 @@ class LocalGenerator:
         self.engine.reset_prefix_cache(reset_running_requests=recompute)
 
     def refresh_after_weight_update(self) -> None:
-        """Refresh what derives from the weights: packed GEMM copies, cached KV blocks, and a
-        vision-language model's cached image features (vLLM keys them on the image alone)."""
+        """Refresh what derives from the weights: packed GEMM copies, cached KV blocks, and
+        with generator.inflight_kv = "recompute" a vision-language model's cached image
+        features. New requests key their images on the policy version (`image_keys`), so
+        only the requests in flight, which keep their keys, could read the older tower's
+        features; "recompute" has just preempted them all, so none holds features that the
+        cache's reset would take away (vLLM's `reset_encoder_cache` warns of that case only)."""
         self.repack_weights()
         self.reset_prefix_cache()
-        if getattr(self._wrapper(), "supports_multimodal", False):
-            self.engine.reset_encoder_cache()
+        multimodal = getattr(self._wrapper(), "supports_multimodal", False)
+        if self.config.inflight_kv == "recompute" and multimodal:
+            core = self.engine.engine_core.engine_core
+            core.scheduler.reset_encoder_cache()
+            core.model_executor.reset_encoder_cache()
 
     def repack_weights(self) -> None:
         """Rebuild the packed GEMM copies of the weights (CPU); part of the refresh above."""

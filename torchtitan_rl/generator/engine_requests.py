@@ -39,7 +39,8 @@ def vllm_request(
     unset. The prompt carries the policy version as its cache salt: the prefix cache serves it
     no KV that other weights computed, even while requests of an older version are in flight
     (stream.py). `images`: the prompt's (a vision-language generator's: generator/vision.py),
-    whose runs the prompt holds."""
+    whose runs the prompt holds, each keyed on its content and the policy version
+    (`image_keys`)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.inputs.engine import tokens_input
@@ -66,8 +67,39 @@ def vllm_request(
     if images is None:
         return request_id, tokens_input(list(prompt), cache_salt=salt), params
     data = {"image": {"pixel_values": images.pixel_values_PX, "image_grid_thw": images.grid_thw_N3}}
-    request = TokensPrompt(prompt_token_ids=list(prompt), multi_modal_data=data, cache_salt=salt)
+    request = TokensPrompt(
+        prompt_token_ids=list(prompt),
+        multi_modal_data=data,
+        multi_modal_uuids={"image": image_keys(images, policy_version)},
+        cache_salt=salt,
+    )
     return request_id, request, params
+
+
+def image_keys(images: Images, policy_version: int) -> list[str]:
+    """Each image's key in vLLM's caches (its inputs, its encoder features, the prefix blocks
+    over it): a digest of its rows and grid, and the policy version. vLLM's own key is the
+    image alone, so that after a weight update a request would read the features the older
+    tower computed; with the version in it, no request reads another version's, and a weight
+    update needs no reset of the encoder cache while requests are in flight (continuous
+    placement)."""
+    keys = []
+    rows_I = images.pixel_values_PX.split(images.grid_thw_N3.prod(-1).tolist())
+    for rows, grid in zip(rows_I, images.grid_thw_N3, strict=True):
+        digest = hashlib.blake2b(str(rows.dtype).encode(), digest_size=16)
+        digest.update(grid.numpy().tobytes())
+        digest.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+        keys.append(f"{digest.hexdigest()}@policy-{policy_version}")
+    return keys
+
+
+def add_request(engine, request: tuple) -> None:
+    """Add vLLM's `request` (id, prompt, params) to `engine`; a prompt with images through
+    vLLM's renderer first, which locates and keys them (generator/vision.py)."""
+    request_id, prompt, params = request
+    if "multi_modal_data" in prompt:
+        (prompt,) = engine.renderer.render_cmpl([prompt])
+    engine.add_request(request_id, prompt, params)
 
 
 def check_prompt(prompt: Sequence[int], what: str, generator: GeneratorSection) -> None:
@@ -96,10 +128,8 @@ def run_until_finished(
     """Add `requests` (id, prompt, params) and step `engine` until all are finished; their
     outputs by index (request id - `first`). A stream's requests in flight go on meanwhile;
     `keep` holds their outputs for its next step."""
-    for request_id, prompt, params in requests:
-        if "multi_modal_data" in prompt:  # vLLM's renderer locates and hashes the images
-            (prompt,) = engine.renderer.render_cmpl([prompt])
-        engine.add_request(request_id, prompt, params)
+    for request in requests:
+        add_request(engine, request)
     finished = {}
     bar = _progress_bar(len(requests)) if progress else None
     mine = {request_id for request_id, *_ in requests}

@@ -13,8 +13,10 @@ the trainer does) outside the compiled decoder; `embed_input_ids` writes the fea
 `<|patch|>` positions. For a multimodal model vLLM always hands the decoder embeddings, never
 ids, so text-only models keep `TorchTitanForCausalLM`.
 
-vLLM's encoder cache keys an image's features on its content alone: a weight sync must empty
-it (`LocalGenerator.reload_weights`), or a new policy would read the old tower's features.
+vLLM's encoder cache would key an image's features on its content alone, and a new policy would
+read the older tower's: a request keys each image on its content and the policy version
+(engine_requests.image_keys), and requests in flight across an update follow
+generator.inflight_kv (`LocalGenerator.refresh_after_weight_update`).
 """
 
 from collections.abc import Mapping
