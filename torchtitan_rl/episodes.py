@@ -79,7 +79,9 @@ class Episode(Trace):
     """Every message so far, the system prompt's and the opening ones included."""
     tools: list[dict] | None = None
     images: Images | None = None
-    """The first prompt's images (every turn's context starts with it)."""
+    """The first prompt's images (every turn's context starts with it); an agent's episode:
+    its session's, placed in its first ids and turns, which its sample carries (the agents of
+    a group may send different ones)."""
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -103,6 +105,7 @@ class Episode(Trace):
             tool_errors=self.tool_errors,
             routed_experts=self.routed_to(first_prompt_length + len(self.token_ids)),
             versions=self.versions,
+            images=self.images if self.env is None else None,
         )
 
 
@@ -364,7 +367,8 @@ class Episodes:
         if opened.session.final() is None:
             # Nothing sampled to train on: the opening prompt and a stop id, none of it trained.
             failed = failed or "the agent made no chat request to its session"
-            segment = Segment(first_ids=source.renderer.encode([prompt])[0])
+            (first_ids,), (images,) = source.renderer.encode_images([prompt])
+            segment = Segment(first_ids=first_ids, images=images)
             segment.add([min(self.stop_ids)])
             opened.session.segments.append(segment)
         _take(episode, opened)
@@ -521,6 +525,7 @@ def _take(episode: Episode, opened: Opened) -> None:
     episode.sampled_mask, episode.versions = segment.sampled_mask, segment.versions
     episode.routed = segment.routed
     episode.messages, episode.tools = segment.sent, segment.tools
+    episode.images = segment.images
     episode.turns = session.turns
     episode.tool_calls, episode.tool_errors = opened.tool_calls, opened.ill_formed_tool_calls
     # A last turn that called tools no request answered: the episode was cut, as an

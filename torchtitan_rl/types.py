@@ -147,6 +147,9 @@ class Sample:
     versions: list[int] | None = None
     """The policy version that sampled each token (-1 for an environment's); None where one
     version sampled them all (only a continuous generator updates weights mid-sample)."""
+    images: Images | None = None
+    """An agent's episode: the images its requests sent (gateway/session.py), placed in its
+    prompt + token_ids; None: its prompt's (`Completions.images`)."""
 
     @property
     def sampled_tokens(self) -> int:
@@ -496,7 +499,8 @@ def rollout_batch(
     images: "list[Images | None] | None" = None,
 ) -> RolloutBatch:
     """Right-padded RolloutBatch of every (prompt, sample) pair, prompt-major; `images`: each
-    prompt's (Completions.images), shared by its samples' rows.
+    prompt's (Completions.images), shared by its samples' rows but those that carry their own
+    (`Sample.images`).
 
     `samples[p][n]` is the n-th sample of prompt p (an episode: its turns and the environment's
     replies between them); the loss mask covers exactly the sampled tokens (a sampled stop
@@ -522,10 +526,19 @@ def rollout_batch(
         generator_logprobs_BT=torch.tensor([pad(lp, 0.0) for lp in logprobs]),
         routed_experts_BTMK=_routed(samples, width),
         versions_BT=_versions(prompts, samples, width),
-        images_B=None
-        if images is None or all(i is None for i in images)
-        else tuple(images[p] for p, group in enumerate(samples) for _ in group),
+        images_B=_row_images(samples, images),
     )
+
+
+def _row_images(samples: "list[list[Sample]]", images: "list[Images | None] | None"):
+    """Each row's images, prompt-major: its sample's own, else its prompt's (None: no row has
+    any)."""
+    rows = tuple(
+        sample.images if sample.images is not None else (images or [None] * len(samples))[p]
+        for p, group in enumerate(samples)
+        for sample in group
+    )
+    return None if all(i is None for i in rows) else rows
 
 
 def _versions(

@@ -8,19 +8,27 @@ engine behind the gateway: tests/integration/test_gateway.py.
 """
 
 import asyncio
+import base64
 import json
 
 import httpx
+import numpy as np
 import openai
+import PIL.Image
 import pytest
+import torch
+from helpers.launch import REPO
 from helpers.render import chatter_renderer, encode
 
-from torchtitan_rl.config import ConfigError, TaskSection
-from torchtitan_rl.episodes import Episode, _defaults, _shared_prompt
+from torchtitan_rl.config import ConfigError, ModelSection, TaskSection
+from torchtitan_rl.episodes import Episode, _defaults, _shared_prompt, _take
 from torchtitan_rl.gateway.protocol import load_parsers
 from torchtitan_rl.gateway.server import Gateway
+from torchtitan_rl.tasks.agent import row_of
 from torchtitan_rl.tasks.env import Calculator
-from torchtitan_rl.types import Sample
+from torchtitan_rl.tasks.render import build_renderer, image_reader
+from torchtitan_rl.types import Prompt, Sample, rollout_batch
+from torchtitan_rl.vision.preprocess import data_url
 
 IM_END = 4
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'
@@ -234,13 +242,18 @@ def test_errors_answer_in_openai_format_naming_the_field(renderer):
                 await client.chat.completions.create(model="policy", messages=USER, **extra)
             except openai.BadRequestError as e:
                 caught[name] = e.body["param"]
-        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-        try:
-            await client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": [image]}]
-            )
-        except openai.BadRequestError as e:
-            caught["image"] = e.message
+        parts = {
+            "image": {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            "http": {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            "audio": {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+        }
+        for name, part in parts.items():
+            try:
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": [part]}]
+                )
+            except openai.BadRequestError as e:
+                caught[name] = (e.body["param"], e.message)
         long = [{"role": "user", "content": "9" * 60}]
         try:
             await client.chat.completions.create(model="policy", messages=long)
@@ -272,7 +285,12 @@ def test_errors_answer_in_openai_format_naming_the_field(renderer):
         "temperature": "temperature",
         "tool_choice": "tool_choice",
     }
-    assert "image_url parts are not supported by the gateway yet" in caught["image"]
+    # The text-only policy reads no image; no URL is fetched; no other part is taken.
+    assert caught["image"][0] == "messages[0].content[0]"
+    assert "messages[0].content[0]: the policy reads no images" in caught["image"][1]
+    assert caught["http"][0] == "messages[0].content"
+    assert "part 0's image_url.url is not a data URL ('https://example.com" in caught["http"][1]
+    assert "input_audio parts are not supported by the gateway" in caught["audio"][1]
     assert "generator.max_model_len = 40" in caught["long"]
     assert "task.max_turns" in caught["turns"]
     assert caught["key"] and caught["ended"]
@@ -456,3 +474,87 @@ def test_the_gateway_serves_where_its_config_says_with_the_parsers_it_names(tmp_
     task.gateway_port = 70000
     with pytest.raises(ConfigError, match="task.gateway_port = 70000: must be a TCP port"):
         task.validate()
+
+
+def test_image_url_parts_reach_the_policy_token_exact_turn_after_turn():
+    """A vision-language policy's session: the row's image, handed to the agent as a data URL
+    (`row_of`), prompts the ids and images the dataset path renders for the row; a user reply
+    with another image extends the segment with that image's run after the sampled ids, and
+    the request carries both images where their runs are. The episode's sample carries them
+    to the trainer's rows. A message sent back with another image is not the recorded one
+    (the request forks); an image that does not decode is a 400 naming its part."""
+    checkpoint = str(REPO / "assets" / "tiny_vl_muse_glimmer")
+    model = ModelSection(name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=checkpoint)
+    task = TaskSection(name="agent", agent="x:y", dataset_path=str(REPO / "data"))
+    renderer = build_renderer(task, checkpoint, max_prompt_len=256, images=image_reader(model))
+    rng = np.random.default_rng(0)
+    first, second, other = (
+        PIL.Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+        for size in ((56, 84), (56, 56), (56, 84))
+    )
+    row = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, {"type": "image", "image": first}],
+        }
+    ]
+    prompt = Prompt(text="a", answer="", messages=tuple(row), images=(first,))
+    (row_ids,), (row_images,) = renderer.encode_images([prompt])
+    messages = row_of(prompt, row)["messages"]
+    assert messages[0]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    reply = {"type": "image_url", "image_url": {"url": data_url(second)}}
+    client, opened, script, _ = serve(renderer, ["b", "c", "d"])
+
+    async def episode():
+        answer = await client.chat.completions.create(model="policy", messages=messages)
+        said = answer.choices[0].message.model_dump(exclude_none=True)
+        user = {"role": "user", "content": [{"type": "text", "text": "e"}, reply]}
+        await client.chat.completions.create(model="policy", messages=[*messages, said, user])
+        changed = [{**messages[0], "content": [messages[0]["content"][0], _url(other)]}]
+        await client.chat.completions.create(model="policy", messages=[*changed, said, user])
+        not_png = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+        bad = [{"role": "user", "content": [{"type": "text", "text": "a"}, _url(not_png)]}]
+        try:
+            await client.chat.completions.create(model="policy", messages=bad)
+        except openai.BadRequestError as e:
+            return e.body["param"], e.message
+
+    param, message = run(episode())
+    (ids_1, options_1), (ids_2, options_2), (ids_3, options_3) = script.requests
+    assert ids_1 == row_ids and _same_images(options_1["images"], row_images)
+    sampled = encode(renderer, "b") + [IM_END]
+    images = options_2["images"]
+    assert ids_2[: len(ids_1) + len(sampled)] == ids_1 + sampled
+    assert images.starts[0] == row_images.starts[0] and len(images.starts) == 2
+    assert images.starts[1] > len(ids_1) + len(sampled)
+    located = renderer.images.images(ids_2, images.pixel_values_PX, images.grid_thw_N3)
+    assert _same_images(images, located)  # each image's run where its start says
+    assert torch.equal(
+        images.pixel_values_PX[: len(row_images.pixel_values_PX)], row_images.pixel_values_PX
+    )
+    assert torch.equal(images.grid_thw_N3, torch.tensor([[1, 4, 6], [1, 4, 4]]))
+    # The changed image starts a new segment: the same ids, the policy shown the new image.
+    assert opened.session.forks == 1 and ids_3[: len(ids_1)] == ids_1
+    shown = options_3["images"].pixel_values_PX[: len(row_images.pixel_values_PX)]
+    assert torch.equal(shown, renderer.images.read([other])[0])
+    assert param == "messages[0].content[1]"
+    assert "image data URL is not an image PIL can decode" in message
+    # The episode trains on the last segment, with its images.
+    episode = Episode()
+    _take(episode, opened)
+    sample = episode.sample("stop", len(episode.first_ids))
+    assert sample.images is opened.session.final().images
+    batch = rollout_batch([episode.first_ids], [[sample]], torch.zeros(1, 1), 0)
+    assert batch.images_B == (sample.images,)
+
+
+def _same_images(a, b) -> bool:
+    return (
+        torch.equal(a.pixel_values_PX, b.pixel_values_PX)
+        and torch.equal(a.grid_thw_N3, b.grid_thw_N3)
+        and (a.starts, a.lengths) == (b.starts, b.lengths)
+    )
+
+
+def _url(image) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(image)}}

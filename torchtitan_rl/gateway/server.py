@@ -35,7 +35,7 @@ from torchtitan_rl.gateway.protocol import (
     chunk,
 )
 from torchtitan_rl.gateway.protocol import completion as completion_body
-from torchtitan_rl.gateway.session import Session, Turn
+from torchtitan_rl.gateway.session import BadPart, Session, Turn
 from torchtitan_rl.types import Sample
 
 MODEL = "policy"
@@ -264,6 +264,8 @@ class Gateway:
         if asked.messages is not None:
             try:
                 turn = session.prompt(asked.messages, asked.tools)
+            except BadPart as e:  # an image the policy cannot read
+                raise ApiError(400, str(e), e.param) from None
             except Exception as e:  # a chat template raising on the client's messages
                 raise ApiError(
                     400, f"messages do not render with the chat template: {e}", "messages"
@@ -290,6 +292,8 @@ class Gateway:
             sampling["top_p"] = asked.top_p
         if asked.stop:
             sampling["stop"] = asked.stop
+        if turn.images is not None:
+            sampling["images"] = turn.images
         return turn, sampling
 
     def _record(

@@ -14,15 +14,24 @@ segment from that turn's ids; one that extends nothing starts a new segment from
 rendered chat. Matching tolerates what clients change in the assistant messages they send
 back: a stripped or moved `<think>` block, reasoning sent as `reasoning_content`, tool-call
 arguments serialised again, content None beside tool calls.
+
+A message's `image_url` parts (data URLs: the gateway fetches nothing) reach a vision-language
+policy as the dataset's image parts do: the chat template writes one `<|patch|>` per part,
+expanded to the image's run (vision/prompts.py). A segment keeps its images placed in its ids,
+and each request carries those of its prompt to the engine; a message is the one recorded only
+with the same images.
 """
 
 import json
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from torchtitan_rl.config import ConfigError
 from torchtitan_rl.tasks.render import Renderer
-from torchtitan_rl.types import Sample, Trace
+from torchtitan_rl.types import Images, Sample, Trace
+from torchtitan_rl.vision.prompts import images_before, join_images
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
@@ -44,6 +53,8 @@ class Segment(Trace):
     """The last turn's (the episode's, when this segment is the one trained on)."""
     waits_for_tool: bool = False
     """The last turn called tools (parsed or not) that no request answered yet."""
+    images: Images | None = None
+    """The images of its messages, placed in `first_ids` + the trace's ids."""
 
     @property
     def length(self) -> int:
@@ -80,6 +91,7 @@ class Segment(Trace):
             sent=self.sent[:count],
             tools=self.tools,
             turn_ends=self.turn_ends[: turn + 1],
+            images=images_before(self.images, len(self.first_ids) + ids),
         )
 
 
@@ -99,6 +111,8 @@ class Turn:
     length: int = 0
     """`segment`'s ids when the request was made: another request of the session that
     recorded meanwhile (concurrent branches) makes this one a fork."""
+    images: Images | None = None
+    """The images of `prompt_ids` (the segment's, then the new messages')."""
 
 
 class Session:
@@ -126,29 +140,57 @@ class Session:
                 continue
             last = turn == len(segment.turn_ends) - 1 and segment is self.segments[-1]
             base = segment if last else segment.fork(turn)
-            delta = self._delta(base, messages)
-            if delta is None:
+            found = self._delta(base, messages)
+            if found is None:
                 break
+            delta, images = found
             prompt_ids = base.first_ids + base.token_ids + delta
-            return Turn(base, prompt_ids, delta, messages, not last, turn, len(base.token_ids))
+            images = join_images(base.images, images, base.length)
+            length = len(base.token_ids)
+            return Turn(base, prompt_ids, delta, messages, not last, turn, length, images)
+        pixels = self._read(messages, 0)
         text = self.renderer.chat(_for_template(messages), tools, generation_prompt=True)
-        first_ids = self.renderer.tokenizer.encode(text, add_special_tokens=False)
-        segment = Segment(first_ids=first_ids, tools=tools)
-        return Turn(segment, list(first_ids), [], messages, True)
+        first_ids, images = self.renderer.encode_chat(text, pixels)
+        segment = Segment(first_ids=first_ids, tools=tools, images=images)
+        return Turn(segment, list(first_ids), [], messages, True, images=images)
 
-    def _delta(self, segment: Segment, messages: list[dict]) -> list[int] | None:
-        """The ids of `messages`' new ones after `segment`'s last turn; None when the chat
-        template cannot render them on their own (then the request starts a new segment)."""
+    def _delta(
+        self, segment: Segment, messages: list[dict]
+    ) -> tuple[list[int], Images | None] | None:
+        """The ids of `messages`' new ones after `segment`'s last turn, and their images
+        placed in them; None when the chat template cannot render them on their own (then the
+        request starts a new segment)."""
         last = segment.token_ids[-1] if segment.token_ids else None
+        replies = messages[len(segment.sent) :]
+        pixels = self._read(replies, len(segment.sent))
         try:
-            return self.renderer.reply_ids(
+            text = self.renderer.reply_text(
                 segment.rendered[:-1],
-                _for_template(messages[len(segment.sent) :]),
+                _for_template(replies),
                 segment.tools,
                 stop_id=last if last in self.stop_ids else None,
             )
-        except ConfigError:  # a template that renders earlier turns anew (reply_ids)
+        except ConfigError:  # a template that renders earlier turns anew (reply_text)
             return None
+        return self.renderer.encode_chat(text, pixels)
+
+    def _read(self, messages: list[dict], first: int) -> tuple | None:
+        """(pixel_values_PX, grid_thw_N3) of the `image_url` parts of `messages` (the
+        request's from message `first` on), None without any. An image the policy cannot
+        read, or any image for a text-only policy: BadPart naming its part."""
+        rows, grids = [], []
+        for i, message in enumerate(messages, first):
+            for j, url in _image_urls(message.get("content")):
+                where = f"messages[{i}].content[{j}]"
+                if self.renderer.images is None:
+                    raise BadPart(where, "the policy reads no images (a text-only model)")
+                try:
+                    pixel_values_PX, grid_thw_13 = self.renderer.images.read([url])
+                except ValueError as e:
+                    raise BadPart(where, str(e).removeprefix("image 0: ")) from None
+                rows.append(pixel_values_PX)
+                grids.append(grid_thw_13)
+        return (torch.cat(rows), torch.cat(grids)) if rows else None
 
     def record(
         self, turn: "Turn", sample: Sample, text: str, message: dict, ill_formed: int = 0
@@ -173,32 +215,70 @@ class Session:
         segment.turn_ends.append((len(segment.sent), len(segment.token_ids)))
         segment.finish_reason = sample.finish_reason
         segment.waits_for_tool = bool(message.get("tool_calls")) or ill_formed > 0
+        segment.images = turn.images
 
     def final(self) -> Segment | None:
         """The segment the episode trains on: the last one a request continued."""
         return self.segments[-1] if self.segments else None
 
 
+class BadPart(ValueError):
+    """A message part the gateway cannot take: its field (`param`) and why."""
+
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+
+
 def text_of(content) -> str:
-    """A message's content as text: a string, None, or OpenAI's list of parts."""
+    """A message's content as text: a string, None, or OpenAI's list of parts (its images
+    aside: `_image_urls`). Parts other than text and image_url: one ValueError line."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         kinds = {part.get("type") for part in content if isinstance(part, dict)}
-        if kinds - {"text"}:
+        if kinds - {"text", "image_url"}:
             raise ValueError(
-                f"{sorted(map(str, kinds - {'text'}))[0]} parts are not supported by the "
-                "gateway yet (images reach the policy in dataset rows: docs/vision.md): send text"
+                f"{sorted(map(str, kinds - {'text', 'image_url'}))[0]} parts are not supported "
+                "by the gateway: send text and image_url parts"
             )
+        _image_urls(content)
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     raise ValueError(f"content must be a string or a list of parts, not {type(content).__name__}")
 
 
+def _image_urls(content) -> list[tuple[int, str]]:
+    """(part index, data URL) of each image_url part of a message's content; a URL that is no
+    data URL: one ValueError line (the gateway fetches nothing)."""
+    if not isinstance(content, list):
+        return []
+    urls = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "image_url":
+            continue
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise ValueError(
+                f"part {j}'s image_url.url is not a data URL ({str(url)[:40]!r}): the gateway "
+                "fetches nothing; send the image as data:image/png;base64,..."
+            )
+        urls.append((j, url))
+    return urls
+
+
 def _for_template(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates take them: content as text."""
-    return [{**m, "content": text_of(m.get("content"))} for m in messages]
+    """Messages as chat templates take them: content as text, or as its text and image_url
+    parts where it holds images (the template writes one `<|patch|>` for each)."""
+    return [{**m, "content": _template_content(m.get("content"))} for m in messages]
+
+
+def _template_content(content):
+    if not _image_urls(content):
+        return text_of(content)
+    return [part for part in content if part.get("type") in ("text", "image_url")]
 
 
 def _same(recorded: dict, sent: dict) -> bool:
@@ -206,7 +286,8 @@ def _same(recorded: dict, sent: dict) -> bool:
     if recorded.get("role") != sent.get("role"):
         return False
     if recorded["role"] != "assistant":
-        return text_of(recorded.get("content")) == text_of(sent.get("content"))
+        recorded, sent = recorded.get("content"), sent.get("content")
+        return text_of(recorded) == text_of(sent) and _image_urls(recorded) == _image_urls(sent)
     if _visible(recorded.get("content")) != _visible(sent.get("content")):
         return False
     return _calls(recorded) == _calls(sent)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torchtitan_rl.config import ConfigError
 from torchtitan_rl.config.manager import import_spec
 from torchtitan_rl.types import Prompt
+from torchtitan_rl.vision.preprocess import data_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +43,28 @@ Agent = Callable[[Endpoint, dict], Awaitable[float | None]]
 
 def row_of(prompt: Prompt, messages: list[dict]) -> dict:
     """What an agent gets of its dataset row: the prompt text, the answer, the opening chat
-    messages as the task renders them (the system prompt included), and where the row is."""
+    messages as the task renders them (the system prompt included; images as OpenAI's
+    `image_url` parts with data URLs, which the gateway takes), and where the row is."""
+    try:
+        messages = [_with_data_urls(message) for message in messages]
+    except ValueError as e:  # a row's bad image
+        raise ConfigError(f"{prompt.row}: {e}") from None
     return {"prompt": prompt.text, "answer": prompt.answer, "messages": messages, "row": prompt.row}
+
+
+def _with_data_urls(message: dict) -> dict:
+    """`message` with each image part an `image_url` part of the image's data URL."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        if part.get("type") in ("image", "image_url"):
+            image = part.get("image", part.get("image_url"))
+            image = image.get("url") if isinstance(image, dict) else image
+            part = {"type": "image_url", "image_url": {"url": data_url(image)}}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def load_agent(function: str | None, url: str | None, at: str = "task") -> Agent:

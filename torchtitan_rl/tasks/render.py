@@ -140,7 +140,20 @@ class Renderer:
     ) -> list[int]:
         """The ids that follow an assistant turn the model ended with stop token `stop_id`
         (None: on a stop string): the rest of the turn's closing text, the environment's
-        `replies`, and the next generation prompt.
+        `replies`, and the next generation prompt (`reply_text`, encoded)."""
+        return self.tokenizer.encode(
+            self.reply_text(history, replies, tools, stop_id), add_special_tokens=False
+        )
+
+    def reply_text(
+        self,
+        history: list[dict],
+        replies: list[dict],
+        tools: list[dict] | None,
+        stop_id: int | None,
+    ) -> str:
+        """The text of `reply_ids`: what follows the sampled turn, as the chat template
+        renders it.
 
         The sampled turn is never re-encoded: the chat is rendered with a stand-in for it,
         before and after `replies`, and only the text after the stand-in is encoded, less
@@ -164,7 +177,7 @@ class Renderer:
         stop = "" if stop_id is None else self.tokenizer.decode([stop_id])
         if stop and before.startswith(stop, cut):
             cut += len(stop)
-        return self.tokenizer.encode(before[cut:] + after[len(before) :], add_special_tokens=False)
+        return before[cut:] + after[len(before) :]
 
     def encode(self, prompts: list[Prompt], tools: list[dict] | None = None) -> list[list[int]]:
         """Token ids of each prompt; an empty or too long prompt, or a bad image, is a
@@ -178,28 +191,32 @@ class Renderer:
         image part's placeholder expanded to its run (vision/prompts.py)."""
         ids, images = [], []
         for prompt in prompts:
-            text, pixels = self._render(prompt, tools)
-            ids.append(self.tokenizer.encode(text, add_special_tokens=False))
-            images.append(None if pixels is None else self.images.images(ids[-1], *pixels))
+            where = f"{prompt.row}: " if prompt.row else ""
+            if prompt.images and self.images is None:
+                raise ConfigError(
+                    f"{where}the prompt has {len(prompt.images)} image(s), but the model reads "
+                    "no images: use a vision-language flavor (muse_glimmer tiny_vl, 30B_mm), or "
+                    "drop the rows' image parts"
+                )
+            try:
+                pixels = self.images.read(prompt.images) if prompt.images else None
+                prompt_ids, prompt_images = self.encode_chat(self.text(prompt, tools), pixels)
+            except ValueError as e:
+                raise ConfigError(f"{where}{e}") from None
+            ids.append(prompt_ids)
+            images.append(prompt_images)
         self._check(prompts, ids)
         return ids, images
 
-    def _render(self, prompt: Prompt, tools: list[dict] | None):
-        """The prompt's text with its images' runs, and their (pixel_values_PX, grid_thw_N3)."""
-        if not prompt.images:
-            return self.text(prompt, tools), None
-        where = f"{prompt.row}: " if prompt.row else ""
-        if self.images is None:
-            raise ConfigError(
-                f"{where}the prompt has {len(prompt.images)} image(s), but the model reads no "
-                "images: use a vision-language flavor (muse_glimmer tiny_vl, 30B_mm), or drop "
-                "the rows' image parts"
-            )
-        try:
-            pixels = self.images.read(prompt.images)
-            return self.images.expand(self.text(prompt, tools), pixels[1]), pixels
-        except ValueError as e:
-            raise ConfigError(f"{where}{e}") from None
+    def encode_chat(self, text: str, pixels: tuple | None) -> tuple[list[int], Images | None]:
+        """The ids of rendered `text` whose i-th `<|patch|>` is image i of `pixels`
+        ((pixel_values_PX, grid_thw_N3), read by `images.read`; None: no image), expanded to
+        its run, and the images placed in them. A count of `<|patch|>` other than the images':
+        one ValueError line."""
+        if pixels is None:
+            return self.tokenizer.encode(text, add_special_tokens=False), None
+        ids = self.tokenizer.encode(self.images.expand(text, pixels[1]), add_special_tokens=False)
+        return ids, self.images.images(ids, *pixels)
 
     def _check(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
         for prompt, tokens in zip(prompts, ids, strict=True):

@@ -402,6 +402,23 @@ def patchify(image_CHW: torch.Tensor, patch_size: int, temporal_patch_size: int)
     )
 
 
+def data_url(source: ImageSource) -> str:
+    """`source` as a `data:image/...;base64,` URL, as OpenAI's `image_url` parts carry images:
+    a data URL as it is, a file (its path or bytes) as its bytes, a PIL image as PNG, so that
+    the URL decodes to the same pixels. A bad image: one ValueError line (`load_image`)."""
+    if isinstance(source, str) and source.startswith("data:"):
+        return source
+    image = load_image(source)
+    if isinstance(source, PIL.Image.Image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        encoded, mime = buffer.getvalue(), "image/png"
+    else:
+        encoded = source if isinstance(source, bytes | bytearray) else Path(source).read_bytes()
+        mime = PIL.Image.MIME.get(image.format or "", "image/png")
+    return f"data:{mime};base64,{base64.b64encode(bytes(encoded)).decode()}"
+
+
 def preprocess(
     images: Sequence[ImageSource], config: ImageProcessorConfig = ImageProcessorConfig()
 ) -> tuple[torch.Tensor, torch.Tensor]:

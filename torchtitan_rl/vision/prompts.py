@@ -86,6 +86,45 @@ def prompt_images(
     return Images(pixel_values_PX, grid_thw_N3, tuple(starts), lengths)
 
 
+def join_images(first: Images | None, then: Images | None, offset: int) -> Images | None:
+    """The images of a prompt that holds `first`'s, then ids with `then`'s from id `offset` on
+    (a conversation's next messages: gateway/session.py)."""
+    if then is None:
+        return first
+    then = Images(
+        then.pixel_values_PX,
+        then.grid_thw_N3,
+        tuple(start + offset for start in then.starts),
+        then.lengths,
+    )
+    if first is None:
+        return then
+    return Images(
+        torch.cat([first.pixel_values_PX, then.pixel_values_PX]),
+        torch.cat([first.grid_thw_N3, then.grid_thw_N3]),
+        first.starts + then.starts,
+        first.lengths + then.lengths,
+    )
+
+
+def images_before(images: Images | None, end: int) -> Images | None:
+    """The images whose runs start before id `end` (those of the prompt's first `end` ids)."""
+    if images is None:
+        return None
+    kept = sum(start < end for start in images.starts)
+    if kept == len(images.starts):
+        return images
+    if kept == 0:
+        return None
+    rows = int(images.grid_thw_N3[:kept].prod(-1).sum())
+    return Images(
+        images.pixel_values_PX[:rows],
+        images.grid_thw_N3[:kept],
+        images.starts[:kept],
+        images.lengths[:kept],
+    )
+
+
 class ImageReader:
     """A checkpoint's image processor (`ImageProcessorConfig.from_checkpoint`) and its
     placeholder id: a prompt's images to its expanded text and `Images`."""
