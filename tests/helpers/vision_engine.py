@@ -7,6 +7,7 @@ Runs in its own process: vLLM's CPU worker binds threads, and its registry of HF
 classes (its own Muse Glimmer config among them) must not leak into pytest.
 """
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -93,6 +94,104 @@ def prefix_cache(engine) -> dict:
     return {
         "same_image_equal": once == again,
         "other_image_diff": max(abs(a - b) for a, b in zip(another, once, strict=True)),
+    }
+
+
+def through_the_gateway(engine) -> dict:
+    """Two turns of a gateway session over HTTP (the real `openai` client), each with an image
+    as a data URL (a user's first message, then a reply). Given the prompt ids the gateway
+    answered with and the images the renderer reads from the messages: whether the engine's
+    own generate with the turn's seed samples the same ids with the same logprobs, the largest
+    |returned - torchtitan model| logprob, and whether the session recorded the prompt and
+    both turns' ids."""
+    return asyncio.run(_gateway_turns(engine))
+
+
+async def _gateway_turns(engine) -> dict:
+    import httpx
+    import openai
+
+    from torchtitan_rl.config import ModelSection, TaskSection
+    from torchtitan_rl.episodes import _defaults
+    from torchtitan_rl.gateway.protocol import load_parsers
+    from torchtitan_rl.gateway.server import Gateway, turn_seed
+    from torchtitan_rl.generator.stream import AsyncStream, RequestStream
+    from torchtitan_rl.tasks.render import build_renderer, image_reader
+    from torchtitan_rl.vision.preprocess import data_url
+    from torchtitan_rl.vision.prompts import join_images
+
+    stream = AsyncStream(RequestStream(engine))
+
+    async def drive() -> None:
+        while True:
+            if len(stream.stream):
+                stream.step()
+            await asyncio.sleep(0 if len(stream.stream) else 0.001)
+
+    stepping = asyncio.ensure_future(drive())
+    gateway = Gateway(stop_ids=set(engine.stop_token_ids), max_model_len=256)
+    await gateway.start()
+    model_section = ModelSection(name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=CHECKPOINT)
+    task = TaskSection(name="agent", agent="x:y", dataset_path=str(Path(CHECKPOINT).parent))
+    renderer = build_renderer(task, CHECKPOINT, 256, images=image_reader(model_section))
+    url, opened = gateway.open(
+        renderer,
+        load_parsers(renderer.tokenizer, None, None, "task"),
+        seed=3,
+        order=0,
+        sample=_defaults(lambda _, *a, **k: stream.sample(*a, **k), 1.0, 6),
+        max_turns=4,
+    )
+    rng = np.random.default_rng(6)
+    pictures = [
+        PIL.Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+        for size in ((56, 84), (56, 56))
+    ]
+    parts = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, parts[0]]}]
+    model = torchtitan_model(CHECKPOINT, "tiny_vl", "muse_glimmer")
+    worst, seen, same, row, images = 0.0, [], True, [], None
+    async with httpx.AsyncClient(timeout=None) as http:
+        client = openai.AsyncOpenAI(base_url=url, api_key=opened.key, http_client=http)
+        for turn in range(2):
+            answer = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                logprobs=True,
+                extra_body={"return_token_ids": True},
+            )
+            choice = answer.choices[0]
+            # This turn's image: its run in the ids after the last turn's (none sampled).
+            new_ids = answer.prompt_token_ids[len(row) :]
+            found = renderer.images.images(new_ids, *renderer.images.read([pictures[turn]]))
+            images = join_images(images, found, len(row))
+            expected = model_logprobs(model, answer.prompt_token_ids, images, choice.token_ids)
+            returned = torch.tensor([c.logprob for c in choice.logprobs.content])
+            worst = max(worst, float((expected - returned).abs().max()))
+            direct = engine.generate(
+                [answer.prompt_token_ids],
+                n=1,
+                temperature=1.0,
+                max_tokens=6,
+                seed=turn_seed(3, turn),
+                images=[images],
+            ).samples[0][0]
+            same &= direct.token_ids == choice.token_ids and direct.logprobs == returned.tolist()
+            seen += [answer.prompt_token_ids, choice.token_ids]
+            row = answer.prompt_token_ids + choice.token_ids
+            said = choice.message.model_dump(exclude_none=True)
+            messages += [
+                said,
+                {"role": "user", "content": [{"type": "text", "text": "b"}, parts[1]]},
+            ]
+    stepping.cancel()
+    (segment,) = opened.session.segments
+    recorded = segment.first_ids + segment.token_ids
+    return {
+        "gateway_diff": worst,
+        "gateway_same_as_generate": same,
+        "gateway_images": len(segment.images.starts),
+        "gateway_recorded": recorded == seen[2] + seen[3],
     }
 
 
@@ -191,6 +290,7 @@ def main() -> None:
         "trainer_diff": against_the_trainer(engine),
         **prefix_cache(engine),
         "misplaced": misplaced(engine),
+        **through_the_gateway(engine),
         **in_flight(engine),
     }
     engine.close()
