@@ -138,3 +138,14 @@ if __name__ == "__main__":
     import sys
 
     serve_chatter_agent(sys.argv[1])
+
+
+async def vision_agent(client, model, row):
+    """task.agent: a vision row's messages sent as the agent gets them (each image a data URL),
+    the reply rewarded as `user_rewards.letters_of_answer` rewards a dataset row's."""
+    from helpers.user_rewards import letters_of_answer
+
+    response = await client.chat.completions.create(model=model, messages=row["messages"])
+    return letters_of_answer(
+        row["prompt"], response.choices[0].message.content or "", row["answer"]
+    )

@@ -195,6 +195,55 @@ async def _gateway_turns(engine) -> dict:
     }
 
 
+def grouped_episodes(engine) -> dict:
+    """The vision demo's task as the continuous placement runs a group (`Episodes.run_group`,
+    its episodes as coroutines on the engine's stream) and as the other placements do
+    (`Episodes.run`, a batched generate), one prompt with an image, the same seed: whether
+    they sample the same ids with the same logprobs and score them alike, and carry the
+    prompt's images."""
+    import tempfile
+
+    from helpers import runs
+    from helpers.launch import DEBUG_TOML
+
+    from torchtitan_rl.config import parse_args
+    from torchtitan_rl.episodes import open_task
+    from torchtitan_rl.generator.stream import AsyncStream, RequestStream
+
+    data = Path(tempfile.mkdtemp()) / "data"
+    config = parse_args(
+        [
+            *("--job.config_file", DEBUG_TOML, *runs.VISION_MODEL),
+            *(*runs.vision_task(data, 8, 4), "--training.max_prompt_len", "200"),
+            *("--generator.max_model_len", "256"),
+        ]
+    )
+    opened = open_task(config)
+    (prompt,) = opened.task.every_prompt()[:1]
+    sampling = {"seed": 11, "n": 3, "max_tokens": 8, "temperature": 1.0}
+    batched = opened.episodes.run(engine, [prompt], **sampling)
+
+    async def streamed():
+        stream = AsyncStream(RequestStream(engine))
+        group = asyncio.ensure_future(opened.episodes.run_group(stream, prompt, **sampling))
+        while not group.done():
+            stream.step()
+            await asyncio.sleep(0)
+        return group.result()
+
+    grouped = asyncio.run(streamed())
+    pairs = zip(batched.completions.samples[0], grouped.completions.samples[0], strict=True)
+    images = (grouped.completions.images or [None])[0]
+    return {
+        "group_same_as_batched": all(
+            a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in pairs
+        )
+        and torch.equal(batched.rewards_PN, grouped.rewards_PN),
+        "group_images": images is not None
+        and torch.equal(images.pixel_values_PX, batched.completions.images[0].pixel_values_PX),
+    }
+
+
 def in_flight(engine) -> dict:
     """Requests with the same image streamed across weight updates of the tower alone (the
     continuous placement's), each token checked against the torchtitan model with the tower
@@ -291,6 +340,7 @@ def main() -> None:
         **prefix_cache(engine),
         "misplaced": misplaced(engine),
         **through_the_gateway(engine),
+        **grouped_episodes(engine),
         **in_flight(engine),
     }
     engine.close()

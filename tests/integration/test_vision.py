@@ -31,6 +31,10 @@ def test_the_generator_reads_images_as_the_trainer_does_and_keys_them_on_the_ver
       and logprobs equal (planted, the gateway not passing the images: not equal, 3.0 off the
       model), within 2e-4 of the torchtitan model (measured 1.1e-4 at one token of 12, fp32),
       and the session records both turns;
+    - the continuous placement's episodes of a prompt with an image (`Episodes.run_group` on
+      the engine's stream) sample and score what the other placements' batched ones do with
+      the same seed, and carry the prompt's images (planted, its requests without them: not
+      the same);
     - requests with one image streamed across updates of the tower (the continuous
       placement's): each token's logprob is the model's with the tower of the version that
       sampled it, within 1e-4, though an update moves them by more than 1 (measured 5.6).
@@ -45,6 +49,7 @@ def test_the_generator_reads_images_as_the_trainer_does_and_keys_them_on_the_ver
     assert figures["misplaced"] == "prompt 0: its image at 4 has no run of 2 placeholders"
     assert figures["gateway_same_as_generate"] and figures["gateway_diff"] < 2e-4, figures
     assert figures["gateway_images"] == 2 and figures["gateway_recorded"]
+    assert figures["group_same_as_batched"] and figures["group_images"]
     assert figures["recompute_versions"] == [0, 1] and figures["keep_versions"] == [1, 2]
     assert figures["tower_update_moves"] > 1.0, figures
     assert figures["recompute_diff"] < 1e-4, figures
@@ -96,17 +101,20 @@ def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tm
     assert_resumed_as(uninterrupted, resumed, 1, exact=False)
 
 
-def test_a_continuous_run_streams_images_and_reads_each_with_its_versions_tower(tmp_path):
-    """The vision demo's task in the continuous placement (1 trainer rank + 1 generator rank,
-    its groups streamed one by one), the tower trained, 32 rows of 32 prompts a step: step 2
-    shows the generator every image of step 1 again under new weights. With in-flight KV
-    kept (no cache reset at an update) and every token on-policy (k = 0), both steps'
-    generator and trainer logprobs agree within 1e-4: each image is encoded by the tower of
-    the version that samples it (planted, images keyed without the policy version: 4.9 at
-    step 2). The stream's exactness across updates in flight: the test above."""
+def test_an_agent_sends_images_through_the_gateway_in_a_continuous_run(tmp_path):
+    """The vision demo's task played by an agent (helpers.user_envs:vision_agent: the row's
+    messages as it gets them, each image a data URL, sent through its gateway session) in the
+    continuous placement (1 trainer rank + 1 generator rank, each group streamed), the tower
+    trained; 16 rows for 32 prompts a step, so that step 2 shows the generator every image
+    again under new weights. With in-flight KV kept (no cache reset at an update) and every
+    token on-policy (k = 0), both steps' generator and trainer logprobs agree within 1e-4:
+    the trainer's rows carry the images each agent sent (planted, the samples without them:
+    6.0 at step 1), and each image is encoded by the tower of the version that samples it
+    (planted, images keyed without the policy version: 4.5 at step 2)."""
     flags = (
         *("--job.config_file", DEBUG_TOML, *runs.VISION_MODEL),
-        *runs.vision_task(tmp_path / "data", train_rows=32),
+        *runs.vision_task(tmp_path / "data", train_rows=16),
+        *("--task.name", "agent", "--task.agent", "helpers.user_envs:vision_agent"),
         *("--generator.placement", "continuous", "--generator.inflight_kv", "keep"),
         *("--algorithm.max_offpolicy_steps", "0", "--training.steps", "2"),
         *("--training.max_prompt_len", "256", "--generator.max_model_len", "320"),
