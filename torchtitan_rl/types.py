@@ -533,8 +533,9 @@ def rollout_batch(
 def _row_images(samples: "list[list[Sample]]", images: "list[Images | None] | None"):
     """Each row's images, prompt-major: its sample's own, else its prompt's (None: no row has
     any)."""
+    images = images or [None] * len(samples)
     rows = tuple(
-        sample.images if sample.images is not None else (images or [None] * len(samples))[p]
+        images[p] if sample.images is None else sample.images
         for p, group in enumerate(samples)
         for sample in group
     )

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers.titan
 
+from helpers.gateway_checks import drive  # noqa: E402
 from helpers.titan import torchtitan_model  # noqa: E402
 
 from torchtitan_rl.config import GeneratorSection, ModelSection  # noqa: E402
@@ -121,14 +122,7 @@ async def _gateway_turns(engine) -> dict:
     from torchtitan_rl.vision.prompts import join_images
 
     stream = AsyncStream(RequestStream(engine))
-
-    async def drive() -> None:
-        while True:
-            if len(stream.stream):
-                stream.step()
-            await asyncio.sleep(0 if len(stream.stream) else 0.001)
-
-    stepping = asyncio.ensure_future(drive())
+    stepping = asyncio.ensure_future(drive(stream))
     gateway = Gateway(stop_ids=set(engine.stop_token_ids), max_model_len=256)
     await gateway.start()
     model_section = ModelSection(name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=CHECKPOINT)
@@ -225,11 +219,11 @@ def grouped_episodes(engine) -> dict:
 
     async def streamed():
         stream = AsyncStream(RequestStream(engine))
-        group = asyncio.ensure_future(opened.episodes.run_group(stream, prompt, **sampling))
-        while not group.done():
-            stream.step()
-            await asyncio.sleep(0)
-        return group.result()
+        stepping = asyncio.ensure_future(drive(stream))
+        try:
+            return await opened.episodes.run_group(stream, prompt, **sampling)
+        finally:
+            stepping.cancel()
 
     grouped = asyncio.run(streamed())
     pairs = zip(batched.completions.samples[0], grouped.completions.samples[0], strict=True)
