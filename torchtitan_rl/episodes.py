@@ -51,6 +51,7 @@ from torchtitan_rl.tasks.mixture import Mixture
 from torchtitan_rl.tasks.render import Renderer, build_renderer, image_reader
 from torchtitan_rl.tasks.rewards import Reward, RewardError, Scorer, load_rewards
 from torchtitan_rl.types import Completions, Images, Prompt, Sample, Scored, Trace, is_chat
+from torchtitan_rl.vision.prompts import image_parts, join_images
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +80,12 @@ class Episode(Trace):
     """Every message so far, the system prompt's and the opening ones included."""
     tools: list[dict] | None = None
     images: Images | None = None
-    """The first prompt's images (every turn's context starts with it); an agent's episode:
-    its session's, placed in its first ids and turns, which its sample carries (the agents of
-    a group may send different ones)."""
+    """The images of the episode's context (its first prompt, then its turns): the first
+    prompt's, then those its environment's replies brought; an agent's episode: its
+    session's, placed in its first ids and turns."""
+    own_images: bool = False
+    """Whether `images` are the episode's own, which its sample carries (an agent's, or an
+    environment's replies brought some), rather than its prompt's, which the group shares."""
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -105,7 +109,7 @@ class Episode(Trace):
             tool_errors=self.tool_errors,
             routed_experts=self.routed_to(first_prompt_length + len(self.token_ids)),
             versions=self.versions,
-            images=self.images if self.env is None else None,
+            images=self.images if self.own_images else None,
         )
 
 
@@ -249,7 +253,6 @@ class Episodes:
         group = [self._open(prompt) for _ in range(n)]
         (first_ids,), (images,) = await self._reset([group])
         env_s += time.perf_counter() - began
-        with_images = {} if images is None else {"images": images}
 
         async def episode(j: int, episode: Episode) -> tuple[str, float]:
             episode_seed, spent = seed + j, 0.0
@@ -258,7 +261,7 @@ class Episodes:
                 seed=episode_seed,
                 max_tokens=max_tokens,
                 temperature=temperature,
-                **with_images,
+                **_with_one(images),
             )
             while True:
                 began = time.perf_counter()
@@ -273,7 +276,7 @@ class Episodes:
                     seed=(episode_seed * 1_000_003 + episode.turns) % 2**62,
                     max_tokens=min(max_tokens, self.max_model_len - len(context)),
                     temperature=temperature,
-                    **with_images,
+                    **_with_one(episode.images),
                 )
 
         ended = await asyncio.gather(*(episode(j, e) for j, e in enumerate(group)))
@@ -433,7 +436,10 @@ class Episodes:
                     f"({group[0].prompt.row or group[0].prompt.text!r}); a group's episodes "
                     "must start alike (GRPO compares them): make reset depend on the row only"
                 )
-            prompt = dataclasses.replace(group[0].prompt, messages=tuple(messages))
+            # The images are those of the messages the environment opened with.
+            prompt = dataclasses.replace(
+                group[0].prompt, messages=tuple(messages), images=tuple(image_parts(messages))
+            )
             renderer = group[0].source.renderer
             (ids,), (images,) = renderer.encode_images([prompt], tools=tools)
             for episode in group:
@@ -490,14 +496,23 @@ class Episodes:
         if sample.finish_reason != "stop" or episode.turns >= episode.source.max_turns:
             return "length"
         last = sample.token_ids[-1] if sample.token_ids else None
-        reply_ids = episode.source.renderer.reply_ids(
-            episode.messages[:-1],
-            step.messages,
-            episode.tools,
-            stop_id=last if last in self.stop_ids else None,
-        )
-        if prompt_len + len(episode.token_ids) + len(reply_ids) >= self.max_model_len:
+        try:
+            reply_ids, images = episode.source.renderer.encode_reply(
+                episode.messages[:-1],
+                step.messages,
+                episode.tools,
+                stop_id=last if last in self.stop_ids else None,
+            )
+        except ValueError as e:  # an image the model cannot read: the environment's failure
+            failed = f"the environment's step replied with an image the model cannot read: {e}"
+            episode.reward = self.scorer.failed(failed, episode.prompt, e)
+            return sample.finish_reason
+        context_len = prompt_len + len(episode.token_ids)
+        if context_len + len(reply_ids) >= self.max_model_len:
             return "length"
+        if images is not None:
+            episode.images = join_images(episode.images, images, context_len)
+            episode.own_images = True
         episode.add(reply_ids)
         episode.messages += step.messages
         return None
@@ -525,7 +540,7 @@ def _take(episode: Episode, opened: Opened) -> None:
     episode.sampled_mask, episode.versions = segment.sampled_mask, segment.versions
     episode.routed = segment.routed
     episode.messages, episode.tools = segment.sent, segment.tools
-    episode.images = segment.images
+    episode.images, episode.own_images = segment.images, True
     episode.turns = session.turns
     episode.tool_calls, episode.tool_errors = opened.tool_calls, opened.ill_formed_tool_calls
     # A last turn that called tools no request answered: the episode was cut, as an
@@ -566,11 +581,11 @@ class _EnvFailed(Exception):
 
 def _check_messages(messages, what: str) -> None:
     """Chat messages as an environment must give them: a list of {"role": str, "content":
-    str} dicts."""
+    str or a list of parts} dicts."""
     if not is_chat(messages):
         raise _EnvFailed(
             f"the environment's {what} gave {messages!r:.80}, not a list of "
-            '{"role": str, "content": str} messages'
+            '{"role": str, "content": str or [{"type": ...}, ...]} messages'
         )
 
 
@@ -699,3 +714,8 @@ def _with(images: list) -> dict:
     """The `images` keyword of a generate call whose prompts have `images` (none when none
     has any: a text-only generator takes no such keyword)."""
     return {} if all(i is None for i in images) else {"images": images}
+
+
+def _with_one(images: Images | None) -> dict:
+    """The `images` keyword of one request (`AsyncStream.sample`)."""
+    return {} if images is None else {"images": images}

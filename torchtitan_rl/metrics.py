@@ -108,7 +108,9 @@ class MetricsLogger:
             return
         self._record(step, metrics)
         with self.eval_path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics, "samples": samples}) + "\n")
+            f.write(
+                json.dumps({"step": step, **metrics, "samples": samples}, default=_brief) + "\n"
+            )
         parts = [fmt.format(metrics[key]) for key, fmt in EVAL_CONSOLE_KEYS if key in metrics]
         passes = [
             f"{k[5:]} {v:.3f}"
@@ -147,7 +149,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         with self.rollouts_path.open("a") as f:
-            f.write(json.dumps({"step": step, "samples": samples}) + "\n")
+            f.write(json.dumps({"step": step, "samples": samples}, default=_brief) + "\n")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -286,3 +288,13 @@ def plot_reward_curve(metrics_path: Path, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def _brief(value) -> str:
+    """What JSON cannot hold in a sample's messages, in a few words: an image part's PIL image
+    or bytes."""
+    if isinstance(value, bytes):
+        return f"<image: {len(value)} bytes>"
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return f"<image: {value.size[0]}x{value.size[1]} {value.mode}>"
+    return f"<{type(value).__name__}>"

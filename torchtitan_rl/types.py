@@ -148,8 +148,9 @@ class Sample:
     """The policy version that sampled each token (-1 for an environment's); None where one
     version sampled them all (only a continuous generator updates weights mid-sample)."""
     images: Images | None = None
-    """An agent's episode: the images its requests sent (gateway/session.py), placed in its
-    prompt + token_ids; None: its prompt's (`Completions.images`)."""
+    """The episode's own images, placed in its prompt + token_ids: an agent's (those its
+    requests sent, gateway/session.py), or its prompt's and then those its environment's
+    replies brought; None: its prompt's (`Completions.images`)."""
 
     @property
     def sampled_tokens(self) -> int:

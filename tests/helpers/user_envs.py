@@ -149,3 +149,28 @@ async def vision_agent(client, model, row):
     return letters_of_answer(
         row["prompt"], response.choices[0].message.content or "", row["answer"]
     )
+
+
+class LookAgain:
+    """task.env for the vision task: the row's messages (its image); the first answer gets a
+    user reply that shows the row's image again, mirrored (an image the episode has not
+    shown), the second ends the episode, rewarded as `user_rewards.letters_of_answer` rewards
+    a dataset row's answer."""
+
+    async def reset(self, prompt):
+        self.prompt, self.answers = prompt, 0
+        return list(prompt.messages), None
+
+    async def step(self, message):
+        from helpers.user_rewards import letters_of_answer
+
+        self.answers += 1
+        if self.answers == 1:
+            import PIL.Image
+
+            with PIL.Image.open(self.prompt.images[0]) as image:
+                mirrored = image.convert("RGB").transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT)
+            look = [{"type": "text", "text": "look again:"}, {"type": "image", "image": mirrored}]
+            return EnvStep([{"role": "user", "content": look}], done=False)
+        reward = letters_of_answer(self.prompt.text, message["content"], self.prompt.answer)
+        return EnvStep([], done=True, reward=reward)

@@ -5,18 +5,23 @@ limited, failing cleanly; the env config. On the real engine: tests/integration/
 """
 
 import asyncio
+import json
 
+import numpy as np
+import PIL.Image
 import pytest
+import torch
 from helpers.launch import REPO
-from helpers.render import chatter_renderer, encode
+from helpers.render import chatter_renderer, encode, vision_renderer
 from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
 from torchtitan_rl.episodes import Episodes, Source, open_task
 from torchtitan_rl.loop import load_hooks
+from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.tasks.env import Calculator, EnvStep, calc, load_env, parse_tool_calls
 from torchtitan_rl.tasks.rewards import RewardError, Scorer
-from torchtitan_rl.types import Completions, Prompt, Sample
+from torchtitan_rl.types import Completions, Prompt, Sample, rollout_batch
 
 IM_END = 4
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "max(3,7)"}}\n</tool_call>'
@@ -42,10 +47,11 @@ class Scripted:
     episode samples `turns[t]`; logprobs are -(position + 1) / 100."""
 
     def __init__(self, turns: list[list[int]]):
-        self.turns, self.prompts = turns, []
+        self.turns, self.prompts, self.images = turns, [], []
 
-    def generate(self, prompts, *, n, max_tokens, seed, temperature=None):
+    def generate(self, prompts, *, n, max_tokens, seed, temperature=None, images=None):
         self.prompts.append([list(p) for p in prompts])
+        self.images.append(images)
         ids = self.turns[len(self.prompts) - 1]
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         samples = []
@@ -269,6 +275,77 @@ def test_a_group_whose_episodes_open_differently_is_refused(renderer):
     runner, _ = episodes(renderer, Moody)
     with pytest.raises(ConfigError, match="opened the episodes of one prompt differently"):
         runner.run(Scripted([[IM_END]]), [Prompt("max(3,7)=", "7")], seed=0, n=2, max_tokens=8)
+
+
+def test_an_environments_image_reply_shows_the_policy_that_image_from_then_on(tmp_path):
+    """A vision-language policy's episodes, the environment replying to the first turn with an
+    image (a PIL image part): each episode's next request carries the row's image and the
+    reply's, each where its run lies (the reply's after the sampled ids), and the episode's
+    sample carries both to the trainer's rows, its messages to rollouts.jsonl (the image in a
+    few words). A text-only policy's episode given such a reply scores as the environment's
+    failure, in one line."""
+    renderer = vision_renderer()
+    rng = np.random.default_rng(0)
+    first, shown = (
+        PIL.Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+        for size in ((56, 84), (56, 56))
+    )
+    row = ({"role": "user", "content": [{"type": "text", "text": "a"}, _image(first)]},)
+    prompt = Prompt(text="a", answer="", messages=row, images=(first,))
+    (row_ids,), (row_images,) = renderer.encode_images([prompt])
+
+    class Shows(Chatter):
+        async def reset(self, prompt):
+            return list(prompt.messages or [{"role": "user", "content": prompt.text}]), None
+
+        async def step(self, message):
+            self.seen.append(message["content"])
+            if len(self.seen) == 2:
+                return EnvStep([], done=True, reward=1.0)
+            look = [{"type": "text", "text": "look"}, _image(shown)]
+            return EnvStep([{"role": "user", "content": look}], done=False)
+
+    turn = encode(renderer, "b") + [IM_END]
+    runner, _ = episodes(renderer, Shows)
+    scripted = Scripted([turn, turn])
+    scored = runner.run(scripted, [prompt], seed=0, n=2, max_tokens=8)
+    assert scripted.prompts[0] == [row_ids] and _same_images(scripted.images[0][0], row_images)
+    samples = scored.completions.samples[0]
+    for ids, images, sample in zip(scripted.prompts[1], scripted.images[1], samples, strict=True):
+        assert ids[: len(row_ids) + len(turn)] == row_ids + turn
+        assert len(images.starts) == 2 and images.starts[1] > len(row_ids) + len(turn)
+        located = renderer.images.images(ids, images.pixel_values_PX, images.grid_thw_N3)
+        assert _same_images(images, located)  # each image's run where its start says
+        reply_rows = images.pixel_values_PX[len(row_images.pixel_values_PX) :]
+        assert torch.equal(reply_rows, renderer.images.read([shown])[0])
+        assert sample.images is images and sample.turns == 2 and sample.token_ids[-1] == IM_END
+    batch = rollout_batch(
+        scored.completions.prompts, scored.completions.samples, scored.rewards_PN, 0
+    )
+    assert batch.images_B == tuple(sample.images for sample in samples)
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=1, log_interval=1)
+    logger.log_rollouts(1, [{"messages": samples[0].messages}])
+    logged = json.loads((tmp_path / "rollouts.jsonl").read_text())["samples"][0]["messages"]
+    assert logged[-2]["content"][1] == {"type": "image", "image": "<image: 56x56 RGB>"}
+
+    text_only = chatter_renderer()
+    runner, _ = episodes(text_only, Shows, on_error="fail")
+    turn = encode(text_only, "b") + [IM_END]
+    reads_none = "the reply holds 1 image\\(s\\), but the model reads no images"
+    with pytest.raises(RewardError, match=reads_none):
+        runner.run(Scripted([turn]), [Prompt("max(3,7)=", "7")], seed=0, n=1, max_tokens=8)
+
+
+def _image(image) -> dict:
+    return {"type": "image", "image": image}
+
+
+def _same_images(a, b) -> bool:
+    return (
+        torch.equal(a.pixel_values_PX, b.pixel_values_PX)
+        and torch.equal(a.grid_thw_N3, b.grid_thw_N3)
+        and (a.starts, a.lengths) == (b.starts, b.lengths)
+    )
 
 
 def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_path, repo_cwd):

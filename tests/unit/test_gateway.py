@@ -17,16 +17,14 @@ import openai
 import PIL.Image
 import pytest
 import torch
-from helpers.launch import REPO
-from helpers.render import chatter_renderer, encode
+from helpers.render import chatter_renderer, encode, vision_renderer
 
-from torchtitan_rl.config import ConfigError, ModelSection, TaskSection
+from torchtitan_rl.config import ConfigError, TaskSection
 from torchtitan_rl.episodes import Episode, _defaults, _shared_prompt, _take
 from torchtitan_rl.gateway.protocol import load_parsers
 from torchtitan_rl.gateway.server import Gateway
 from torchtitan_rl.tasks.agent import row_of
 from torchtitan_rl.tasks.env import Calculator
-from torchtitan_rl.tasks.render import build_renderer, image_reader
 from torchtitan_rl.types import Prompt, Sample, rollout_batch
 from torchtitan_rl.vision.preprocess import data_url
 
@@ -483,10 +481,7 @@ def test_image_url_parts_reach_the_policy_token_exact_turn_after_turn():
     the request carries both images where their runs are. The episode's sample carries them
     to the trainer's rows. A message sent back with another image is not the recorded one
     (the request forks); an image that does not decode is a 400 naming its part."""
-    checkpoint = str(REPO / "assets" / "tiny_vl_muse_glimmer")
-    model = ModelSection(name="muse_glimmer", flavor="tiny_vl", hf_checkpoint=checkpoint)
-    task = TaskSection(name="agent", agent="x:y", dataset_path=str(REPO / "data"))
-    renderer = build_renderer(task, checkpoint, max_prompt_len=256, images=image_reader(model))
+    renderer = vision_renderer()
     rng = np.random.default_rng(0)
     first, second, other = (
         PIL.Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))

@@ -34,7 +34,10 @@ class EnvStep:
 
     messages: list[dict]
     """Messages rendered after the assistant's turn ({"role": "tool" or "user", "content"});
-    the model's next turn follows them. Ignored when `done`."""
+    the model's next turn follows them. Ignored when `done`. For a vision-language model, a
+    content may be a list of parts that shows images: {"type": "text", "text": ...} and
+    {"type": "image", "image": <PIL image, path, data URL or bytes>}; the model sees each image
+    from then on."""
     done: bool
     reward: float = 0.0
     """Added to the episode's reward (an episode's reward is the sum over its steps)."""

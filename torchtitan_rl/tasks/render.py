@@ -16,7 +16,7 @@ from torchtitan_rl.config import ConfigError, ModelSection, read_json
 from torchtitan_rl.config.task import SourceSection
 from torchtitan_rl.types import Images, Prompt
 from torchtitan_rl.vision.preprocess import IMAGE_TOKEN, ImageProcessorConfig
-from torchtitan_rl.vision.prompts import ImageReader
+from torchtitan_rl.vision.prompts import ImageReader, image_parts
 
 # What AutoTokenizer reads as JSON from a checkpoint folder, when there.
 _TOKENIZER_JSON_FILES = (
@@ -144,6 +144,25 @@ class Renderer:
         return self.tokenizer.encode(
             self.reply_text(history, replies, tools, stop_id), add_special_tokens=False
         )
+
+    def encode_reply(
+        self,
+        history: list[dict],
+        replies: list[dict],
+        tools: list[dict] | None,
+        stop_id: int | None,
+    ) -> tuple[list[int], Images | None]:
+        """`reply_ids`, and the images of the replies' image parts placed in them (None
+        without any). An image the model cannot read, or any image for a text-only model: one
+        ValueError line."""
+        found = image_parts(replies)
+        if found and self.images is None:
+            raise ValueError(
+                f"the reply holds {len(found)} image(s), but the model reads no images (a "
+                "text-only model): reply with text, or use a vision-language flavor"
+            )
+        pixels = self.images.read(found) if found else None
+        return self.encode_chat(self.reply_text(history, replies, tools, stop_id), pixels)
 
     def reply_text(
         self,
