@@ -50,10 +50,13 @@ VISION_MODEL = (
 )
 
 
-def vision_task(folder: Path, train_rows: int = 64, eval_rows: int = 16) -> tuple[str, ...]:
+def vision_task(
+    folder: Path, train_rows: int = 64, eval_rows: int = 16, env: str | None = None
+) -> tuple[str, ...]:
     """The vision demo's task (scripts/make_visual_data.py) on `train_rows` rows written to
     `folder`: its flags. Rewarded by the answer's letters a completion holds, not the demo's
-    exact match, which a random model never scores: every step trains."""
+    exact match, which a random model never scores: every step trains. `env`: its rows
+    played by that environment (task.env), which rewards them."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -62,10 +65,18 @@ def vision_task(folder: Path, train_rows: int = 64, eval_rows: int = 16) -> tupl
     visual = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(visual)
     visual.write(folder, seed=0, train_rows=train_rows, eval_rows=eval_rows, sft_rows=train_rows)
+    played = (
+        "--task.name",
+        "dataset",
+        "--task.reward_fn",
+        "helpers.user_rewards:letters_of_answer",
+    )
+    if env is not None:
+        played = ("--task.name", "env", "--task.env", env)
     return (
-        *("--task.name", "dataset", "--task.messages_key", "messages"),
+        *("--task.messages_key", "messages"),
         *("--task.dataset_path", str(folder / "train.jsonl")),
-        *("--task.reward_fn", "helpers.user_rewards:letters_of_answer"),
+        *played,
         *("--generator.sampling.max_tokens", "8"),
     )
 

@@ -190,11 +190,15 @@ async def _gateway_turns(engine) -> dict:
 
 
 def grouped_episodes(engine) -> dict:
-    """The vision demo's task as the continuous placement runs a group (`Episodes.run_group`,
-    its episodes as coroutines on the engine's stream) and as the other placements do
-    (`Episodes.run`, a batched generate), one prompt with an image, the same seed: whether
-    they sample the same ids with the same logprobs and score them alike, and carry the
-    prompt's images."""
+    """The vision demo's task played by an environment whose reply to the first answer shows
+    the row's image again, mirrored (helpers.user_envs:LookAgain), one prompt, the same seed:
+    as the continuous placement runs a group (`Episodes.run_group`, its episodes as
+    coroutines on the engine's stream) and as the other placements do (`Episodes.run`, a
+    batched generate per turn). Whether they sample the same ids, score them alike and carry
+    the same images (the row's, then the reply's), the largest difference of their
+    logprobs, and the
+    largest |generator - torchtitan model| logprob over both turns' sampled tokens, the
+    model reading each episode's whole sequence with its images."""
     import tempfile
 
     from helpers import runs
@@ -208,13 +212,16 @@ def grouped_episodes(engine) -> dict:
     config = parse_args(
         [
             *("--job.config_file", DEBUG_TOML, *runs.VISION_MODEL),
-            *(*runs.vision_task(data, 8, 4), "--training.max_prompt_len", "200"),
-            *("--generator.max_model_len", "256"),
+            *runs.vision_task(data, 8, 4, env="helpers.user_envs:LookAgain"),
+            # A turn that ends by max_tokens ends its episode: digits stop most turns sooner.
+            *("--generator.sampling.stop", *"0123456789"),
+            *("--training.max_prompt_len", "200", "--generator.max_model_len", "256"),
         ]
     )
     opened = open_task(config)
     (prompt,) = opened.task.every_prompt()[:1]
     sampling = {"seed": 11, "n": 3, "max_tokens": 8, "temperature": 1.0}
+    engine.config.sampling, kept = config.generator.sampling, engine.config.sampling
     batched = opened.episodes.run(engine, [prompt], **sampling)
 
     async def streamed():
@@ -226,16 +233,41 @@ def grouped_episodes(engine) -> dict:
             stepping.cancel()
 
     grouped = asyncio.run(streamed())
-    pairs = zip(batched.completions.samples[0], grouped.completions.samples[0], strict=True)
-    images = (grouped.completions.images or [None])[0]
+    engine.config.sampling = kept
+    (first_ids,), (first_images,) = batched.completions.prompts, batched.completions.images
+    pairs = list(zip(batched.completions.samples[0], grouped.completions.samples[0], strict=True))
+    model = torchtitan_model(CHECKPOINT, "tiny_vl", "muse_glimmer")
+    worst = 0.0
+    for sample, _ in pairs:
+        images = sample.images or first_images  # None: the episode showed no other image
+        logprobs = model_logprobs(model, first_ids, images, sample.token_ids)
+        sampled = torch.tensor(sample.sampled_mask, dtype=torch.bool)
+        diff = (logprobs - torch.tensor(sample.logprobs))[sampled].abs().max()
+        worst = max(worst, float(diff))
     return {
-        "group_same_as_batched": all(
-            a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in pairs
-        )
+        "group_same_as_batched": all(a.token_ids == b.token_ids for a, b in pairs)
         and torch.equal(batched.rewards_PN, grouped.rewards_PN),
-        "group_images": images is not None
-        and torch.equal(images.pixel_values_PX, batched.completions.images[0].pixel_values_PX),
+        # The second turns batch otherwise (fp32, batch-invariant mode off).
+        "group_logprob_diff": max(
+            max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) for a, b in pairs
+        ),
+        "group_turns": [a.turns for a, _ in pairs],
+        "group_images": [
+            len((a.images or first_images).starts)
+            if _same(a.images or first_images, b.images or first_images)
+            else -1
+            for a, b in pairs
+        ],
+        "group_trainer_diff": worst,
     }
+
+
+def _same(a, b) -> bool:
+    return (
+        torch.equal(a.pixel_values_PX, b.pixel_values_PX)
+        and torch.equal(a.grid_thw_N3, b.grid_thw_N3)
+        and (a.starts, a.lengths) == (b.starts, b.lengths)
+    )
 
 
 def in_flight(engine) -> dict:

@@ -31,10 +31,14 @@ def test_the_generator_reads_images_as_the_trainer_does_and_keys_them_on_the_ver
       and logprobs equal (planted, the gateway not passing the images: not equal, 3.0 off the
       model), within 2e-4 of the torchtitan model (measured 1.1e-4 at one token of 12, fp32),
       and the session records both turns;
-    - the continuous placement's episodes of a prompt with an image (`Episodes.run_group` on
-      the engine's stream) sample and score what the other placements' batched ones do with
-      the same seed, and carry the prompt's images (planted, its requests without them: not
-      the same);
+    - an environment's episodes of a prompt with an image, its reply to the first answer
+      showing another image (helpers.user_envs:LookAgain): the continuous placement's
+      (`Episodes.run_group` on the engine's stream) sample and score what the other
+      placements' batched ones do with the same seed (logprobs within 1e-5: the second turns
+      batch otherwise, measured 7e-7), and carry the same two images; every
+      sampled token of both turns is the torchtitan model's with the episode's images within
+      1e-4 (planted, the samples without the reply's image: 4.0 off; placed one id late:
+      the generator refuses the request);
     - requests with one image streamed across updates of the tower (the continuous
       placement's): each token's logprob is the model's with the tower of the version that
       sampled it, within 1e-4, though an update moves them by more than 1 (measured 5.6).
@@ -49,7 +53,11 @@ def test_the_generator_reads_images_as_the_trainer_does_and_keys_them_on_the_ver
     assert figures["misplaced"] == "prompt 0: its image at 4 has no run of 2 placeholders"
     assert figures["gateway_same_as_generate"] and figures["gateway_diff"] < 2e-4, figures
     assert figures["gateway_images"] == 2 and figures["gateway_recorded"]
-    assert figures["group_same_as_batched"] and figures["group_images"]
+    assert figures["group_same_as_batched"] and figures["group_logprob_diff"] < 1e-5, figures
+    assert figures["group_trainer_diff"] < 1e-4, figures
+    # Two turns, two images (the row's, the reply's); one turn where the first hit max_tokens.
+    assert 2 in figures["group_turns"], figures
+    assert figures["group_images"] == [turns for turns in figures["group_turns"]], figures
     assert figures["recompute_versions"] == [0, 1] and figures["keep_versions"] == [1, 2]
     assert figures["tower_update_moves"] > 1.0, figures
     assert figures["recompute_diff"] < 1e-4, figures
@@ -57,11 +65,14 @@ def test_the_generator_reads_images_as_the_trainer_does_and_keys_them_on_the_ver
 
 
 def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tmp_path):
-    """The vision demo's task (a question and an image per prompt) on 2 ranks, the generator on
-    its own rank (disaggregated: requests and their images cross a process boundary), the
-    tower trained and synced, with the weight sync verified by digest: every step's
-    generator and trainer logprobs agree within 1e-4 in fp32, which a generator that dropped
-    the images would not (its placeholders read as text).
+    """The vision demo's task (a question and an image per prompt) played by an environment
+    whose reply to the first answer shows the image again, mirrored (helpers.user_envs:
+    LookAgain), on 2 ranks, the generator on its own rank (disaggregated: requests, their
+    images and the episodes' own cross a process boundary), the tower trained and synced,
+    with the weight sync verified by digest: every step's generator and trainer logprobs
+    agree within 1e-4 in fp32 over episodes of one and two turns, which a generator that
+    dropped an image would not (its placeholders read as text), nor a trainer whose rows
+    lacked the reply's (planted, the samples without their own images: 6.4 off at step 1).
 
     Then the same command resumed from step 1's checkpoint (step 2's removed) logs step 2 as
     the uninterrupted run did, and exports the same weights bit for bit, the trained tower's
@@ -72,7 +83,9 @@ def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tm
             "--job.config_file",
             DEBUG_TOML,
             *runs.VISION_MODEL,
-            *runs.vision_task(tmp_path / "data"),
+            *runs.vision_task(tmp_path / "data", env="helpers.user_envs:LookAgain"),
+            # A turn that ends by max_tokens ends its episode: digits stop most turns sooner.
+            *("--generator.sampling.stop", *"0123456789"),
         ),
         *("--generator.placement", "disaggregated", "--generator.verify_weight_sync", "true"),
         *("--training.steps", "2", "--training.max_prompt_len", "256"),
@@ -87,6 +100,7 @@ def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tm
     assert len(rows) == 2
     assert all(0 < row["logprob_diff/max"] < 1e-4 for row in rows), rows
     assert all(row["reward/std"] > 0 and row["grad_norm"] > 0 for row in rows), rows
+    assert all(1.2 < row["env/turns"] < 2 for row in rows), rows  # many two-turn episodes
     initial = load_file(REPO / "assets" / "tiny_vl_muse_glimmer" / "model.safetensors")
     trained = load_file(uninterrupted / "hf" / "model.safetensors")
     tower = [name for name in initial if name.startswith("model.vision_tower.")]
