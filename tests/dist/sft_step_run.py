@@ -65,3 +65,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)

@@ -3,6 +3,9 @@
 .venv/bin/python -m pytest tests/unit/test_platform.py
 """
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -130,3 +133,18 @@ def test_every_process_group_takes_the_collective_timeout():
     world = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
     later = dist.new_group([0])._get_backend(torch.device("cpu")).options._timeout
     assert world.total_seconds() == later.total_seconds() == 600
+
+
+def test_every_torchrun_script_of_the_tests_ends_through_exit_process():
+    """A 2-rank gloo process that ends through the interpreter aborts now and then after its
+    work is done (`platform.exit_process` says how often): every tests/dist script ends its
+    process through `platform.exit_process`, as train.py and sft.py do."""
+    scripts = sorted((Path(__file__).resolve().parents[1] / "dist").glob("*_run.py"))
+    assert scripts
+    for script in scripts:
+        main = [
+            node
+            for node in ast.parse(script.read_text()).body
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+        ]
+        assert main and "platform.exit_process(" in ast.unparse(main[-1]), script.name
