@@ -15,6 +15,8 @@ Compiled ("compiled"): the run's engines compile their decoder (the default); an
 of the same model samples the same batches, which must give the same tokens. Every engine's
 compiled graphs are recorded and inspected for host reads (helpers/compiled_graphs.py).
 "moe@tp2+plain": the engine on plain GEMMs (generator.cpu_packed_gemm = false), as a GPU runs.
+Images ("images", a vision-language model): prompts with images sampled against the trainer,
+then the trainer's tower moved and synced.
 
 Weight sync: a second trainer takes one step, its weights are copied without the prefix-cache
 reset (to show the stale KV a 150-token prompt keeps), then synced properly. LoRA sync
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 from helpers import compiled_graphs
 from helpers.launch import REPO
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan_rl import platform
 from torchtitan_rl.config import (
@@ -60,6 +62,13 @@ MODELS = {
         name="qwen3_5",
         flavor="tiny_moe",
         hf_checkpoint=str(REPO / "assets" / "tiny_moe_qwen3_5"),
+    ),
+    # The vision-language flavor, its tower trained (so that weight sync writes it).
+    "muse_glimmer_vl": ModelSection(
+        name="muse_glimmer",
+        flavor="tiny_vl",
+        hf_checkpoint=str(REPO / "assets" / "tiny_vl_muse_glimmer"),
+        freeze_vision=False,
     ),
 }
 TEMPERATURE = 0.7  # the generator checks'
@@ -211,6 +220,79 @@ def compiled_checks(model: ModelSection, generator: LocalGenerator, rank: int, w
     }
 
 
+def images_checks(model: ModelSection, generator: LocalGenerator, rank: int, world: int) -> dict:
+    """A vision-language engine: prompts with images (two of different shapes, one, none),
+    each sampled token's logprob against the trainer's with the prompt's images; then the
+    trainer's tower moved (noise on its vision_* weights) and synced into the generator,
+    verified: every weight the trainer's, and the samples' logprobs the moved trainer's. The
+    share of its tower's weights the generator holds on this rank."""
+    from helpers.vision_engine import prompt
+
+    trainer = PolicyTrainer(
+        model=model,
+        training=TrainingSection(),
+        parallelism=ParallelismSection(),
+        temperature=TEMPERATURE,
+    )
+    transport = LocalTransport(trainer, generator, bucket_mb=0.1, verify=True)
+    prompts = [prompt(((56, 84), (28, 28)), 0), prompt(((84, 56),), 1), ([3, 10, 11, 4, 3], None)]
+
+    def sample():
+        return generator.generate(
+            [ids for ids, _ in prompts],
+            n=2,
+            temperature=TEMPERATURE,
+            max_tokens=8,
+            seed=7,
+            images=[images for _, images in prompts],
+        )
+
+    def trainer_side(completions) -> list[torch.Tensor]:
+        """The trainer's logprob of every sampled token, sample by sample."""
+        recomputed = []
+        for (ids, images), group in zip(prompts, completions.samples, strict=True):
+            for sample in group:
+                tokens_BT = torch.tensor([ids + sample.token_ids])
+                logprobs_BT, _ = trainer.logprobs(tokens_BT, images_B=(images,))
+                recomputed.append(logprobs_BT[0, len(ids) :])
+        return recomputed
+
+    def diff(completions) -> float:
+        reported = [torch.tensor(s.logprobs) for group in completions.samples for s in group]
+        pairs = zip(trainer_side(completions), reported, strict=True)
+        return max(float((a - b).abs().max()) for a, b in pairs)
+
+    before = sample()
+    diff_before = diff(before)
+    tower = {n: p for n, p in trainer.named_parameters().items() if n.startswith("vision_")}
+    noise = torch.Generator().manual_seed(0)
+    old = trainer_side(before)
+    with torch.no_grad():
+        for param in tower.values():
+            whole_param = param.full_tensor()
+            delta = torch.randn(whole_param.shape, generator=noise) * whole_param.std() / 2
+            param.add_(distribute_tensor(delta, param.device_mesh, param.placements))
+    moved = max(float((a - b).abs().max()) for a, b in zip(trainer_side(before), old, strict=True))
+    transport.send(version=1)
+    mismatched = [
+        name
+        for name, param in trainer.named_parameters().items()
+        if not torch.equal(whole(generator.weights()[name]), param.full_tensor())
+    ]
+    weights = generator.weights()
+    return {
+        "diff_before": diff_before,
+        "tower_moves": moved,
+        "diff_after": diff(sample()),
+        "mismatched_after_sync": mismatched,
+        "tower_weights": len(tower),
+        "tower_share": sum(local(weights[n]).numel() for n in tower)
+        / sum(weights[n].numel() for n in tower),
+        "tower_sharded": [n for n in tower if local(weights[n]).numel() < weights[n].numel()],
+        "sampled": [s.token_ids for group in before.samples for s in group],
+    }
+
+
 def pg_loss(logprobs_BT, batch: RolloutBatch, scale: LossScale):
     weighted_BT = batch.advantages_B[:, None] * logprobs_BT * batch.loss_mask_BT
     return -weighted_BT.sum() / scale.tokens, {}
@@ -358,6 +440,7 @@ def main() -> None:
         "weight_sync": weight_sync_checks,
         "lora_sync": lora_sync_checks,
         "compiled": compiled_checks,
+        "images": images_checks,
     }
     # One engine at a time: each model's checks, then its engine is freed before the next.
     for name, checks in zip(pairs[::2], pairs[1::2], strict=True):

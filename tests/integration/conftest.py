@@ -99,7 +99,9 @@ def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     (fp32), and its MoE's, expert parallel (bf16, on vLLM's kernels); then the other MoE
     families over both ranks, compiled on local shards: Qwen3-MoE's experts whole per rank
     (expert parallel) on plain GEMMs, gpt-oss's experts' hidden units per rank (the plan's
-    default) on vLLM's kernels, DeepSeek-V3's on plain GEMMs."""
+    default) on vLLM's kernels, DeepSeek-V3's on plain GEMMs; then Muse Glimmer's
+    vision-language flavor over both ranks, its vision encoder split too (prompts with
+    images, its tower synced)."""
     checks = {
         "qwen3": "generator,weight_sync",
         "qwen3@tp2": "sampling,weight_sync,lora_sync",
@@ -109,6 +111,7 @@ def engines_two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
         "moe@ep2+plain": "sampling,weight_sync",
         "gpt_oss@tp2": "sampling,weight_sync",
         "deepseek_v3@tp2+plain": "sampling",
+        "muse_glimmer_vl@tp2": "images",
     }
     return engine_world(tmp_path_factory, 2, checks)
 
@@ -125,7 +128,8 @@ def engines_plain(tmp_path_factory) -> dict[str, list[dict]]:
     sync checks, the tiny Llama3's generator checks, the tiny gpt-oss's, DeepSeek-V3's, Muse
     Glimmer's and Qwen3.5's generator and weight sync checks, and for each of them and the tiny
     Qwen3-MoE the compiled engine against an eager one; then Qwen3.5 in bf16, on vLLM's
-    kernels (one process start for the eight)."""
+    kernels; then Muse Glimmer's vision-language flavor with images (one process start for
+    the nine)."""
     checks = {
         "qwen3": "weight_sync,compiled",
         "llama3": "generator,compiled",
@@ -135,6 +139,7 @@ def engines_plain(tmp_path_factory) -> dict[str, list[dict]]:
         "muse_glimmer": "generator,weight_sync,compiled",
         "qwen3_5": "generator,weight_sync,compiled",
         "qwen3_5@bf16": "sampling",
+        "muse_glimmer_vl": "images",
     }
     return engine_world(tmp_path_factory, 0, checks)
 

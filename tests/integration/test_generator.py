@@ -246,6 +246,39 @@ def test_muse_glimmer_runs_tensor_parallel_on_local_shards(engines_two_ranks, en
         assert max(sync["diff_before_step"], sync["diff_long"], sync["diff_short"]) <= 1e-4
 
 
+def test_a_vision_language_engine_runs_tensor_parallel_its_encoder_split_too(
+    engines_two_ranks, engines_plain
+):
+    """Muse Glimmer's vision-language flavor over the 2 ranks, compiled on plain local shards:
+    the decoder as the text flavor's, and the vision encoder's attention heads and MLP hidden
+    units split too (the same plan's column/row pairs), each row-parallel linear's partial
+    output summed over the ranks. With prompts holding images (two of different shapes, one,
+    none), both ranks sample the one-engine run's tokens, each token's logprob the trainer's
+    with the prompt's images within 1e-4. The trainer's tower then moved (the samples'
+    logprobs move by more than 1) and synced: every weight the trainer's, each rank writing
+    its shard, and the generator's logprobs the moved trainer's within 1e-4 (planted, the
+    encoder's partial outputs not summed: 0.47 off, other tokens)."""
+    plain = engines_plain["muse_glimmer_vl"][0]["images"]
+    assert plain["tower_sharded"] == [] and plain["diff_before"] < 1e-4
+    for rank in engines_two_ranks["muse_glimmer_vl@tp2"]:
+        run = rank["images"]
+        assert rank["engine_compiled"] and rank["plain_parameters"]
+        assert run["sampled"] == plain["sampled"]
+        assert max(run["diff_before"], run["diff_after"]) < 1e-4, run
+        assert run["tower_moves"] > 1.0, run
+        assert run["mismatched_after_sync"] == [] and run["tower_weights"] == 41
+        split = (
+            "attn.wq.weight",
+            "attn.proj.weight",
+            "mlp.linear_fc1.weight",
+            "mlp.linear_fc2.weight",
+        )
+        for layer in (0, 1):
+            assert all(f"vision_encoder.layers.{layer}.{n}" in run["tower_sharded"] for n in split)
+        # The tiny tower's patch embedding and adapter, replicated, outweigh its two layers.
+        assert run["tower_share"] < 0.9
+
+
 def test_qwen3_5_splits_its_gated_deltanet_heads_over_tensor_parallel_ranks(
     engines_two_ranks, engines_plain
 ):

@@ -161,12 +161,6 @@ def _image_overrides(model: ModelSection, generator: GeneratorSection) -> dict:
     from torchtitan_rl.tasks.render import load_tokenizer
     from torchtitan_rl.vision.preprocess import ImageProcessorConfig
 
-    if generator.parallelism.tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"generator.parallelism.tensor_parallel_degree = "
-            f"{generator.parallelism.tensor_parallel_degree}: a vision-language generator "
-            f"({model.name}/{model.flavor}) runs on one rank for now: set it to 1"
-        )
     folder = model.hf_checkpoint or model.tokenizer_dir
     try:
         limit = ImageProcessorConfig.from_checkpoint(folder).max_image_tokens

@@ -38,8 +38,9 @@ on the token count, so the batch needs no padding and the decoder compiles. Weig
 sees DTensors (`as_dtensors`: views of the local parameters with the plan's layouts), and
 writes each rank's shard in place. Every family's plan has only these layouts (Muse
 Glimmer's embedding norm runs after the embedding's sum, its attention gate is
-column-parallel); a vocabulary the ranks do not split evenly keeps the DTensor path, eager,
-and the engine says so (`why_not_local`).
+column-parallel, its vision encoder's layers are column/row pairs as the decoder's); a
+vocabulary the ranks do not split evenly keeps the DTensor path, eager, and the engine says
+so (`why_not_local`).
 """
 
 from dataclasses import dataclass
