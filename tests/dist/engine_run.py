@@ -274,12 +274,12 @@ def images_checks(model: ModelSection, generator: LocalGenerator, rank: int, wor
             param.add_(distribute_tensor(delta, param.device_mesh, param.placements))
     moved = max(float((a - b).abs().max()) for a, b in zip(trainer_side(before), old, strict=True))
     transport.send(version=1)
+    weights = generator.weights()
     mismatched = [
         name
         for name, param in trainer.named_parameters().items()
-        if not torch.equal(whole(generator.weights()[name]), param.full_tensor())
+        if not torch.equal(whole(weights[name]), param.full_tensor())
     ]
-    weights = generator.weights()
     return {
         "diff_before": diff_before,
         "tower_moves": moved,

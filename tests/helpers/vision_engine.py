@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers.titan
 
 from helpers.gateway_checks import drive  # noqa: E402
+from helpers.render import same_images  # noqa: E402
 from helpers.titan import torchtitan_model  # noqa: E402
 
 from torchtitan_rl.config import GeneratorSection, ModelSection  # noqa: E402
@@ -196,9 +197,8 @@ def grouped_episodes(engine) -> dict:
     coroutines on the engine's stream) and as the other placements do (`Episodes.run`, a
     batched generate per turn). Whether they sample the same ids, score them alike and carry
     the same images (the row's, then the reply's), the largest difference of their
-    logprobs, and the
-    largest |generator - torchtitan model| logprob over both turns' sampled tokens, the
-    model reading each episode's whole sequence with its images."""
+    logprobs, and the largest |generator - torchtitan model| logprob over both turns'
+    sampled tokens, the model reading each episode's whole sequence with its images."""
     import tempfile
 
     from helpers import runs
@@ -254,20 +254,12 @@ def grouped_episodes(engine) -> dict:
         "group_turns": [a.turns for a, _ in pairs],
         "group_images": [
             len((a.images or first_images).starts)
-            if _same(a.images or first_images, b.images or first_images)
+            if same_images(a.images or first_images, b.images or first_images)
             else -1
             for a, b in pairs
         ],
         "group_trainer_diff": worst,
     }
-
-
-def _same(a, b) -> bool:
-    return (
-        torch.equal(a.pixel_values_PX, b.pixel_values_PX)
-        and torch.equal(a.grid_thw_N3, b.grid_thw_N3)
-        and (a.starts, a.lengths) == (b.starts, b.lengths)
-    )
 
 
 def in_flight(engine) -> dict:

@@ -57,7 +57,7 @@ def test_the_generator_reads_images_as_the_trainer_does_and_keys_them_on_the_ver
     assert figures["group_trainer_diff"] < 1e-4, figures
     # Two turns, two images (the row's, the reply's); one turn where the first hit max_tokens.
     assert 2 in figures["group_turns"], figures
-    assert figures["group_images"] == [turns for turns in figures["group_turns"]], figures
+    assert figures["group_images"] == figures["group_turns"], figures
     assert figures["recompute_versions"] == [0, 1] and figures["keep_versions"] == [1, 2]
     assert figures["tower_update_moves"] > 1.0, figures
     assert figures["recompute_diff"] < 1e-4, figures

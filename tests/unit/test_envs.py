@@ -12,7 +12,7 @@ import PIL.Image
 import pytest
 import torch
 from helpers.launch import REPO
-from helpers.render import chatter_renderer, encode, vision_renderer
+from helpers.render import chatter_renderer, encode, same_images, vision_renderer
 from user_envs import Chatter, Flaky  # noqa: E402
 
 from torchtitan_rl.config import ConfigError, parse_args
@@ -309,13 +309,13 @@ def test_an_environments_image_reply_shows_the_policy_that_image_from_then_on(tm
     runner, _ = episodes(renderer, Shows)
     scripted = Scripted([turn, turn])
     scored = runner.run(scripted, [prompt], seed=0, n=2, max_tokens=8)
-    assert scripted.prompts[0] == [row_ids] and _same_images(scripted.images[0][0], row_images)
+    assert scripted.prompts[0] == [row_ids] and same_images(scripted.images[0][0], row_images)
     samples = scored.completions.samples[0]
     for ids, images, sample in zip(scripted.prompts[1], scripted.images[1], samples, strict=True):
         assert ids[: len(row_ids) + len(turn)] == row_ids + turn
         assert len(images.starts) == 2 and images.starts[1] > len(row_ids) + len(turn)
         located = renderer.images.images(ids, images.pixel_values_PX, images.grid_thw_N3)
-        assert _same_images(images, located)  # each image's run where its start says
+        assert same_images(images, located)  # each image's run where its start says
         reply_rows = images.pixel_values_PX[len(row_images.pixel_values_PX) :]
         assert torch.equal(reply_rows, renderer.images.read([shown])[0])
         assert sample.images is images and sample.turns == 2 and sample.token_ids[-1] == IM_END
@@ -338,14 +338,6 @@ def test_an_environments_image_reply_shows_the_policy_that_image_from_then_on(tm
 
 def _image(image) -> dict:
     return {"type": "image", "image": image}
-
-
-def _same_images(a, b) -> bool:
-    return (
-        torch.equal(a.pixel_values_PX, b.pixel_values_PX)
-        and torch.equal(a.grid_thw_N3, b.grid_thw_N3)
-        and (a.starts, a.lengths) == (b.starts, b.lengths)
-    )
 
 
 def test_env_config_loads_a_user_class_with_its_kwargs_from_toml_and_cli(tmp_path, repo_cwd):

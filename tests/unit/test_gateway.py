@@ -17,7 +17,7 @@ import openai
 import PIL.Image
 import pytest
 import torch
-from helpers.render import chatter_renderer, encode, vision_renderer
+from helpers.render import chatter_renderer, encode, same_images, vision_renderer
 
 from torchtitan_rl.config import ConfigError, TaskSection
 from torchtitan_rl.episodes import Episode, _defaults, _shared_prompt, _take
@@ -516,14 +516,14 @@ def test_image_url_parts_reach_the_policy_token_exact_turn_after_turn():
 
     param, message = run(episode())
     (ids_1, options_1), (ids_2, options_2), (ids_3, options_3) = script.requests
-    assert ids_1 == row_ids and _same_images(options_1["images"], row_images)
+    assert ids_1 == row_ids and same_images(options_1["images"], row_images)
     sampled = encode(renderer, "b") + [IM_END]
     images = options_2["images"]
     assert ids_2[: len(ids_1) + len(sampled)] == ids_1 + sampled
     assert images.starts[0] == row_images.starts[0] and len(images.starts) == 2
     assert images.starts[1] > len(ids_1) + len(sampled)
     located = renderer.images.images(ids_2, images.pixel_values_PX, images.grid_thw_N3)
-    assert _same_images(images, located)  # each image's run where its start says
+    assert same_images(images, located)  # each image's run where its start says
     assert torch.equal(
         images.pixel_values_PX[: len(row_images.pixel_values_PX)], row_images.pixel_values_PX
     )
@@ -541,14 +541,6 @@ def test_image_url_parts_reach_the_policy_token_exact_turn_after_turn():
     assert sample.images is opened.session.final().images
     batch = rollout_batch([episode.first_ids], [[sample]], torch.zeros(1, 1), 0)
     assert batch.images_B == (sample.images,)
-
-
-def _same_images(a, b) -> bool:
-    return (
-        torch.equal(a.pixel_values_PX, b.pixel_values_PX)
-        and torch.equal(a.grid_thw_N3, b.grid_thw_N3)
-        and (a.starts, a.lengths) == (b.starts, b.lengths)
-    )
 
 
 def _url(image) -> dict:
