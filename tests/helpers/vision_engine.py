@@ -247,7 +247,11 @@ def grouped_episodes(engine) -> dict:
     return {
         "group_same_as_batched": all(a.token_ids == b.token_ids for a, b in pairs)
         and torch.equal(batched.rewards_PN, grouped.rewards_PN),
-        # The second turns batch otherwise (fp32, batch-invariant mode off).
+        # First turns batch alike: their logprobs are equal. The second turns batch otherwise
+        # (fp32, batch-invariant mode off).
+        "group_first_turns_equal": all(
+            a.logprobs[: _first_turn(a)] == b.logprobs[: _first_turn(b)] for a, b in pairs
+        ),
         "group_logprob_diff": max(
             max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) for a, b in pairs
         ),
@@ -260,6 +264,11 @@ def grouped_episodes(engine) -> dict:
         ],
         "group_trainer_diff": worst,
     }
+
+
+def _first_turn(sample) -> int:
+    """How many tokens the episode's first turn sampled (its ids before the environment's)."""
+    return sample.sampled_mask.index(0) if 0 in sample.sampled_mask else len(sample.token_ids)
 
 
 def in_flight(engine) -> dict:
