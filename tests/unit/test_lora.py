@@ -52,7 +52,9 @@ def test_lora_target_picks_the_linears_that_train(target, linears):
     from torchtitan_rl.trainer.lora import adapted_modules, convert
     from torchtitan_rl.trainer.model import build_spec
 
-    spec = build_spec(JobConfig().model)
+    config = JobConfig()
+    config.resolve()  # random weights: model.flavor 'auto' is 'tiny'
+    spec = build_spec(config.model)
     with torch.device("meta"):
         model = convert(spec.model, LoRASection(enable=True, target=target)).build()
     adapted = adapted_modules(model)

@@ -137,7 +137,7 @@ def test_multi_token_prediction_layers_of_a_checkpoint_are_left_unread(tmp_path)
     folder = REPO / "assets" / "tiny_deepseek_v3"
     state = load_file(folder / "model.safetensors")
     assert "model.layers.2.eh_proj.weight" in state
-    loaded = full_state(trainer(name="deepseek_v3", hf_checkpoint=str(folder)))
+    loaded = full_state(trainer(name="deepseek_v3", flavor="tiny", hf_checkpoint=str(folder)))
     bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert torch.equal(loaded["layers.1.moe.expert_bias_E"], bias)
     assert not [k for k in loaded if k.startswith(("layers.2.", "mtp_layers"))]
@@ -146,7 +146,7 @@ def test_multi_token_prediction_layers_of_a_checkpoint_are_left_unread(tmp_path)
     del config["num_nextn_predict_layers"]
     (tmp_path / "undeclared" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="has 'model.layers.2.[a-z_.]+', unknown to"):
-        trainer(name="deepseek_v3", hf_checkpoint=str(tmp_path / "undeclared"))
+        trainer(name="deepseek_v3", flavor="tiny", hf_checkpoint=str(tmp_path / "undeclared"))
 
 
 def test_a_vision_language_checkpoints_vision_tower_is_left_unread_and_exported(tmp_path):
@@ -163,7 +163,7 @@ def test_a_vision_language_checkpoints_vision_tower_is_left_unread_and_exported(
         "model.vision_projection.weight": torch.randn(128, 64, generator=g),
     }
     save_file(state | vision, tmp_path / "ckpt" / "model.safetensors")
-    policy = trainer(name="muse_glimmer", hf_checkpoint=str(tmp_path / "ckpt"))
+    policy = trainer(name="muse_glimmer", flavor="tiny", hf_checkpoint=str(tmp_path / "ckpt"))
     loaded = full_state(policy)
     embedding = state["model.language_model.embed_tokens.weight"]
     assert torch.equal(loaded["tok_embeddings.embedding.weight"], embedding)
@@ -181,7 +181,7 @@ def test_an_fp8_checkpoint_is_refused_with_the_fix(tmp_path):
     state["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
     save_file(state, tmp_path / "ckpt" / "model.safetensors")
     with pytest.raises(ConfigError) as e:
-        trainer(name="deepseek_v3", hf_checkpoint=str(tmp_path / "ckpt"))
+        trainer(name="deepseek_v3", flavor="tiny", hf_checkpoint=str(tmp_path / "ckpt"))
     assert str(e.value) == (
         f"model.hf_checkpoint = {str(tmp_path / 'ckpt')!r} is FP8-quantized "
         "('model.layers.0.self_attn.o_proj.weight_scale_inv', as the released DeepSeek-V3 and "
@@ -192,7 +192,7 @@ def test_an_fp8_checkpoint_is_refused_with_the_fix(tmp_path):
 def test_checkpoint_without_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     with pytest.raises(ConfigError, match="has no \\*.safetensors files"):
-        trainer(hf_checkpoint=str(tmp_path))
+        trainer(flavor="tiny", hf_checkpoint=str(tmp_path))
 
 
 def test_bfloat16_computes_in_bf16_with_fp32_master_weights():
@@ -251,9 +251,10 @@ def test_the_correction_bias_moves_toward_balanced_loads_only_when_asked():
     rate = 1e-2
     for name in ("deepseek_v3", "kimi_k2_7"):
         checkpoint = str(REPO / "assets" / f"tiny_{name}")
-        frozen = trainer(name=name, hf_checkpoint=checkpoint)
+        frozen = trainer(name=name, flavor="tiny", hf_checkpoint=checkpoint)
         moving = trainer(
             name=name,
+            flavor="tiny",
             hf_checkpoint=checkpoint,
             training=TrainingSection(lr=1e-3, expert_bias_update_rate=rate),
         )

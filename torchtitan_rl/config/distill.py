@@ -21,8 +21,9 @@ class DistillSection:
     """HF checkpoint directory of the teacher (config.json + *.safetensors), a model of
     model.name with the student's tokenizer and vocabulary; unset: no teacher."""
     teacher_flavor: str | None = None
-    """torchtitan flavor of the teacher (it may be larger than the student). Unset:
-    model.flavor."""
+    """torchtitan flavor of the teacher (it may be larger than the student), or auto: the
+    shape of distill.teacher_checkpoint's config.json. Unset: model.flavor, or auto when
+    model.flavor is."""
     coef: float = 1.0
     """Weight of the teacher's signal: the per-token advantage is -coef * (log pi_student -
     log pi_teacher) (mode advantage), or coef * the KL estimate joins the loss (mode loss)."""

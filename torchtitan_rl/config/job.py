@@ -11,6 +11,13 @@ from typing import Literal
 
 from torchtitan_rl.config.errors import require
 
+
+def _families():
+    from torchtitan_rl.models import FAMILIES
+
+    return FAMILIES
+
+
 # What the watchdog needs after a phase overruns to dump every rank's stacks and exit
 # (watchdog.DUMP_WAIT_S, polls), before a collective's own timeout fires.
 COLLECTIVE_MARGIN_S = 60.0
@@ -72,10 +79,13 @@ class ModelSection:
     """torchtitan model family (a module under torchtitan.models): qwen3, llama3, gpt_oss,
     deepseek_v3, kimi_k2_7, muse_glimmer (its text tower) or qwen3_5 (its text models: Gated
     DeltaNet hybrids)."""
-    flavor: str = "tiny"
-    """torchtitan flavor of the model, e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b
-    (gpt_oss), 671B (deepseek_v3), moonlight-16B-A3B (kimi_k2_7), 30B (muse_glimmer), 9B and
-    35B-A3B (qwen3_5); `tiny`, `tiny_moe` and `tiny_grouped` are this project's CPU models."""
+    flavor: str = "auto"
+    """auto: the shape model.hf_checkpoint's config.json gives (llama3, qwen3 dense and MoE,
+    gpt_oss: any size; models/from_hf.py), resolved to `auto:<folder>`; without a checkpoint
+    (random weights), `tiny`. Or a torchtitan flavor, e.g.
+    debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b (gpt_oss), 671B (deepseek_v3),
+    moonlight-16B-A3B (kimi_k2_7), 30B (muse_glimmer), 9B and 35B-A3B (qwen3_5); `tiny`,
+    `tiny_moe` and `tiny_grouped` are this project's CPU models."""
     hf_checkpoint: str | None = None
     """HF checkpoint directory (config.json + *.safetensors) to start from; None: random init."""
     tokenizer_path: str | None = None
@@ -87,6 +97,20 @@ class ModelSection:
     no gradient, no optimizer state, sent to the generator once. false: trained and synced
     like the rest (refused for a text-only flavor)."""
 
+    def __post_init__(self) -> None:
+        if self.hf_checkpoint is not None:  # built in code; TOML and CLI values come later
+            self.resolve()
+
+    def resolve(self) -> None:
+        """flavor "auto" becomes the checkpoint's derived flavor, or `tiny` for random weights
+        (no checkpoint)."""
+        from torchtitan_rl.models.from_hf import AUTO, derived_flavor
+
+        if self.flavor == AUTO:
+            self.flavor = (
+                "tiny" if self.hf_checkpoint is None else derived_flavor(self.hf_checkpoint)
+            )
+
     @property
     def tokenizer_dir(self) -> str | None:
         """Where tokenizer.json lives: model.tokenizer_path, else model.hf_checkpoint."""
@@ -94,6 +118,7 @@ class ModelSection:
 
     def validate(self) -> None:
         from torchtitan_rl.models import FAMILIES, SUPPORTED_MODELS, flavors, refused_parts
+        from torchtitan_rl.models.from_hf import checkpoint_of
 
         family = FAMILIES.get(self.name)
         require(
@@ -108,7 +133,16 @@ class ModelSection:
         )
         known = flavors(self.name)
         require(
-            self.flavor in known,
+            self.flavor != "auto",
+            "model.flavor = 'auto' reads the model's shape from model.hf_checkpoint's "
+            f"config.json, which is unset: set model.hf_checkpoint, or name a {self.name} flavor "
+            "to start from random weights (tiny, debugmodel, ...)",
+        )
+        self._validate_checkpoint_paths()
+        if checkpoint_of(self.flavor) is not None:
+            self._validate_derived(family)
+        require(
+            checkpoint_of(self.flavor) is not None or self.flavor in known,
             f"model.flavor = {self.flavor!r} is not a {self.name} flavor: "
             f"use one of {', '.join(known)}",
         )
@@ -125,6 +159,8 @@ class ModelSection:
             f"model.freeze_vision = false, but {self.name} {self.flavor!r} has no vision tower: "
             "remove it, or pick a vision-language flavor (muse_glimmer tiny_vl, 30B_mm)",
         )
+
+    def _validate_checkpoint_paths(self) -> None:
         for name in ("hf_checkpoint", "tokenizer_path"):
             path = getattr(self, name)
             require(
@@ -143,3 +179,38 @@ class ModelSection:
             "model.tokenizer_path and model.hf_checkpoint are both unset: "
             "set one of them to a directory with tokenizer.json",
         )
+
+    def _validate_derived(self, family) -> None:
+        """A derived flavor (auto:<folder>): the folder is model.hf_checkpoint, its
+        architecture is the family's, and its config.json builds (one line where a field does
+        not fit)."""
+        from torchtitan_rl.models import model_spec
+        from torchtitan_rl.models.from_hf import (
+            checkpoint_of,
+            derivable,
+            derivable_families,
+            read_architecture,
+        )
+
+        folder = checkpoint_of(self.flavor)
+        require(
+            os.path.isfile(os.path.join(folder, "config.json")),
+            f"model.flavor = {self.flavor!r}: {folder!r} has no config.json; point "
+            "model.hf_checkpoint at an HF checkpoint and set model.flavor = 'auto'",
+        )
+        require(
+            derivable(self.name),
+            f"model.flavor = 'auto' reads {', '.join(derivable_families())} checkpoints' "
+            "config.json, not "
+            f"{self.name}'s yet: name the flavor the checkpoint was saved from",
+        )
+        architecture = read_architecture(folder)
+        matching = [
+            name for name, other in _families().items() if architecture in other.hf_architectures
+        ]
+        require(
+            architecture is None or self.name in matching,
+            f"model.name = {self.name!r}, but {folder}/config.json is a {architecture}: set "
+            + (f"model.name = {matching[0]!r}" if matching else "a checkpoint of this family"),
+        )
+        model_spec(self.name, self.flavor)  # a field the model cannot express raises here

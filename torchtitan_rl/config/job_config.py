@@ -33,6 +33,7 @@ from torchtitan_rl.config.training import (
     SFTSection,
     TrainingSection,
 )
+from torchtitan_rl.models.from_hf import AUTO, checkpoint_of, derived_flavor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -295,7 +296,7 @@ class JobConfig:
         path, flavor = self.distill.teacher_checkpoint, self.distill.teacher_flavor
         known = flavors(self.model.name)
         require(
-            flavor is None or flavor in known,
+            flavor is None or flavor in known or checkpoint_of(flavor) is not None,
             f"distill.teacher_flavor = {flavor!r} is not a {self.model.name} flavor: use one "
             f"of {', '.join(known)}",
         )
@@ -346,6 +347,13 @@ class JobConfig:
         """Fill the fields left unset with the values they stand for: algorithm.loss's preset
         and the defaults that depend on other fields. An SFT run (`entry` sft) reads no
         [algorithm] and keeps it as it is. Idempotent; validate() expects it done."""
+        self.model.resolve()
+        distill = self.distill
+        if distill.enabled and (
+            distill.teacher_flavor == AUTO
+            or (distill.teacher_flavor is None and checkpoint_of(self.model.flavor))
+        ):
+            distill.teacher_flavor = derived_flavor(distill.teacher_checkpoint)
         if entry == "train":
             self.algorithm.resolve(self.episode_tokens)
             for source in self.task.named_sources.values():

@@ -4,7 +4,8 @@
 
 Every model the trainer and the generator build comes from `model_spec(name, flavor)`, so both
 sides share one definition: torchtitan's flavors (`debugmodel`, `0.6B`, `debugmodel_moe`,
-`30B-A3B`, ...) plus the `tiny` ones (tiny.py). Which families run, and why the others are
+`30B-A3B`, ...), the `tiny` ones (tiny.py), and `auto:<folder>`, read from a checkpoint's
+config.json (from_hf.py). Which families run, and why the others are
 refused: families.py. Mixture-of-experts layers build this project's `Experts` and `Router`
 (moe.py), with torchtitan's parameter names and routing.
 """
@@ -19,6 +20,7 @@ from torchtitan.protocols.module import Module
 
 # Not from the package: torchtitan_rl.config.job imports this module.
 from torchtitan_rl.config.errors import read_json
+from torchtitan_rl.models import from_hf
 from torchtitan_rl.models.families import FAMILIES, SUPPORTED_MODELS, Family  # noqa: F401
 from torchtitan_rl.models.gpt_oss import GptOssAdapter
 from torchtitan_rl.models.moe import use_project_moe
@@ -96,6 +98,8 @@ def hf_architecture(name: str, flavor: str) -> str | None:
 
 
 def _config(name: str, flavor: str, attn_backend: str = "flex"):
+    if from_hf.checkpoint_of(flavor) is not None:
+        return from_hf.derived_config(name, flavor, attn_backend)
     extra = EXTRA_FLAVORS.get(name, {})
     if flavor in extra:
         return extra[flavor](attn_backend)

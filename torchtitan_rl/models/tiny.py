@@ -113,9 +113,59 @@ def gpt_oss_tiny(attn_backend: str):
     """gpt-oss at the tiny size: 2 layers (the first with a sliding window, as gpt-oss's even
     layers), 4 heads over 2 kv heads with sinks, 8 experts of width 64 (top 2) with biases, and
     gpt-oss's YaRN RoPE (factor 32) over an original context of 32 tokens, so the tests'
-    positions reach its scaled frequencies. torchtitan's layer builder fixes 64 heads and a
-    128 window, so the layers are built here with its per-layer helpers."""
-    from torchtitan.models.common import CosSinRoPE, Linear, RMSNorm
+    positions reach its scaled frequencies."""
+    from torchtitan.models.common import CosSinRoPE
+
+    rope = CosSinRoPE.Config(
+        dim=HEAD_DIM,
+        max_seq_len=1024,
+        theta=150000.0,
+        scaling="yarn",
+        rope_factor=32,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_seq_len=32,
+    )
+    return gpt_oss_config(
+        attn_backend,
+        vocab_size=VOCAB_SIZE,
+        dim=DIM,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=HEAD_DIM,
+        windows=[GPT_OSS_WINDOW, None],
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=64,
+        swiglu_limit=7.0,
+        rope=rope,
+    )
+
+
+def gpt_oss_config(
+    attn_backend: str,
+    *,
+    vocab_size: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    windows: list[int | None],
+    num_experts: int,
+    top_k: int,
+    moe_hidden_dim: int,
+    swiglu_limit: float,
+    rope,
+):
+    """A gpt-oss config of any size (the tiny flavor's, and a checkpoint's: from_hf.py): a layer
+    per entry of `windows` (its sliding window, None: full attention), attention sinks, biased
+    projections, `num_experts` clamped-SwiGLU experts of `moe_hidden_dim` (top `top_k`) with
+    biases. torchtitan's layer builder fixes 64 heads and a 128 window, so the layers are built
+    here with its per-layer helpers."""
+    import dataclasses
+
+    from torchtitan.models.common import Linear, RMSNorm
     from torchtitan.models.common.moe import TokenChoiceTopKRouter
     from torchtitan.models.gpt_oss import (
         _EMBEDDING_INIT,
@@ -128,54 +178,46 @@ def gpt_oss_tiny(attn_backend: str):
     from torchtitan.models.gpt_oss.model import GptOssModel, GptOssTransformerBlock
     from torchtitan.models.gpt_oss.moe import GptOssMoE
 
-    experts, top_k = 8, 2
-    rope = CosSinRoPE.Config(
-        dim=HEAD_DIM,
-        max_seq_len=1024,
-        theta=150000.0,
-        scaling="yarn",
-        rope_factor=32,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        truncate=False,
-        original_seq_len=32,
-    )
     layers = []
-    for layer_id in range(2):
+    for layer_id, window in enumerate(windows):
         router = TokenChoiceTopKRouter.Config(
-            num_experts=experts,
+            num_experts=num_experts,
             score_func="softmax",
             route_norm=True,
             gate=Linear.Config(
-                in_features=DIM, out_features=experts, bias=True, param_init=_depth_init(layer_id)
+                in_features=dim,
+                out_features=num_experts,
+                bias=True,
+                param_init=_depth_init(layer_id),
             ),
             top_k=top_k,
         )
         routed = _make_gptoss_experts_config(
-            dim=DIM,
-            hidden_dim=64,
-            num_experts=experts,
+            dim=dim,
+            hidden_dim=moe_hidden_dim,
+            num_experts=num_experts,
             layer_id=layer_id,
             top_k=top_k,
             moe_comm_backend="standard",
         )
+        routed.inner_experts = dataclasses.replace(routed.inner_experts, swiglu_limit=swiglu_limit)
         attention = _make_gptoss_attn_config(
-            dim=DIM,
+            dim=dim,
             layer_id=layer_id,
             attn_backend=attn_backend,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=HEAD_DIM,
-            sliding_window_size=GPT_OSS_WINDOW if layer_id % 2 == 0 else None,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            sliding_window_size=window,
             rope=rope,
         )
         layers.append(
             GptOssTransformerBlock.Config(
                 attention=attention,
-                attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-                ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+                attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+                ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
                 moe=GptOssMoE.Config(
-                    num_experts=experts,
+                    num_experts=num_experts,
                     load_balance_coeff=1e-3,
                     routed_experts=routed,
                     router=router,
@@ -183,7 +225,13 @@ def gpt_oss_tiny(attn_backend: str):
             )
         )
     return _untied(
-        GptOssModel.Config, layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init(DIM)
+        GptOssModel.Config,
+        layers,
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        _output_linear_init(dim),
+        vocab_size,
+        dim,
     )
 
 
@@ -266,19 +314,21 @@ def deepseek_v3_tiny_grouped(attn_backend: str):
     return deepseek_v3_tiny(attn_backend, groups=(4, 2))
 
 
-def _untied(model_config, layers, embedding_init, norm_init, output_init):
-    """A tiny `model_config` (a family's model Config class) over `layers`, its embedding, final
-    norm and LM head untied, each with the family's initializer."""
+def _untied(
+    model_config, layers, embedding_init, norm_init, output_init, vocab_size=VOCAB_SIZE, dim=DIM
+):
+    """A `model_config` (a family's model Config class) over `layers` (tiny sizes unless
+    given), its embedding, final norm and LM head untied, each with the family's initializer."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
 
     return model_config(
-        vocab_size=VOCAB_SIZE,
-        dim=DIM,
+        vocab_size=vocab_size,
+        dim=dim,
         tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=embedding_init
+            num_embeddings=vocab_size, embedding_dim=dim, param_init=embedding_init
         ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB_SIZE, param_init=output_init),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=output_init),
         layers=layers,
     )
 

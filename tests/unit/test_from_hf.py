@@ -1,0 +1,245 @@
+"""model.flavor = "auto": the torchtitan config read from an HF checkpoint's config.json.
+
+    .venv/bin/python -m pytest tests/unit/test_from_hf.py
+
+Checkpoints of shapes no torchtitan flavor has are made here with transformers' own classes
+(random init, saved with save_pretrained) and the tiny tokenizer, so the reference is the
+architecture's own implementation, not this project's writer of config.json.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from helpers.launch import REPO
+from helpers.titan import torchtitan_model
+
+from torchtitan_rl.config import ConfigError, ModelSection
+from torchtitan_rl.models import _config, flavors, from_hf, model_spec
+
+TOKENIZER = REPO / "assets" / "tiny_qwen3"
+IDS = [5, 17, 33, 2, 60, 41, 9, 12, 30, 30, 7, 44, 61, 3, 25, 18, 50, 11, 6, 39]
+
+
+def leaves(config, path=""):
+    """(dotted path, value) of every value in a config tree but the initializers."""
+    if isinstance(config, list):
+        for i, item in enumerate(config):
+            yield from leaves(item, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(config):
+        for field in dataclasses.fields(config):
+            if field.name != "param_init":
+                yield from leaves(getattr(config, field.name), f"{path}.{field.name}")
+    elif not callable(config):
+        yield path, config
+
+
+@pytest.mark.parametrize(
+    ("name", "flavor", "folder"),
+    [
+        ("qwen3", "tiny", "tiny_qwen3"),
+        ("qwen3", "tiny_moe", "tiny_moe_qwen3"),
+        ("llama3", "tiny", "tiny_llama3"),
+        ("gpt_oss", "tiny", "tiny_gpt_oss"),
+    ],
+)
+def test_the_tiny_checkpoints_config_json_gives_their_flavor(name, flavor, folder):
+    """Every value of the config read from config.json (written from the named flavor by
+    make_tiny_checkpoint.py) equals the named flavor's: sizes, RoPE and its scaling, norm eps,
+    tying, routing, windows, sinks."""
+    named = dict(leaves(_config(name, flavor)))
+    derived = dict(leaves(_config(name, from_hf.derived_flavor(str(REPO / "assets" / folder)))))
+    assert len(named) > 100
+    assert derived == named
+
+
+def _save(model, folder):
+    model.save_pretrained(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOKENIZER / file, folder / file)
+    return folder
+
+
+def llama(folder, **overrides):
+    """A LlamaForCausalLM at a shape no llama3 flavor has (SmolLM2's proportions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=68,
+        hidden_size=96,
+        intermediate_size=200,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    return _save(LlamaForCausalLM(LlamaConfig(**{**config, **overrides})), folder)
+
+
+def qwen3(folder, **overrides):
+    """A Qwen3ForCausalLM, untied, whose head_dim is not hidden_size / heads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=68,
+        hidden_size=80,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=20000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    return _save(Qwen3ForCausalLM(Qwen3Config(**{**config, **overrides})), folder)
+
+
+def qwen3_moe(folder):
+    """A Qwen3MoeForCausalLM: 6 experts of width 40, top 3, not renormalized."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=68,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=40,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    return _save(Qwen3MoeForCausalLM(config), folder)
+
+
+MAKERS = {
+    "llama3": llama,
+    "llama3 (Llama 3.1 RoPE, untied)": lambda folder: llama(
+        folder,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "qwen3": qwen3,
+    "qwen3 (MoE)": qwen3_moe,
+}
+
+
+@pytest.mark.parametrize("case", MAKERS)
+def test_an_unregistered_shape_gives_transformers_logits_and_exports_itself(case, tmp_path):
+    """A checkpoint of a shape no registered flavor has trains under model.flavor = "auto":
+    torchtitan's model built from its config.json has transformers' logits (fp32, 20 tokens:
+    the scaled RoPE's 16-token original context is crossed), and the HF export of the loaded
+    weights is the checkpoint's tensors, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan_rl.hf_export import export_hf
+
+    name = case.split()[0]
+    folder = MAKERS[case](tmp_path / "ckpt")
+    model_section = ModelSection(name=name, hf_checkpoint=str(folder))
+    assert model_section.flavor == f"auto:{folder}"
+    model_section.validate()
+    shapes = {
+        k: v.shape
+        for k, v in model_spec(name, model_section.flavor).model.build().state_dict().items()
+    }
+    for flavor in flavors(name):  # no registered flavor has this shape
+        with torch.device("meta"):
+            named = model_spec(name, flavor).model.build().state_dict()
+        assert {k: v.shape for k, v in named.items()} != shapes
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    with torch.no_grad():
+        expected = hf(torch.tensor([IDS])).logits[0]
+    model = torchtitan_model(str(folder), model_section.flavor, name)
+    with torch.no_grad():
+        logits = model(torch.tensor([IDS]), positions=torch.arange(len(IDS))[None])[0]
+    assert expected.std() > 0.1
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+    spec = model_spec(name, model_section.flavor)
+    export_hf(model.state_dict(), spec, str(folder), str(folder), tmp_path / "hf")
+    exported, source = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(folder / "model.safetensors"),
+    )
+    assert exported.keys() == source.keys()
+    for key, tensor in source.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+def _with(folder, **fields):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "fields", "words"),
+    [
+        ("llama3", llama, {"attention_bias": True}, "config.json's attention_bias = true"),
+        ("llama3", llama, {"mlp_bias": True}, "config.json's mlp_bias = true"),
+        ("llama3", llama, {"hidden_act": "gelu"}, 'config.json\'s hidden_act = "gelu"'),
+        (
+            "llama3",
+            llama,
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "config.json's rope_type = \"dynamic\" is not a RoPE torchtitan's llama3 has",
+        ),
+        ("llama3", llama, {"head_dim": 32}, "config.json's head_dim = 32 differs"),
+        ("qwen3", qwen3, {"use_sliding_window": True}, "use_sliding_window = true"),
+        (
+            "qwen3",
+            qwen3,
+            {"layer_types": ["sliding_attention", "full_attention"]},
+            'layer_types = "sliding_attention"',
+        ),
+        ("qwen3", llama, {}, "is a LlamaForCausalLM: set model.name = 'llama3'"),
+        ("qwen3", qwen3, {"num_key_value_heads": None}, "config.json has no num_key_value_heads"),
+    ],
+)
+def test_a_field_the_model_cannot_express_is_one_line(name, make, fields, words, tmp_path):
+    folder = _with(make(tmp_path / "ckpt"), **fields)
+    with pytest.raises(ConfigError) as error:
+        ModelSection(name=name, hf_checkpoint=str(folder)).validate()
+    message = str(error.value)
+    assert "\n" not in message and words in message, message
+    assert message.startswith(("model.hf_checkpoint = ", "model.name = "))
+
+
+def test_auto_for_a_family_it_does_not_read_and_without_a_checkpoint_is_one_line():
+    with pytest.raises(ConfigError, match="not deepseek_v3's yet: name the flavor"):
+        ModelSection(
+            name="deepseek_v3", hf_checkpoint=str(REPO / "assets" / "tiny_deepseek_v3")
+        ).validate()
+    unresolved = ModelSection(tokenizer_path=str(TOKENIZER))
+    with pytest.raises(ConfigError, match="which is unset: set model.hf_checkpoint, or name"):
+        unresolved.validate()
+    unresolved.resolve()  # random weights: the project's tiny model
+    assert unresolved.flavor == "tiny"
+    named = ModelSection(flavor="debugmodel", hf_checkpoint=str(TOKENIZER))
+    assert named.flavor == "debugmodel"  # a named flavor stays

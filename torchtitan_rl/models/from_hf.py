@@ -1,0 +1,325 @@
+"""Model configs read from an HF checkpoint's config.json: `model.flavor = "auto"`.
+
+    .venv/bin/python -m pytest tests/unit/test_from_hf.py
+
+torchtitan registers fixed sizes (`debugmodel`, `0.6B`, `30B-A3B`, ...); an HF checkpoint of any
+other shape (SmolLM2, TinyLlama, a pruned or distilled model) has no flavor. With
+`model.flavor = "auto"` the flavor is `auto:<checkpoint folder>`, and its config is built here
+from the folder's config.json with the family's own torchtitan layer builders, so the trainer,
+the generator (which gets the flavor string through hf_overrides), weight sync, LoRA and the
+export take it as they take a named one.
+
+Every config.json field that changes what the model computes is read or checked: a value
+torchtitan's model cannot express (attention biases, a RoPE type it lacks, sliding windows in
+Qwen3, an activation but SiLU) is one ConfigError line naming the field and its value. Fields
+that change nothing (token ids, dtype, initializer range, cache flags) are not read.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+from torchtitan_rl.config.errors import ConfigError, read_json
+
+AUTO = "auto"
+"""`model.flavor`'s default: the flavor of model.hf_checkpoint's config.json."""
+PREFIX = "auto:"
+"""A derived flavor is this prefix and the checkpoint folder."""
+
+
+def derived_flavor(checkpoint: str) -> str:
+    """The flavor string of `checkpoint`'s config.json (what "auto" resolves to)."""
+    return f"{PREFIX}{checkpoint}"
+
+
+def checkpoint_of(flavor: str) -> str | None:
+    """The checkpoint folder of a derived flavor; None for a named one."""
+    return flavor.removeprefix(PREFIX) if flavor.startswith(PREFIX) else None
+
+
+def derivable_families() -> list[str]:
+    """The families whose configs are read from config.json here."""
+    return list(_READERS)
+
+
+def derivable(name: str) -> bool:
+    """Whether family `name`'s configs are read from config.json here."""
+    return name in _READERS
+
+
+def derived_config(name: str, flavor: str, attn_backend: str):
+    """The torchtitan model config of derived `flavor` (auto:<folder>) of family `name`."""
+    folder = checkpoint_of(flavor)
+    if name not in _READERS:
+        raise ConfigError(
+            f"model.flavor = 'auto' reads {', '.join(_READERS)} checkpoints' config.json, not "
+            f"{name}'s yet: name the flavor the checkpoint was saved from"
+        )
+    fields = _Fields(read_json(folder, "config.json", "model.hf_checkpoint"), folder)
+    return _READERS[name](fields, attn_backend)
+
+
+def describe(name: str, config) -> str:
+    """One line of a model config's shape (what --job.dry_run prints for a derived flavor)."""
+    layer = config.layers[0]
+    attention = layer.attention
+    heads = f"{attention.n_heads} heads / {attention.n_kv_heads or attention.n_heads} KV heads"
+    head_dim = attention.head_dim or config.dim // attention.n_heads
+    moe = getattr(layer, "moe", None)
+    if moe is not None:
+        experts = moe.routed_experts.inner_experts
+        ffn = f"{moe.num_experts} experts of {experts.hidden_dim} (top {moe.router.top_k})"
+    else:
+        ffn = f"FFN {layer.feed_forward.w1.out_features}"
+    rope = attention.rope
+    tied = "tied" if config.enable_weight_tying else "untied"
+    return (
+        f"{name}: {len(config.layers)} layers, dim {config.dim}, {heads} of {head_dim}, {ffn}, "
+        f"vocab {config.vocab_size} ({tied}), RoPE theta {rope.theta:g} ({rope.scaling}), "
+        f"norm eps {config.norm.eps:g}, {rope.max_seq_len} positions"
+    )
+
+
+class _Fields:
+    """config.json's values, read with the checks that keep a field from being dropped."""
+
+    def __init__(self, config: dict, folder: str):
+        self.config, self.folder = config, folder
+
+    def fail(self, key: str, value, why: str) -> ConfigError:
+        return ConfigError(
+            f"model.hf_checkpoint = {self.folder!r}: config.json's {key} = {json.dumps(value)} "
+            f"{why}: name a flavor, or convert the checkpoint"
+        )
+
+    def get(self, key: str, default=None):
+        value = self.config.get(key)
+        return default if value is None else value
+
+    def need(self, key: str):
+        if self.config.get(key) is None:
+            raise ConfigError(
+                f"model.hf_checkpoint = {self.folder!r}: config.json has no {key}, which "
+                "model.flavor = 'auto' reads the model's shape from: name a flavor"
+            )
+        return self.config[key]
+
+    def expect(self, key: str, allowed: tuple, why: str) -> None:
+        """`key` is absent or one of `allowed`, else one line saying `why` not."""
+        value = self.config.get(key)
+        if value is not None and value not in allowed:
+            raise self.fail(key, value, why)
+
+    def head_dim(self) -> int:
+        return self.get("head_dim", self.need("hidden_size") // self.need("num_attention_heads"))
+
+    def rope(self) -> dict:
+        """RoPE's parameters: transformers 5's `rope_parameters`, or the older `rope_theta`
+        and `rope_scaling`; `rope_type` "default" when neither names one."""
+        scaling = self.get("rope_scaling", {})
+        params = {**scaling, **self.get("rope_parameters", {})}
+        params.setdefault("rope_theta", self.get("rope_theta", 10000.0))
+        params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+        return params
+
+
+def _common(fields: _Fields, family: str) -> None:
+    """The checks every dense GQA family shares: SiLU gates, no biases, no tensor split."""
+    fields.expect("hidden_act", ("silu",), f"is not the SiLU gate of torchtitan's {family} FFN")
+    for key in ("attention_bias", "mlp_bias"):
+        fields.expect(key, (False,), f"(biased projections) is not in torchtitan's {family}")
+    fields.expect("pretraining_tp", (1,), "(split projections) is not in torchtitan's model")
+
+
+def _set_norm_eps(config, eps: float) -> None:
+    """Every RMSNorm config in `config`'s tree gets `eps` (the layer builders fix their own)."""
+    from torchtitan.models.common import RMSNorm
+
+    if isinstance(config, RMSNorm.Config):
+        config.eps = eps
+    elif isinstance(config, list):
+        for item in config:
+            _set_norm_eps(item, eps)
+    elif dataclasses.is_dataclass(config):
+        for field in dataclasses.fields(config):
+            _set_norm_eps(getattr(config, field.name), eps)
+
+
+def _decoder(model_config, fields: _Fields, layers, init):
+    """`model_config` (a family's model Config class) over `layers`: embedding, final norm and
+    LM head of config.json's vocabulary, tied as it says. `init`: (embedding, tied embedding,
+    norm, LM head) initializers of the family."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    vocab, dim = fields.need("vocab_size"), fields.need("hidden_size")
+    tied = bool(fields.get("tie_word_embeddings", False))
+    embedding_init, tied_init, norm_init, output_init = init
+    embedding_init = tied_init if tied else embedding_init
+    config = model_config(
+        vocab_size=vocab,
+        dim=dim,
+        enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab,
+            embedding_dim=dim,
+            param_init=embedding_init,
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=norm_init),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=output_init),
+        layers=layers,
+    )
+    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
+    return config
+
+
+def _llama3(fields: _Fields, attn_backend: str):
+    """LlamaForCausalLM: Llama 2/3, SmolLM, TinyLlama. RoPE: none or Llama 3's scaling."""
+    from torchtitan.models import llama3
+    from torchtitan.models.common import ComplexRoPE
+
+    _common(fields, "llama3")
+    dim, n_heads = fields.need("hidden_size"), fields.need("num_attention_heads")
+    if fields.head_dim() != dim // n_heads:
+        raise fields.fail(
+            "head_dim", fields.head_dim(), f"differs from hidden_size / heads ({dim // n_heads})"
+        )
+    rope = fields.rope()
+    scaling = {}
+    if rope["rope_type"] == "llama3":
+        scaling = dict(
+            scaling="llama",
+            scaling_factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope["rope_type"] != "default":
+        raise fields.fail("rope_type", rope["rope_type"], "is not a RoPE torchtitan's llama3 has")
+    layers = llama3._build_llama3_layers(
+        n_layers=fields.need("num_hidden_layers"),
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=fields.get("num_key_value_heads", n_heads),
+        hidden_dim=fields.need("intermediate_size"),
+        rope=ComplexRoPE.Config(
+            dim=dim // n_heads,
+            max_seq_len=fields.need("max_position_embeddings"),
+            theta=float(rope["rope_theta"]),
+            **scaling,
+        ),
+        attn_backend=attn_backend,
+    )
+    init = (
+        llama3._EMBEDDING_INIT,
+        llama3._EMBEDDING_SKIP_INIT,
+        llama3._NORM_INIT,
+        llama3._output_linear_init(dim),
+    )
+    return _decoder(llama3.Llama3Model.Config, fields, layers, init)
+
+
+def _qwen3(fields: _Fields, attn_backend: str):
+    """Qwen3ForCausalLM and Qwen3MoeForCausalLM (experts on every layer, softmax routing)."""
+    from torchtitan.models import qwen3
+    from torchtitan.models.common import CosSinRoPE
+
+    _common(fields, "qwen3")
+    fields.expect("use_sliding_window", (False,), "(sliding windows) is not in torchtitan's qwen3")
+    if windowed := [kind for kind in fields.get("layer_types", []) if kind != "full_attention"]:
+        raise fields.fail(
+            "layer_types", windowed[0], "(a sliding window) is not in torchtitan's qwen3"
+        )
+    rope = fields.rope()
+    if rope["rope_type"] != "default":
+        raise fields.fail("rope_type", rope["rope_type"], "is not a RoPE torchtitan's qwen3 has")
+    head_dim = fields.head_dim()
+    sizes = dict(
+        n_layers=fields.need("num_hidden_layers"),
+        dim=fields.need("hidden_size"),
+        n_heads=fields.need("num_attention_heads"),
+        n_kv_heads=fields.need("num_key_value_heads"),
+        head_dim=head_dim,
+        attn_backend=attn_backend,
+        rope=CosSinRoPE.Config(
+            dim=head_dim,
+            max_seq_len=fields.need("max_position_embeddings"),
+            theta=float(rope["rope_theta"]),
+        ),
+    )
+    # Qwen3-MoE's releases write num_experts; transformers 5 saves it as num_local_experts.
+    experts = fields.get("num_experts", fields.get("num_local_experts"))
+    if experts or fields.get("model_type") == "qwen3_moe":
+        fields.expect("decoder_sparse_step", (1,), "(dense layers between MoE ones) is not read")
+        fields.expect("mlp_only_layers", ([],), "(dense layers among MoE ones) is not read")
+        fields.expect("shared_expert_intermediate_size", (0,), "(shared experts) is not read")
+        layers = qwen3._build_qwen3_moe_layers(
+            moe_hidden_dim=fields.need("moe_intermediate_size"),
+            num_experts=experts or fields.need("num_experts"),
+            top_k=fields.need("num_experts_per_tok"),
+            moe_comm_backend="standard",
+            **sizes,
+        )
+        for layer in layers:
+            layer.moe.router.route_norm = bool(fields.get("norm_topk_prob", False))
+    else:
+        layers = qwen3._build_qwen3_layers(hidden_dim=fields.need("intermediate_size"), **sizes)
+    init = (
+        qwen3._EMBEDDING_INIT,
+        qwen3._EMBEDDING_SKIP_INIT,
+        qwen3._NORM_INIT,
+        qwen3._LINEAR_INIT,
+    )
+    return _decoder(qwen3.Qwen3Model.Config, fields, layers, init)
+
+
+def _gpt_oss(fields: _Fields, attn_backend: str):
+    """GptOssForCausalLM: sinks, biased attention, a sliding window on the layers
+    `layer_types` says, YaRN RoPE, clamped-SwiGLU experts with biases, untied."""
+    from torchtitan.models.common import CosSinRoPE
+
+    from torchtitan_rl.models.tiny import gpt_oss_config
+
+    fields.expect("attention_bias", (True,), "(unbiased attention) is not torchtitan's gpt_oss")
+    fields.expect("tie_word_embeddings", (False,), "(tied embeddings) is not torchtitan's gpt_oss")
+    rope = fields.rope()
+    if rope["rope_type"] != "yarn":
+        raise fields.fail("rope_type", rope["rope_type"], "is not the YaRN RoPE of gpt_oss")
+    window = fields.get("sliding_window")
+    kinds = fields.get("layer_types") or ["full_attention"] * fields.need("num_hidden_layers")
+    if unknown := [kind for kind in kinds if kind not in ("sliding_attention", "full_attention")]:
+        raise fields.fail("layer_types", unknown[0], "is not an attention gpt_oss has")
+    config = gpt_oss_config(
+        attn_backend,
+        vocab_size=fields.need("vocab_size"),
+        dim=fields.need("hidden_size"),
+        n_heads=fields.need("num_attention_heads"),
+        n_kv_heads=fields.need("num_key_value_heads"),
+        head_dim=fields.head_dim(),
+        windows=[window if kind == "sliding_attention" else None for kind in kinds],
+        num_experts=fields.need("num_local_experts"),
+        top_k=fields.get("num_experts_per_tok", fields.get("experts_per_token")),
+        moe_hidden_dim=fields.need("intermediate_size"),
+        swiglu_limit=float(fields.get("swiglu_limit", 7.0)),
+        rope=CosSinRoPE.Config(
+            dim=fields.head_dim(),
+            max_seq_len=fields.need("max_position_embeddings"),
+            theta=float(rope["rope_theta"]),
+            scaling="yarn",
+            rope_factor=float(rope["factor"]),
+            beta_fast=float(rope.get("beta_fast", 32.0)),
+            beta_slow=float(rope.get("beta_slow", 1.0)),
+            truncate=bool(rope.get("truncate", True)),
+            original_seq_len=int(rope["original_max_position_embeddings"]),
+        ),
+    )
+    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-5)))
+    return config
+
+
+_READERS = {"llama3": _llama3, "qwen3": _qwen3, "gpt_oss": _gpt_oss}
+
+
+def read_architecture(folder: str | Path) -> str | None:
+    """The first architecture config.json names (LlamaForCausalLM, ...), None without."""
+    architectures = read_json(folder, "config.json", "model.hf_checkpoint").get("architectures")
+    return architectures[0] if isinstance(architectures, list) and architectures else None
