@@ -48,6 +48,7 @@ from torchtitan_rl.tasks.agent import Agent, Endpoint, load_agent, row_of
 from torchtitan_rl.tasks.dataset import read_rows
 from torchtitan_rl.tasks.env import Environment, EnvStep, SingleTurn, load_env
 from torchtitan_rl.tasks.mixture import Mixture
+from torchtitan_rl.tasks.reasoning_gym import ReasoningGymTask
 from torchtitan_rl.tasks.render import Renderer, build_renderer, image_reader
 from torchtitan_rl.tasks.rewards import Reward, RewardError, Scorer, load_rewards
 from torchtitan_rl.types import Completions, Images, Prompt, Sample, Scored, Trace, is_chat
@@ -637,6 +638,9 @@ def open_task(config: JobConfig) -> OpenTask:
             images=image_reader(config.model),
         )
         rewards[name] = load_rewards(source.reward_fn, source.rewards, at)
+        generated = isinstance(tasks[name], ReasoningGymTask)
+        if generated and not rewards[name]:  # its score of the extracted answer, and the raw
+            rewards[name] = tasks[name].rewards(name)
         make_env, agent, parsers = SingleTurn, None, None
         if source.name == "env":
             make_env = load_env(source.env, source.env_kwargs, at)
@@ -646,12 +650,12 @@ def open_task(config: JobConfig) -> OpenTask:
                 renderer.tokenizer, source.tool_parser, source.reasoning_parser, at
             )
         sources[name] = Source(renderer, make_env, source.turns, agent, parsers)
-        held_out = []
+        held_out = tasks[name].held_out if generated else []  # generated with its own seed
         eval_path = source.eval_dataset_path if name else config.eval.dataset_path
         if eval_path is not None:
             field = f"{at}.eval_dataset_path" if name else "eval.dataset_path"
             held_out = read_rows(eval_path, dataset_keys(source, at), field)
-            eval_prompts += [dataclasses.replace(p, source=name) for p in held_out]
+        eval_prompts += [dataclasses.replace(p, source=name) for p in held_out]
         renderer.encode(tasks[name].every_prompt() + held_out)  # each fits, or one line says which
     _check_reward_names(rewards)
     if section.sources:
@@ -664,7 +668,9 @@ def open_task(config: JobConfig) -> OpenTask:
         rewards,
         section.reward_on_error,
         section.reward_timeout_s,
-        log_each=any(s.rewards for s in section.named_sources.values()),
+        log_each=any(
+            s.rewards or s.name == "reasoning_gym" for s in section.named_sources.values()
+        ),
     )
     stop_ids = checkpoint_stop_ids(
         config.model.hf_checkpoint or config.model.tokenizer_dir,

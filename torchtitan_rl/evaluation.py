@@ -25,6 +25,10 @@ from torchtitan_rl.types import EvalShard, Prompt
 # The totals summed for each source of a mixture as well ("name/source"), pass@k's too.
 SOURCE_TOTALS = ("prompts", "samples", "correct", "tokens")
 
+# Each reward function's sum and sample count ("part_reward/<function>"), when the scorer
+# gives their own values: eval/reward/<function>.
+PART_TOTALS = ("part_reward", "part_samples")
+
 # Eval seeds: their own range, far from the training samples' (RLTrainer.sampling_seed).
 EVAL_SEED_BASE = 2**61
 
@@ -88,6 +92,9 @@ class Evaluator:
         # A mixture's evaluated sources: their figures are summed apart too (name/source).
         self.sources = sorted({p.source for p in prompts} - {""})
         self.episodes = episodes
+        # The reward functions whose own values the scorer gives (task.rewards, a
+        # reasoning_gym source's extracted and raw scores): each one's mean is a figure too.
+        self.parts = episodes.scorer.names
         self.seed = EVAL_SEED_BASE + seed * 2**32
         self.max_tokens = section.max_tokens or max_tokens
 
@@ -107,6 +114,7 @@ class Evaluator:
         totals = dict.fromkeys(names + passes, 0.0)
         by_source = [*SOURCE_TOTALS, *passes]
         totals |= dict.fromkeys((f"{x}/{s}" for s in self.sources for x in by_source), 0.0)
+        totals |= dict.fromkeys((f"{x}/{p}" for p in self.parts for x in PART_TOTALS), 0.0)
         samples, logged = [], {}  # logged: samples kept of each source (a mixture's)
         if prompts:
             scored = self.episodes.run(
@@ -118,7 +126,7 @@ class Evaluator:
                 seed=self.seed + first * n,  # request i takes seed + i * n: the prompt's own
             )
             groups = zip(prompts, scored.completions.samples, scored.rewards_PN, strict=True)
-            for prompt, group, rewards_N in groups:
+            for i, (prompt, group, rewards_N) in enumerate(groups):
                 renderer = self.renderer_of(prompt)
                 texts = [renderer.decode(s.token_ids) for s in group]
                 rewards = rewards_N.tolist()
@@ -137,6 +145,12 @@ class Evaluator:
                     totals[name] += value
                     if prompt.source and name in by_source:
                         totals[f"{name}/{prompt.source}"] += value
+                # NaN: a sample its source's functions do not score.
+                parts = {p: v[i].tolist() for p, v in scored.reward_parts_PN.items()}
+                parts = {p: v for p, v in parts.items() if not math.isnan(v[0])}
+                for part, values in parts.items():
+                    totals[f"part_reward/{part}"] += sum(values)
+                    totals[f"part_samples/{part}"] += len(values)
                 if logged.get(prompt.source, 0) < self.section.log_samples:
                     logged[prompt.source] = logged.get(prompt.source, 0) + 1
                     samples.append(
@@ -147,6 +161,7 @@ class Evaluator:
                             "completions": texts,
                             "messages": [s.messages for s in group],
                             "rewards": rewards,
+                            **({"reward_parts": parts} if parts else {}),
                             "token_ids": [list(s.token_ids) for s in group],
                         }
                     )

@@ -84,7 +84,8 @@ def derived_shape(model) -> str:
 
     if from_hf.checkpoint_of(model.flavor) is None:
         return ""
-    return f"# model.flavor = 'auto': {from_hf.describe(model.name, model_spec(model.name, model.flavor).model)}\n"
+    shape = from_hf.describe(model.name, model_spec(model.name, model.flavor).model)
+    return f"# model.flavor = 'auto': {shape}\n"
 
 
 def main(program: Program, argv: list[str] | None = None) -> int:

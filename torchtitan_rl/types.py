@@ -342,6 +342,12 @@ class EvalShard:
         }
         for key in sorted(k for k in t if k.startswith("pass@") and "/" not in k):
             metrics[f"eval/{key}"] = t[key] / prompts
+        # Each reward function's mean over the samples it scored (evaluation.PART_TOTALS).
+        for part in sorted(k.partition("/")[2] for k in t if k.startswith("part_samples/")):
+            if t[f"part_samples/{part}"]:
+                metrics[f"eval/reward/{part}"] = (
+                    t[f"part_reward/{part}"] / t[f"part_samples/{part}"]
+                )
         # A mixture's sources, each over its own eval set: totals named "correct/<source>".
         for source in sorted(k.partition("/")[2] for k in t if k.startswith("samples/")):
             samples, prompts = max(t[f"samples/{source}"], 1.0), max(t[f"prompts/{source}"], 1.0)

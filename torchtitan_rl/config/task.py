@@ -22,12 +22,15 @@ class SourceSection:
     """Where prompts come from and how they are rewarded: the fields of a one-task [task]
     section, and of each [task.sources.NAME] of a mixture."""
 
-    name: Literal["echo_digits", "reverse_digits", "dataset", "env", "agent"] = "echo_digits"
+    name: Literal["echo_digits", "reverse_digits", "dataset", "env", "agent", "reasoning_gym"] = (
+        "echo_digits"
+    )
     """echo_digits ('echo 407:' -> '407'), reverse_digits ('reverse 407:' -> '704'),
     dataset: the rows of task.dataset_path, scored by math-verify, env: episodes of the
-    environment task.env on the rows of task.dataset_path (multi-turn, tools), or agent:
+    environment task.env on the rows of task.dataset_path (multi-turn, tools), agent:
     episodes an agent drives through the OpenAI-compatible gateway (task.agent or
-    task.agent_url; docs/agents.md)."""
+    task.agent_url; docs/agents.md), or reasoning_gym: questions of the reasoning-gym
+    generator task.reasoning_gym, scored by its own score_answer (docs/data_and_eval.md)."""
     num_digits: int = 1
     """Digits per prompt (echo_digits, reverse_digits)."""
     dataset_path: str | None = None
@@ -80,6 +83,30 @@ class SourceSection:
     reasoning_parser: str | None = None
     """vLLM's reasoning parser for an agent's chat turns (e.g. qwen3: the <think> block goes to
     reasoning_content); unset: the text is all content."""
+    reasoning_gym: str | None = None
+    """The reasoning-gym generator (task.name = reasoning_gym), e.g. 'chain_sum' or
+    'basic_arithmetic'; its entries' questions are the prompts (the user message)."""
+    reasoning_gym_config: dict[str, bool | int | float | str | list[bool | int | float | str]] = (
+        field(default_factory=dict)
+    )
+    """The generator's settings, a [task.reasoning_gym_config] table (chain_sum: min_terms,
+    max_terms, min_digits, max_digits, ...); unset ones keep reasoning-gym's defaults. Its
+    seed and size are task.reasoning_gym_seed and task.reasoning_gym_size."""
+    reasoning_gym_size: int = 1000
+    """Entries generated for training, read in epochs like a dataset's rows."""
+    reasoning_gym_seed: int = 0
+    """The training entries' seed (what they are; job.seed orders them)."""
+    reasoning_gym_eval_size: int = 0
+    """Held-out entries generated with task.reasoning_gym_eval_seed, less any question the
+    training entries have; 0: the source is not evaluated."""
+    reasoning_gym_eval_seed: int | None = None
+    """The held-out entries' seed; unset: reasoning_gym_seed + reasoning_gym_size, past every
+    seed the training entries used (a generator seeds entry i with seed + i)."""
+    answer_extraction: Literal["last_number", "answer_tags", "raw"] | None = None
+    """What of the reply the generator's score_answer scores (task.name = reasoning_gym):
+    last_number (the reply's last number, e.g. '12' of '... so the sum is 12.'), answer_tags
+    (the last <answer>...</answer>, reasoning-gym's own format: ask for it in
+    task.system_prompt), or raw (the whole reply). Unset: last_number."""
     learn_from: Literal["reward", "teacher", "both"] | None = None
     """What this source's samples learn from: the task's reward (advantages from it), the
     [distill] teacher alone (its per-token signal; rewards are still logged), or both (the
@@ -180,6 +207,7 @@ class SourceSection:
             f"{at}.rewards is set but with {at}.name = 'env' the environment gives the rewards "
             f"(EnvStep.reward): remove the [{at}.rewards] table",
         )
+        self._validate_reasoning_gym(at)
         for spec, weight in self.rewards.items():
             require(
                 spec.count(":") == 1,
@@ -189,6 +217,45 @@ class SourceSection:
                 math.isfinite(weight) and weight != 0,
                 f"{at}.rewards[{spec!r}] = {weight}: a weight must be finite and not 0 (a "
                 "function of weight 0 changes nothing: remove it)",
+            )
+
+    def _validate_reasoning_gym(self, at: str) -> None:
+        """The reasoning_gym fields' values; the generator and its settings are checked when
+        the task is opened (tasks/reasoning_gym.py)."""
+        if self.name != "reasoning_gym":
+            for name in ("reasoning_gym", "reasoning_gym_eval_seed", "answer_extraction"):
+                require(
+                    getattr(self, name) is None,
+                    f"{at}.{name} = {getattr(self, name)!r} but {at}.name = {self.name!r}: set "
+                    f"{at}.name = 'reasoning_gym', or unset it",
+                )
+            for name in ("reasoning_gym_config", "reasoning_gym_eval_size"):
+                require(
+                    not getattr(self, name),
+                    f"{at}.{name} = {getattr(self, name)!r} but {at}.name = {self.name!r}: set "
+                    f"{at}.name = 'reasoning_gym', or remove it",
+                )
+            return
+        require(
+            self.reasoning_gym is not None,
+            f"{at}.name = 'reasoning_gym' needs {at}.reasoning_gym = 'GENERATOR', e.g. "
+            "'chain_sum' or 'basic_arithmetic'",
+        )
+        require(
+            self.reasoning_gym_size >= 1,
+            f"{at}.reasoning_gym_size = {self.reasoning_gym_size}: must be >= 1",
+        )
+        require(
+            self.reasoning_gym_eval_size >= 0,
+            f"{at}.reasoning_gym_eval_size = {self.reasoning_gym_eval_size}: must be >= 0 (0: "
+            "no held-out set)",
+        )
+        for key in ("seed", "size"):
+            require(
+                key not in self.reasoning_gym_config,
+                f"{at}.reasoning_gym_config.{key} = {self.reasoning_gym_config.get(key)!r}: set "
+                f"{at}.reasoning_gym_{key} instead (the held-out set has its own, "
+                f"{at}.reasoning_gym_eval_{key})",
             )
 
 
@@ -202,13 +269,19 @@ class WeightedSource(SourceSection):
     step (seeded by job.seed and the step)."""
     eval_dataset_path: str | None = None
     """The source's held-out rows (read with its keys, chat template and rewards); unset: the
-    source is not evaluated. Its figures are eval/accuracy/NAME and eval/pass@k/NAME."""
+    source is not evaluated (a reasoning_gym source: reasoning_gym_eval_size). Its figures are
+    eval/accuracy/NAME and eval/pass@k/NAME."""
 
     def validate(self, at: str = "task") -> None:
         SourceSection.validate(self, at)
         require(
             math.isfinite(self.weight) and self.weight > 0,
             f"{at}.weight = {self.weight}: must be > 0 (remove the source to leave it out)",
+        )
+        require(
+            self.eval_dataset_path is None or self.name != "reasoning_gym",
+            f"{at}.eval_dataset_path is set but {at}.name = 'reasoning_gym' generates its "
+            f"held-out set: set {at}.reasoning_gym_eval_size, and unset {at}.eval_dataset_path",
         )
         require(
             self.eval_dataset_path is None or self.name in ("dataset", "env", "agent"),

@@ -8,6 +8,7 @@ from torchtitan_rl.config import ConfigError
 from torchtitan_rl.config.task import SourceSection
 from torchtitan_rl.tasks.base import Task
 from torchtitan_rl.tasks.dataset import DatasetKeys, DatasetTask
+from torchtitan_rl.tasks.reasoning_gym import ReasoningGymTask
 from torchtitan_rl.tasks.toy import EchoDigitsTask, ReverseDigitsTask
 
 __all__ = ["Task", "build_task", "dataset_keys"]
@@ -34,7 +35,9 @@ def build_task(task: SourceSection, seed: int, at: str = "task") -> Task:
         return DatasetTask(
             task.dataset_path, dataset_keys(task, at), seed=seed, field=f"{at}.dataset_path"
         )
+    if task.name == "reasoning_gym":
+        return ReasoningGymTask(task, seed=seed, at=at)
     raise ConfigError(
         f"{at}.name = {task.name!r} is not a task: use echo_digits, reverse_digits, dataset, "
-        "env or agent"
+        "env, agent or reasoning_gym"
     )

@@ -291,14 +291,14 @@ def build_renderer(
     images: ImageReader | None = None,
 ) -> Renderer:
     """The renderer of source section `task` (the config section `at`). Its chat_template
-    unset: the checkpoint's chat template for dataset tasks when it has one, raw text for the
-    toy tasks (their prompts are not chat). `images`: a vision-language model's
-    (`image_reader`)."""
+    unset: the checkpoint's chat template for dataset and reasoning_gym tasks when it has one,
+    raw text for the toy tasks (their prompts are not chat). `images`: a vision-language
+    model's (`image_reader`)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     wanted = task.chat_template
     if wanted is None:
-        wanted = task.name in ("dataset", "env", "agent") and has_template
+        wanted = task.name in ("dataset", "env", "agent", "reasoning_gym") and has_template
     if task.name in ("env", "agent") and not wanted:
         raise ConfigError(
             f"{at}.name = {task.name!r} renders episodes turn by turn with the chat template, but "
