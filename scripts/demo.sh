@@ -10,6 +10,8 @@
 #   MOE=1 ./scripts/demo.sh       # the arithmetic demo on a mixture-of-experts model, EP = 2
 #   DISTILL=1 ./scripts/demo.sh   # the arithmetic demo's RL export teaches the SFT export
 #   VLM=1 ./scripts/demo.sh       # vision-language: questions about images (docs/vision.md)
+#   REAL=1 ./scripts/demo.sh      # a real pretrained model (SmolLM2-135M-Instruct), RL alone, on
+#                                 # reasoning-gym's chain_sum (docs/real_models.md)
 # The console shows the steps, the evaluations and a summary; library output goes to
 # {job.dump_folder}/run.log (add --job.verbose to see it here too).
 set -euo pipefail
@@ -20,6 +22,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 torchrun=(.venv/bin/torchrun --standalone --nproc_per_node 2)
 if [[ -n "${CONFIG:-}" ]]; then
     exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file "$CONFIG" "$@"
+fi
+if [[ -n "${REAL:-}" ]]; then
+    exec "${torchrun[@]}" -m torchtitan_rl.train --job.config_file run_configs/real_cpu.toml "$@"
 fi
 if [[ -n "${MIXTURE:-}" ]]; then
     "${torchrun[@]}" -m torchtitan_rl.sft --job.config_file run_configs/sft_mixture_cpu.toml

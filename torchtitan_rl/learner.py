@@ -419,6 +419,13 @@ def rollout_metrics(
             float(sum(s.turns for s in samples)),
             float(sum(s.tool_calls for s in samples)),
             float(sum(s.tool_errors for s in samples)),
+            # Prompt and completion tokens of every sequence: what the trainer runs.
+            float(
+                sum(
+                    len(prompt) * len(group) + sum(len(s.token_ids) for s in group)
+                    for prompt, group in zip(completions.prompts, completions.samples, strict=True)
+                )
+            ),
         ],
         dtype=torch.float64,
     )
@@ -442,7 +449,7 @@ def rollout_metrics(
     longest = torch.tensor([float(max((s.sampled_tokens for s in samples), default=0))])
     platform.all_reduce_host(longest, op=dist.ReduceOp.MAX, group=group)
     reward_sum, reward_sq, samples, tokens, flat_groups, groups, errors, *rest = sums.tolist()
-    *rounds, truncated, turns, tool_calls, tool_errors = rest
+    *rounds, truncated, turns, tool_calls, tool_errors, trained = rest
     mean = reward_sum / samples
     if config.algorithm.dynamic_sampling:
         rounds_sum, parts, generated, short = rounds
@@ -462,6 +469,7 @@ def rollout_metrics(
         "zero_variance_groups/fraction": flat_groups / groups,
         "reward/errors": errors,
         "generated_tokens": tokens,
+        "trained_tokens": trained,
         "env/turns": turns / samples,
         "env/tool_calls": tool_calls / samples,
         "env/tool_error_rate": tool_errors / max(tool_calls, 1.0),

@@ -116,6 +116,10 @@ def step_metrics(
     metrics["throughput/generated_tokens_per_s"] = metrics["generated_tokens"] / max(
         seconds["generate"], 1e-9
     )
+    if "trained_tokens" in metrics:
+        metrics["throughput/trained_tokens_per_s"] = metrics["trained_tokens"] / max(
+            seconds["train"], 1e-9
+        )
     return metrics
 
 

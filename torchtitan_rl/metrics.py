@@ -21,14 +21,23 @@ from torchtitan_rl import console
 # function of its config and seed (a resumed run's, a refactor's: scripts/compare_metrics.py).
 TIMING_METRICS = ("time/", "throughput/", "weight_sync/gb_per_s")
 
+# An RL step's loss is ~0 by construction (group-normalized advantages): its line shows what
+# moves instead, the gradient's norm, the KL to the reference (with a KL penalty) and the clip
+# fraction (with several updates per batch); an SFT step's line shows its loss (docs/rl_loop.md).
 CONSOLE_KEYS = (
     ("reward/mean", "reward {:.3f}"),
     ("response_length/mean", "len {:.1f}"),
-    ("loss", "loss {:+.4f}"),
+    ("loss", "loss {:.4f}"),
+    ("grad_norm", "grad {:.3g}"),
+    ("kl", "kl {:.2e}"),
+    ("clip_fraction", "clip {:.3f}"),
     ("entropy", "entropy {:.3f}"),
     ("logprob_diff/max", "lp_diff {:.1e}"),
+    ("throughput/generated_tokens_per_s", "gen {:.0f} tok/s"),
+    ("throughput/trained_tokens_per_s", "train {:.0f} tok/s"),
     ("time/step_s", "{:.2f}s"),
 )
+
 
 # RL evaluations report accuracy, SFT's the held-out loss and its greedy samples' exact matches.
 EVAL_CONSOLE_KEYS = (
@@ -97,7 +106,14 @@ class MetricsLogger:
             else:
                 self.bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         if step % self.log_interval == 0:
-            parts = [fmt.format(metrics[key]) for key, fmt in CONSOLE_KEYS if key in metrics]
+            rl = "reward/mean" in metrics
+            parts = [
+                fmt.format(metrics[key])
+                for key, fmt in CONSOLE_KEYS
+                if key in metrics
+                and not (rl and key == "loss")
+                and not (key == "clip_fraction" and metrics.get("optimizer_steps", 1) <= 1)
+            ]
             self._say(f"step {step:4d} | " + " | ".join(parts))
 
     def log_eval(self, step: int, metrics: dict[str, float], samples: list[dict]) -> None:
@@ -192,6 +208,7 @@ def summary(dump_folder: Path, *, wall_s: float, log: Path | None, checkpoints: 
     lines = [
         f"done: trained to step {last['step']} in {wall_s:.0f} s | {key} "
         f"{first[key]:.3f} at step {first['step']} -> {last[key]:.3f} at step {last['step']}"
+        + _throughput(trained)
     ]
     for name in ("eval/accuracy", "eval/loss"):
         evaluated = [row for row in rows if name in row]
@@ -298,3 +315,14 @@ def _brief(value) -> str:
     if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
         return f"<image: {value.size[0]}x{value.size[1]} {value.mode}>"
     return f"<{type(value).__name__}>"
+
+
+def _throughput(rows: list[dict]) -> str:
+    """' | N tokens/s generated, M trained' over a run's steps ('' without the figures)."""
+    generated = sum(row.get("generated_tokens", 0.0) for row in rows)
+    generate_s = sum(row.get("time/generate_s", 0.0) for row in rows)
+    trained = sum(row.get("trained_tokens", 0.0) for row in rows)
+    train_s = sum(row.get("time/train_s", 0.0) for row in rows)
+    if not (generate_s and train_s and trained):
+        return ""
+    return f" | {generated / generate_s:.0f} tokens/s generated, {trained / train_s:.0f} trained"

@@ -11,6 +11,8 @@ native, compiled (target >= 0.95); `eager_ratio` and the eager rates; `tokens_pe
 each side's median generated tokens in a round (both sides must process the same work);
 `start_s`, each side's median engine start (compilation included: inductor's cache warm
 after the first trial).
+`--checkpoint assets/smollm2_135m_instruct --compiled_only` benchmarks the real pretrained model
+(its shape from config.json; the eager sides skipped).
 `--checkpoint assets/debug_qwen3` benchmarks the debugmodel-sized checkpoint, written
 on first use by scripts/make_tiny_checkpoint.py (`assets/debug_moe_qwen3`: qwen3's
 debugmodel_moe; `assets/debug_gpt_oss`: gpt-oss's debugmodel; `assets/debug_deepseek_v3`:
@@ -48,7 +50,6 @@ def measure(args: argparse.Namespace) -> dict:
     from torchtitan_rl.config import GeneratorSection, ModelSection, SamplingSection
     from torchtitan_rl.generator.engine import LocalGenerator
 
-    recipe = json.loads((Path(args.checkpoint) / "torchtitan.json").read_text())
     start = time.perf_counter()
     generator = LocalGenerator(
         generator=GeneratorSection(
@@ -57,9 +58,7 @@ def measure(args: argparse.Namespace) -> dict:
             enforce_eager=True if args.side.endswith("eager") else None,
             dtype=args.dtype,
         ),
-        model=ModelSection(
-            name=recipe["name"], flavor=recipe["flavor"], hf_checkpoint=args.checkpoint
-        ),
+        model=ModelSection(**model_of(args.checkpoint), hf_checkpoint=args.checkpoint),
         native=args.side.startswith("native"),  # native_decompressed: VLLM_MLA_DISABLE=1
     )
     start_s = time.perf_counter() - start
@@ -75,6 +74,20 @@ def measure(args: argparse.Namespace) -> dict:
             rates.append(completions.num_tokens / seconds)
             tokens.append(completions.num_tokens)
     return {"rates": rates, "tokens": tokens, "start_s": [start_s], "kv_bytes_per_token": kv_bytes}
+
+
+def model_of(checkpoint: str) -> dict[str, str]:
+    """The model's name and flavor: those the project's checkpoints record (torchtitan.json),
+    else the family of config.json's architecture with the flavor read from it ("auto": a
+    pretrained checkpoint, e.g. assets/smollm2_135m_instruct)."""
+    from torchtitan_rl.models import FAMILIES
+
+    recipe = Path(checkpoint) / "torchtitan.json"
+    if recipe.is_file():
+        return {k: v for k, v in json.loads(recipe.read_text()).items() if k in ("name", "flavor")}
+    (architecture,) = json.loads((Path(checkpoint) / "config.json").read_text())["architectures"]
+    name = next(n for n, f in FAMILIES.items() if architecture in f.hf_architectures)
+    return {"name": name, "flavor": "auto"}
 
 
 def _kv_bytes_per_token(worker) -> int:
@@ -97,6 +110,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per engine")
     parser.add_argument("--trials", type=int, default=3, help="engines started per side")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--compiled_only", action="store_true", help="skip the eager sides (a large model)"
+    )
     parser.add_argument("--side", choices=LATENT_SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -110,6 +126,8 @@ def main() -> None:
     config = json.loads((Path(args.checkpoint) / "config.json").read_text())
     latent = config.get("kv_lora_rank") is not None
     sides = LATENT_SIDES if latent else SIDES
+    if args.compiled_only:
+        sides = [side for side in sides if not side.endswith("eager")]
     # The sides alternate over trials so that slow phases of a shared machine hit both.
     rates = {side: [] for side in sides}
     tokens = {side: [] for side in sides}
@@ -127,6 +145,13 @@ def main() -> None:
             starts[side] += child["start_s"]
             kv_bytes[side] = child["kv_bytes_per_token"]
     medians = {side: statistics.median(values) for side, values in rates.items()}
+    eager_figures = {}
+    if "ours_eager" in medians:
+        eager_figures = {
+            "ours_eager_tokens_per_s": round(medians["ours_eager"], 1),
+            "native_eager_tokens_per_s": round(medians["native_eager"], 1),
+            "eager_ratio": round(medians["ours_eager"] / medians["native_eager"], 3),
+        }
     latent_figures = {}
     if latent:
         latent_figures = {
@@ -146,9 +171,7 @@ def main() -> None:
                 "ours_tokens_per_s": round(medians["ours"], 1),
                 "native_tokens_per_s": round(medians["native"], 1),
                 "ratio": round(medians["ours"] / medians["native"], 3),
-                "ours_eager_tokens_per_s": round(medians["ours_eager"], 1),
-                "native_eager_tokens_per_s": round(medians["native_eager"], 1),
-                "eager_ratio": round(medians["ours_eager"] / medians["native_eager"], 3),
+                **eager_figures,
                 **latent_figures,
                 "kv_bytes_per_token": kv_bytes,
                 "tokens_per_round": {side: statistics.median(v) for side, v in tokens.items()},

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.launch import REPO, run
-from helpers.titan import torchtitan_logits
+from helpers.titan import torchtitan_logits, torchtitan_model
 
 TINY = REPO / "assets" / "tiny_qwen3"
 PROMPT = "echo 123: 123"
@@ -54,6 +54,21 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 
 MAX_TOKENS = {"qwen3": 6, "gpt_oss": 30, "deepseek_v3": 30, "kimi_k2_7": 30}
+# The real pretrained model setup builds (scripts/make_smollm2.py): a question in its chat
+# template, with its default system prompt.
+SMOLLM2 = REPO / "assets" / "smollm2_135m_instruct"
+SMOLLM2_QUESTIONS = ("What is 17 + 25?", "Name the capital of France.", "Count from 3 to 9.")
+SMOLLM2_TOKENS = 24
+
+
+def smollm2_prompt(question: str) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 QWEN3_5, QWEN3_5_TOKENS, QWEN3_5_PROMPT = ("tiny", "tiny_moe"), 20, " ".join([PROMPT] * 2)
 
 
@@ -67,6 +82,7 @@ def native_greedy() -> dict[str, dict]:
     runs = {name: (f"tiny_{name}", PROMPT, n) for name, n in MAX_TOKENS.items()}
     for flavor in QWEN3_5:
         runs[f"{flavor}_qwen3_5"] = (f"{flavor}_qwen3_5", QWEN3_5_PROMPT, QWEN3_5_TOKENS)
+    runs["smollm2"] = (SMOLLM2.name, smollm2_prompt(SMOLLM2_QUESTIONS[0]), SMOLLM2_TOKENS)
     args = [
         str(part)
         for folder, prompt, n in runs.values()
@@ -132,3 +148,45 @@ def test_vllm_qwen3_5_reads_it_in_bf16_and_greedy_follows_torchtitan(flavor, nat
         assert abs(float(row[token]) - logprob) < 0.03
         if top[0] - top[1] > 0.03:
             assert int(row.argmax()) == token
+
+
+def test_vllm_native_llama_on_the_pretrained_smollm2_follows_torchtitan(native_greedy):
+    """The real pretrained model (SmolLM2-135M-Instruct, 4-bit-dequantized: 30 layers, 9 heads
+    over 3 KV heads, a 49,152-token BPE, tied) through vLLM's own LlamaForCausalLM, compiled, in
+    fp32, and through torchtitan's llama3 built from its config.json (model.flavor = "auto"):
+    each of vLLM's 24 greedy tokens is torchtitan's argmax wherever its top two are more than
+    1e-3 apart, with the logprob vLLM reported within 1e-4."""
+    from transformers import AutoTokenizer
+
+    out = native_greedy["smollm2"]
+    assert len(out["token_ids"]) == SMOLLM2_TOKENS
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    ids = tokenizer(smollm2_prompt(SMOLLM2_QUESTIONS[0]))["input_ids"]
+    flavor = f"auto:{SMOLLM2}"
+    logprobs_TV = torch.log_softmax(
+        torchtitan_logits(str(SMOLLM2), ids + out["token_ids"], flavor, "llama3"), dim=-1
+    )
+    rows = logprobs_TV[len(ids) - 1 : len(ids) - 1 + SMOLLM2_TOKENS]
+    top2 = rows.topk(2, dim=-1).values
+    for row, top, token, logprob in zip(rows, top2, out["token_ids"], out["logprobs"], strict=True):
+        assert abs(float(row[token]) - logprob) < 1e-4
+        if top[0] - top[1] > 1e-3:
+            assert int(row.argmax()) == token
+
+
+def test_transformers_logits_of_the_pretrained_smollm2_are_torchtitans():
+    """transformers' LlamaForCausalLM on the folder (eager attention, fp32) and torchtitan's
+    llama3 read from its config.json give the same logits on three chat prompts, within
+    fp32's bound for 30 layers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    hf = AutoModelForCausalLM.from_pretrained(SMOLLM2, attn_implementation="eager")
+    model = torchtitan_model(str(SMOLLM2), f"auto:{SMOLLM2}", "llama3")
+    for question in SMOLLM2_QUESTIONS:
+        ids = tokenizer(smollm2_prompt(question))["input_ids"]
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0]
+            logits = model(torch.tensor([ids]), positions=torch.arange(len(ids))[None])[0]
+        assert logits.shape == expected.shape == (len(ids), 49152)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -44,3 +44,41 @@ def test_summary_names_reward_eval_and_the_outputs_that_exist(tmp_path):
     bare.mkdir()
     (bare / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert len(summary(bare, wall_s=1.0, log=None, checkpoints=bare / "checkpoints")) == 3
+
+
+def test_an_rl_step_line_shows_what_moves_and_an_sft_line_its_loss(tmp_path, capsys):
+    """GRPO's loss is ~0 by construction: an RL step's line shows the gradient's norm (and the
+    clip fraction only where several optimizer steps can clip), the throughput of generation
+    and training; an SFT step's line shows its loss. The summary gives the run's throughput."""
+    from torchtitan_rl.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=3, log_interval=1)
+    rl = {
+        "reward/mean": 0.25,
+        "response_length/mean": 12.0,
+        "loss": 1e-9,
+        "grad_norm": 0.4123,
+        "clip_fraction": 0.0,
+        "optimizer_steps": 1.0,
+        "entropy": 2.0,
+        "logprob_diff/max": 4.6e-5,
+        "generated_tokens": 1000.0,
+        "trained_tokens": 6000.0,
+        "time/generate_s": 4.0,
+        "time/train_s": 30.0,
+        "throughput/generated_tokens_per_s": 250.0,
+        "throughput/trained_tokens_per_s": 200.0,
+        "time/step_s": 35.0,
+    }
+    logger.log(1, rl)
+    logger.log(2, rl | {"optimizer_steps": 4.0, "clip_fraction": 0.125})
+    logger.log(3, {"loss": 1.2345, "grad_norm": 3.0, "time/step_s": 1.0})
+    one, four, sft = capsys.readouterr().out.splitlines()
+    assert one == (
+        "step    1 | reward 0.250 | len 12.0 | grad 0.412 | entropy 2.000 | lp_diff 4.6e-05 | "
+        "gen 250 tok/s | train 200 tok/s | 35.00s"
+    )
+    assert "| grad 0.412 | clip 0.125 | entropy" in four and "loss" not in four
+    assert sft == "step    3 | loss 1.2345 | grad 3 | 1.00s"
+    (done, *_) = summary(tmp_path, wall_s=70.0, log=None, checkpoints=tmp_path / "checkpoints")
+    assert done.endswith("| 250 tokens/s generated, 200 trained")
