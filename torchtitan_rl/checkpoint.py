@@ -145,10 +145,19 @@ class TrainState:
             np.random.set_state(pickle.loads(rng["numpy"]))
 
 
+def _flavor(flavor: str) -> str:
+    """A flavor as a checkpoint records it: a derived one (auto:<folder>) with its folder's
+    absolute path, so that a resume naming the folder another way is the same run."""
+    from torchtitan_rl.models.from_hf import checkpoint_of, derived_flavor
+
+    folder = checkpoint_of(flavor)
+    return flavor if folder is None else derived_flavor(_absolute(folder))
+
+
 def run_facts(config: JobConfig) -> dict:
     """What a checkpoint records about its run, and a resume compares."""
     return {
-        "model": {"name": config.model.name, "flavor": config.model.flavor},
+        "model": {"name": config.model.name, "flavor": _flavor(config.model.flavor)},
         "hf_checkpoint": _absolute(config.model.hf_checkpoint),
         "tokenizer_dir": _absolute(config.model.tokenizer_dir),
         "seed": config.job.seed,

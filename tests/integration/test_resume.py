@@ -46,9 +46,18 @@ class Case:
     exact: bool  # rows equal exactly (else within 1e-6)
 
 
+# The RL case is killed and resumed with the model's shape read from the checkpoint's
+# config.json (model.flavor = "auto"), the reference run with the flavor named: the rows agree.
 CASES = {
     "rl": Case(
-        "reference_run", runs.REFERENCE, "torchtitan_rl.train", 4, 3, 6, "kill_rank_1", False
+        "reference_run",
+        (*runs.REFERENCE, "--model.flavor", "auto"),
+        "torchtitan_rl.train",
+        4,
+        3,
+        6,
+        "kill_rank_1",
+        False,
     ),
     "lora": Case("lora_run", runs.LORA, "torchtitan_rl.train", 4, 3, 6, "kill_all", False),
     "moe": Case("moe_run", runs.MOE, "torchtitan_rl.train", 4, 3, 6, "kill_all", False),

@@ -43,6 +43,9 @@ def leaves(config, path=""):
         ("qwen3", "tiny_moe", "tiny_moe_qwen3"),
         ("llama3", "tiny", "tiny_llama3"),
         ("gpt_oss", "tiny", "tiny_gpt_oss"),
+        ("deepseek_v3", "tiny", "tiny_deepseek_v3"),
+        ("deepseek_v3", "tiny_grouped", "tiny_grouped_deepseek_v3"),
+        ("kimi_k2_7", "tiny", "tiny_kimi_k2_7"),
     ],
 )
 def test_the_tiny_checkpoints_config_json_gives_their_flavor(name, flavor, folder):
@@ -129,6 +132,44 @@ def qwen3_moe(folder):
     return _save(Qwen3MoeForCausalLM(config), folder)
 
 
+def deepseek_v3(folder):
+    """A DeepseekV3ForCausalLM without a query LoRA (q_lora_rank null: DeepSeek-V2-Lite's
+    shape), 4 experts of width 24 beside 2 shared ones, plain RoPE."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=68,
+        hidden_size=64,
+        intermediate_size=112,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_shared_experts=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        rope_interleave=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    model = DeepseekV3ForCausalLM(config)
+    for layer in model.model.layers[1:]:  # a correction bias that routes
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
+    return _save(model, folder)
+
+
 MAKERS = {
     "llama3": llama,
     "llama3 (Llama 3.1 RoPE, untied)": lambda folder: llama(
@@ -144,6 +185,7 @@ MAKERS = {
     ),
     "qwen3": qwen3,
     "qwen3 (MoE)": qwen3_moe,
+    "deepseek_v3": deepseek_v3,
 }
 
 
@@ -232,9 +274,9 @@ def test_a_field_the_model_cannot_express_is_one_line(name, make, fields, words,
 
 
 def test_auto_for_a_family_it_does_not_read_and_without_a_checkpoint_is_one_line():
-    with pytest.raises(ConfigError, match="not deepseek_v3's yet: name the flavor"):
+    with pytest.raises(ConfigError, match="not muse_glimmer's yet: name the flavor"):
         ModelSection(
-            name="deepseek_v3", hf_checkpoint=str(REPO / "assets" / "tiny_deepseek_v3")
+            name="muse_glimmer", hf_checkpoint=str(REPO / "assets" / "tiny_muse_glimmer")
         ).validate()
     unresolved = ModelSection(tokenizer_path=str(TOKENIZER))
     with pytest.raises(ConfigError, match="which is unset: set model.hf_checkpoint, or name"):

@@ -81,9 +81,9 @@ class ModelSection:
     DeltaNet hybrids)."""
     flavor: str = "auto"
     """auto: the shape model.hf_checkpoint's config.json gives (llama3, qwen3 dense and MoE,
-    gpt_oss: any size; models/from_hf.py), resolved to `auto:<folder>`; without a checkpoint
-    (random weights), `tiny`. Or a torchtitan flavor, e.g.
-    debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b (gpt_oss), 671B (deepseek_v3),
+    gpt_oss, deepseek_v3, kimi_k2_7: any size; models/from_hf.py), resolved to
+    `auto:<folder>`; without a checkpoint (random weights), `tiny`. Or a torchtitan flavor,
+    e.g. debugmodel, 0.6B, 30B-A3B (mixture of experts), 20b (gpt_oss), 671B (deepseek_v3),
     moonlight-16B-A3B (kimi_k2_7), 30B (muse_glimmer), 9B and 35B-A3B (qwen3_5); `tiny`,
     `tiny_moe` and `tiny_grouped` are this project's CPU models."""
     hf_checkpoint: str | None = None

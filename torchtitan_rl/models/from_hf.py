@@ -61,20 +61,21 @@ def derived_config(name: str, flavor: str, attn_backend: str):
 
 def describe(name: str, config) -> str:
     """One line of a model config's shape (what --job.dry_run prints for a derived flavor)."""
-    layer = config.layers[0]
-    attention = layer.attention
-    heads = f"{attention.n_heads} heads / {attention.n_kv_heads or attention.n_heads} KV heads"
-    head_dim = attention.head_dim or config.dim // attention.n_heads
-    moe = getattr(layer, "moe", None)
+    from torchtitan_rl.models import attention_shape
+
+    layers = config.layers
+    shape = attention_shape(layers[0].attention, config.dim)
+    heads = f"{shape.heads} heads / {shape.kv_heads} KV heads of {shape.head_dim}"
+    moe = next((layer.moe for layer in layers if getattr(layer, "moe", None) is not None), None)
     if moe is not None:
         experts = moe.routed_experts.inner_experts
         ffn = f"{moe.num_experts} experts of {experts.hidden_dim} (top {moe.router.top_k})"
     else:
-        ffn = f"FFN {layer.feed_forward.w1.out_features}"
-    rope = attention.rope
+        ffn = f"FFN {layers[0].feed_forward.w1.out_features}"
+    rope = layers[0].attention.rope
     tied = "tied" if config.enable_weight_tying else "untied"
     return (
-        f"{name}: {len(config.layers)} layers, dim {config.dim}, {heads} of {head_dim}, {ffn}, "
+        f"{name}: {len(layers)} layers, dim {config.dim}, {heads}, {ffn}, "
         f"vocab {config.vocab_size} ({tied}), RoPE theta {rope.theta:g} ({rope.scaling}), "
         f"norm eps {config.norm.eps:g}, {rope.max_seq_len} positions"
     )
@@ -316,7 +317,96 @@ def _gpt_oss(fields: _Fields, attn_backend: str):
     return config
 
 
-_READERS = {"llama3": _llama3, "qwen3": _qwen3, "gpt_oss": _gpt_oss}
+def _mla(fields: _Fields, attn_backend: str, model_config, build_layers):
+    """DeepseekV3ForCausalLM (DeepSeek-V3 and Kimi K2's text tower): multi-head latent
+    attention, YaRN RoPE on interleaved pairs, dense layers first, then routed experts beside
+    shared ones, "noaux_tc" routing (top-k of the scores plus the correction bias, within the
+    `topk_group` best of `n_group` groups)."""
+    from torchtitan.models.common import ComplexRoPE
+
+    from torchtitan_rl.models.tiny import mla_config
+
+    fields.expect("hidden_act", ("silu",), "is not the SiLU gate of torchtitan's MLA models")
+    fields.expect("attention_bias", (False,), "(biased projections) is not in torchtitan's MLA")
+    fields.expect("tie_word_embeddings", (False,), "(tied embeddings) is not torchtitan's MLA")
+    fields.expect("topk_method", ("noaux_tc",), "is not the routing torchtitan's MLA models run")
+    fields.expect("moe_layer_freq", (1,), "(dense layers among MoE ones) is not read")
+    fields.expect("rope_interleave", (True,), "(RoPE on halves) is not torchtitan's MLA RoPE")
+    rope = fields.rope()
+    if rope["rope_type"] not in ("yarn", "default"):
+        raise fields.fail("rope_type", rope["rope_type"], "is not a RoPE of torchtitan's MLA")
+    mscale = float(rope.get("mscale_all_dim", 1.0) or 1.0)
+    if float(rope.get("mscale", mscale)) != mscale:
+        raise fields.fail(
+            "rope_scaling.mscale", rope["mscale"], "differs from mscale_all_dim (not a rotation)"
+        )
+    scaling = {}
+    if rope["rope_type"] == "yarn":
+        scaling = dict(
+            scaling="yarn",
+            rope_factor=float(rope["factor"]),
+            beta_fast=float(rope.get("beta_fast", 32.0)),
+            beta_slow=float(rope.get("beta_slow", 1.0)),
+            original_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    groups = fields.get("n_group", 1), fields.get("topk_group", 1)
+    config = mla_config(
+        attn_backend,
+        model_config,
+        build_layers,
+        vocab_size=fields.need("vocab_size"),
+        dim=fields.need("hidden_size"),
+        n_layers=fields.need("num_hidden_layers"),
+        n_dense_layers=fields.get("first_k_dense_replace", 0),
+        n_heads=fields.need("num_attention_heads"),
+        q_lora_rank=fields.get("q_lora_rank", 0),
+        kv_lora_rank=fields.need("kv_lora_rank"),
+        qk_nope_head_dim=fields.need("qk_nope_head_dim"),
+        qk_rope_head_dim=fields.need("qk_rope_head_dim"),
+        v_head_dim=fields.need("v_head_dim"),
+        mscale=mscale,
+        dense_hidden_dim=fields.need("intermediate_size"),
+        moe_hidden_dim=fields.need("moe_intermediate_size"),
+        num_experts=fields.need("n_routed_experts"),
+        num_shared_experts=fields.get("n_shared_experts", 0),
+        router_top_k=fields.need("num_experts_per_tok"),
+        router_score_func=fields.get("scoring_func", "sigmoid"),
+        router_num_expert_groups=None if groups == (1, 1) else groups[0],
+        router_num_limited_groups=None if groups == (1, 1) else groups[1],
+        router_route_scale=float(fields.get("routed_scaling_factor", 1.0)),
+        router_route_norm=bool(fields.get("norm_topk_prob", False)),
+        rope=ComplexRoPE.Config(
+            dim=fields.need("qk_rope_head_dim"),
+            max_seq_len=fields.need("max_position_embeddings"),
+            theta=float(rope["rope_theta"]),
+            **scaling,
+        ),
+    )
+    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
+    return config
+
+
+def _deepseek_v3(fields: _Fields, attn_backend: str):
+    from torchtitan.models.deepseek_v3 import _build_dsv3_layers
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    return _mla(fields, attn_backend, DeepSeekV3Model.Config, _build_dsv3_layers)
+
+
+def _kimi_k2_7(fields: _Fields, attn_backend: str):
+    from torchtitan.models.kimi_k2_7 import _build_kimi_layers
+    from torchtitan.models.kimi_k2_7.model import KimiK25Model
+
+    return _mla(fields, attn_backend, KimiK25Model.Config, _build_kimi_layers)
+
+
+_READERS = {
+    "llama3": _llama3,
+    "qwen3": _qwen3,
+    "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
+    "kimi_k2_7": _kimi_k2_7,
+}
 
 
 def read_architecture(folder: str | Path) -> str | None:

@@ -266,11 +266,14 @@ def _mla(attn_backend, model_config, build_layers, groups, theta: float, route_s
     """A tiny DeepSeek-V3-architecture config (deepseek_v3_tiny's sizes) of `model_config`'s
     class, its layers from the family's `build_layers`."""
     from torchtitan.models.common import ComplexRoPE
-    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
 
     n_group, topk_group = groups or (None, None)
     rope_dim = 32
-    layers = build_layers(
+    return mla_config(
+        attn_backend,
+        model_config,
+        build_layers,
+        vocab_size=VOCAB_SIZE,
         n_layers=2,
         n_dense_layers=1,
         dim=DIM,
@@ -291,9 +294,6 @@ def _mla(attn_backend, model_config, build_layers, groups, theta: float, route_s
         router_num_limited_groups=topk_group,
         router_route_scale=route_scale,
         router_route_norm=True,
-        attn_backend=attn_backend,
-        moe_comm_backend="standard",
-        non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(
             dim=rope_dim,
             max_seq_len=40 * DEEPSEEK_ROPE_ORIGINAL,
@@ -305,7 +305,31 @@ def _mla(attn_backend, model_config, build_layers, groups, theta: float, route_s
             original_seq_len=DEEPSEEK_ROPE_ORIGINAL,
         ),
     )
-    return _untied(model_config, layers, _EMBEDDING_INIT, _NORM_INIT, _output_linear_init(DIM))
+
+
+def mla_config(attn_backend, model_config, build_layers, *, vocab_size: int, dim: int, **sizes):
+    """A DeepSeek-V3-architecture config of any size (the tiny flavors', and a checkpoint's:
+    from_hf.py) of `model_config`'s class (DeepSeek-V3's or Kimi's), its layers from the
+    family's `build_layers` with `sizes` (torchtitan's `build_mla_moe_layers` arguments),
+    untied."""
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _output_linear_init
+
+    layers = build_layers(
+        dim=dim,
+        attn_backend=attn_backend,
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        **sizes,
+    )
+    return _untied(
+        model_config,
+        layers,
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        _output_linear_init(dim),
+        vocab_size,
+        dim,
+    )
 
 
 def deepseek_v3_tiny_grouped(attn_backend: str):
