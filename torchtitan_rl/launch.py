@@ -80,11 +80,11 @@ def check_dump_folder(config) -> None:
 def derived_shape(model) -> str:
     """A TOML comment with the shape of a flavor read from the checkpoint (model.flavor =
     "auto"), '' for a named flavor."""
-    from torchtitan_rl.models import from_hf, model_spec
+    from torchtitan_rl.models import describe, from_hf, model_spec
 
     if from_hf.checkpoint_of(model.flavor) is None:
         return ""
-    shape = from_hf.describe(model.name, model_spec(model.name, model.flavor).model)
+    shape = describe(model.name, model_spec(model.name, model.flavor).model)
     return f"# model.flavor = 'auto': {shape}\n"
 
 

@@ -59,28 +59,6 @@ def derived_config(name: str, flavor: str, attn_backend: str):
     return _READERS[name](fields, attn_backend)
 
 
-def describe(name: str, config) -> str:
-    """One line of a model config's shape (what --job.dry_run prints for a derived flavor)."""
-    from torchtitan_rl.models import attention_shape
-
-    layers = config.layers
-    shape = attention_shape(layers[0].attention, config.dim)
-    heads = f"{shape.heads} heads / {shape.kv_heads} KV heads of {shape.head_dim}"
-    moe = next((layer.moe for layer in layers if getattr(layer, "moe", None) is not None), None)
-    if moe is not None:
-        experts = moe.routed_experts.inner_experts
-        ffn = f"{moe.num_experts} experts of {experts.hidden_dim} (top {moe.router.top_k})"
-    else:
-        ffn = f"FFN {layers[0].feed_forward.w1.out_features}"
-    rope = layers[0].attention.rope
-    tied = "tied" if config.enable_weight_tying else "untied"
-    return (
-        f"{name}: {len(layers)} layers, dim {config.dim}, {heads}, {ffn}, "
-        f"vocab {config.vocab_size} ({tied}), RoPE theta {rope.theta:g} ({rope.scaling}), "
-        f"norm eps {config.norm.eps:g}, {rope.max_seq_len} positions"
-    )
-
-
 class _Fields:
     """config.json's values, read with the checks that keep a field from being dropped."""
 
