@@ -31,8 +31,9 @@ def ensure_checkpoint(path: str) -> None:
     """Write the tiny (or, for a path naming "debug", the debugmodel-sized) checkpoint once;
     a path naming "moe" gets qwen3's mixture-of-experts flavor of that size, one naming
     "gpt_oss" gpt-oss's, one naming "deepseek_v3" DeepSeek-V3's, one naming "qwen3_5"
-    Qwen3.5's."""
-    if (Path(path) / "torchtitan.json").is_file():
+    Qwen3.5's. A folder that holds a checkpoint already (a config.json: the project's, or a
+    pretrained one such as assets/smollm2_135m_instruct) is left as it is."""
+    if (Path(path) / "config.json").is_file():
         return
     name = Path(path).name
     model = next((m for m in ("gpt_oss", "deepseek_v3", "qwen3_5") if m in name), "qwen3")
