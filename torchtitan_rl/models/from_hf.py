@@ -37,16 +37,6 @@ def checkpoint_of(flavor: str) -> str | None:
     return flavor.removeprefix(PREFIX) if flavor.startswith(PREFIX) else None
 
 
-def derivable_families() -> list[str]:
-    """The families whose configs are read from config.json here."""
-    return list(_READERS)
-
-
-def derivable(name: str) -> bool:
-    """Whether family `name`'s configs are read from config.json here."""
-    return name in _READERS
-
-
 def derived_config(name: str, flavor: str, attn_backend: str):
     """The torchtitan model config of derived `flavor` (auto:<folder>) of family `name`."""
     folder = checkpoint_of(flavor)
