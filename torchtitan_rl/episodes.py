@@ -504,6 +504,8 @@ class Episodes:
                 episode.tools,
                 stop_id=last if last in self.stop_ids else None,
             )
+        except ConfigError:
+            raise  # the chat template's (it cannot grow an episode): the run stops on it
         except ValueError as e:  # an image the model cannot read: the environment's failure
             failed = f"the environment's step replied with an image the model cannot read: {e}"
             episode.reward = self.scorer.failed(failed, episode.prompt, e)
@@ -588,6 +590,10 @@ def _check_messages(messages, what: str) -> None:
             f"the environment's {what} gave {messages!r:.80}, not a list of "
             '{"role": str, "content": str or [{"type": ...}, ...]} messages'
         )
+    try:
+        image_parts(messages)
+    except ValueError as e:
+        raise _EnvFailed(f"the environment's {what} gave {e}") from None
 
 
 def _check_step(step) -> None:

@@ -173,14 +173,16 @@ def test_reply_ids_continue_the_sampled_ids_as_the_whole_chat_renders(renderer):
     assert renderer.reply_ids(user, tool, None, stop_id=1) == [IM_END] + reply
 
 
+REWRITING = (
+    "{% for m in messages %}{% if loop.last %}last {% endif %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(renderer):
-    rewriting = (
-        "{% for m in messages %}{% if loop.last %}last {% endif %}<|im_start|>{{ m['role'] }}\n"
-        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    )
     user = [{"role": "user", "content": "max(3,7)="}]
     original = renderer.tokenizer.chat_template
-    renderer.tokenizer.chat_template = rewriting
+    renderer.tokenizer.chat_template = REWRITING
     try:
         with pytest.raises(
             ConfigError, match="does not render a chat as the chat before it plus the new messages"
@@ -188,6 +190,50 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(renderer):
             renderer.reply_ids(user, [{"role": "tool", "content": "7"}], None, stop_id=IM_END)
     finally:
         renderer.tokenizer.chat_template = original
+
+
+def test_a_template_that_rewrites_earlier_turns_stops_the_run_with_its_own_line(renderer):
+    """The template's error is the run's, not the environment's: no episode scores it as a
+    failure (its ConfigError is a ValueError, which an unreadable image reply also is)."""
+    original = renderer.tokenizer.chat_template
+    renderer.tokenizer.chat_template = REWRITING
+    try:
+        runner, scorer = episodes(renderer, lambda: Chatter(turns=2))
+        turn = encode(renderer, "12") + [IM_END]
+        with pytest.raises(ConfigError, match="does not render a chat as the chat before it"):
+            runner.run(Scripted([turn] * 2), [Prompt("max(3,7)=", "7")], seed=0, n=2, max_tokens=8)
+        assert scorer.errors == 0
+    finally:
+        renderer.tokenizer.chat_template = original
+
+
+def test_an_environments_malformed_image_part_is_one_line_naming_the_part(renderer):
+    """At reset the run stops on it; at a step the episode scores as the environment's
+    failure (or the run stops, under reward_on_error = "fail"): never a bare KeyError."""
+    bare = [{"type": "text", "text": "look"}, {"type": "image"}]
+    url_without = [{"type": "image_url", "image_url": {"detail": "low"}}]
+
+    class Opens(Chatter):
+        async def reset(self, prompt):
+            return [{"role": "user", "content": bare}], None
+
+    class Replies(Chatter):
+        async def step(self, message):
+            return EnvStep([{"role": "user", "content": url_without}], done=False)
+
+    turn = encode(renderer, "12") + [IM_END]
+    prompts = [Prompt("max(3,7)=", "7")]
+    runner, _ = episodes(renderer, Opens)
+    with pytest.raises(RewardError, match="message 0's part 1 is an image part without its image"):
+        runner.run(Scripted([turn]), prompts, seed=0, n=1, max_tokens=8)
+    runner, scorer = episodes(renderer, Replies)
+    scored = runner.run(Scripted([turn] * 2), prompts, seed=0, n=2, max_tokens=8)
+    assert scorer.errors == 2 and scored.rewards_PN.tolist() == [[0.0, 0.0]]
+    runner, _ = episodes(renderer, Replies, on_error="fail")
+    with pytest.raises(
+        RewardError, match="step gave message 0's part 0 is an image_url part without its image"
+    ):
+        runner.run(Scripted([turn] * 2), prompts, seed=0, n=1, max_tokens=8)
 
 
 def test_decoding_and_re_encoding_the_sampled_turn_would_change_the_trained_ids(renderer):

@@ -27,19 +27,34 @@ from torchtitan_rl.vision.preprocess import (
 
 
 def image_parts(messages: Sequence[dict]) -> list:
-    """The image of each image part of `messages`, in order (what `preprocess` reads)."""
+    """The image of each image part of `messages`, in order (what `preprocess` reads); a part
+    without its image (an environment's or a user's malformed part) raises one ValueError line
+    naming it."""
     found = []
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str) or content is None:
             continue
-        for part in content:
-            if part.get("type") == "image":
-                found.append(part["image"])
-            elif part.get("type") == "image_url":
-                url = part["image_url"]
-                found.append(url["url"] if isinstance(url, dict) else url)
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind not in ("image", "image_url"):
+                continue
+            image = part.get(kind)
+            if kind == "image_url" and isinstance(image, dict):
+                image = image.get("url")
+            if image is None or isinstance(image, dict | list | int | float):
+                raise ValueError(
+                    f"message {i}'s part {j} is an {kind} part without its image "
+                    f"({str(part)[:60]}): write {_IMAGE_PART_SHAPES}"
+                )
+            found.append(image)
     return found
+
+
+_IMAGE_PART_SHAPES = (
+    '{"type": "image", "image": <path, data URL, bytes or PIL image>} or '
+    '{"type": "image_url", "image_url": {"url": <data URL or path>}}'
+)
 
 
 def expand(text: str, grid_thw_N3: torch.Tensor, merge_size: int) -> str:
