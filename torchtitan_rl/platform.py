@@ -280,15 +280,18 @@ def use_platform_attention(model_config, dtype: str = "float32") -> None:
 
 
 def packed_attention_kernel(dtype: str = "float32"):
-    """Document-causal attention of one packed row: varlen flash attention on CUDA; on CPU,
-    which has no varlen kernel and no FlexAttention backward, causal SDPA per document
-    (measured faster than one SDPA with a block-diagonal mask: docs/trainer_and_generator.md)."""
+    """Document-causal attention of one packed row: varlen flash attention on CUDA in the
+    dtypes it has; otherwise (CPU, which has no varlen kernel and no FlexAttention backward,
+    or an fp32 model on CUDA) causal SDPA per document (measured faster than one SDPA with a
+    block-diagonal mask: docs/trainer_and_generator.md). Named as the kernel it runs, so that
+    `training.compile` makes the per-document loop one opaque op (trainer/compile.py)."""
     from torchtitan_rl.trainer import packed_attention
 
     if device_type() != "cuda":
         return packed_attention.sdpa_per_document
     if getattr(torch, dtype) not in packed_attention.VARLEN_DTYPES:
         _note_no_varlen_kernel(dtype)
+        return packed_attention.sdpa_per_document
     return packed_attention.varlen
 
 

@@ -176,14 +176,26 @@ def test_varlen_runs_bf16_rows_through_the_kernel_and_fp32_rows_per_document(mon
 
 
 def test_cuda_picks_varlen_and_says_when_the_dtype_has_no_kernel(on_cuda, capsys):
+    """bf16 rows run varlen; fp32 rows run SDPA per document, named as such so that
+    training.compile routes its host loop through the opaque op (a varlen that falls back
+    inside a compiled block would trace anew at every packing)."""
+    from torchtitan_rl.trainer.attention import DocumentCausalAttention
+    from torchtitan_rl.trainer.compile import compilable_attention
+
     assert platform.packed_attention_kernel("bfloat16") is packed_attention.varlen
     assert capsys.readouterr().err == ""
-    assert platform.packed_attention_kernel("float32") is packed_attention.varlen
+    assert platform.packed_attention_kernel("float32") is packed_attention.sdpa_per_document
     (line,) = capsys.readouterr().err.splitlines()
     assert "model.dtype = 'float32'" in line and "per document in float32" in line
     # The reference model builds its attention too: the note is not said twice.
-    assert platform.packed_attention_kernel("float32") is packed_attention.varlen
+    assert platform.packed_attention_kernel("float32") is packed_attention.sdpa_per_document
     assert capsys.readouterr().err == ""
+    for dtype, routed in (("float32", 1), ("bfloat16", 0)):
+        kernel = platform.packed_attention_kernel(dtype)
+        layer = torch.nn.ModuleList(
+            [DocumentCausalAttention(DocumentCausalAttention.Config(packed=kernel))]
+        )
+        assert compilable_attention(layer) == routed, dtype
 
 
 # --- process groups and devices --------------------------------------------------------------

@@ -3,6 +3,7 @@ transformers' `MuseGlimmerForConditionalGeneration` on the tiny vision-language 
 (assets/tiny_vl_muse_glimmer, scripts/make_tiny_checkpoint.py), and the trainer on prompts
 with images."""
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -282,6 +283,51 @@ def test_the_trainers_logprobs_read_each_rows_images(titan_model, micro_batch_to
     # Without its images a row's completion reads otherwise.
     text_BT, _ = policy.logprobs(tokens_BT[1:2], mask_BT[1:2])
     assert (text_BT[0] - logprobs_BT[1]).abs().max() > 1e-3
+
+
+def test_rows_that_show_one_image_encode_it_once_and_sum_its_gradients(titan_model):
+    """A prompt's samples share its `Images`: the tower encodes each distinct image once per
+    forward and scatters its features to every row that shows it. The logits, and the tower's
+    gradient (summed over the rows through the scatter), are the per-row path's (each row's
+    own copy of its images, encoded for each row); the trainer's forward encodes once too."""
+    from torchtitan_rl.config import TrainingSection
+
+    tokens_BT, mask_BT, images_B = _rows()
+    pick = [0, 0, 1, 1, 0, 2]  # two samples of row 1's prompt, three of row 0's, a text row
+    tokens_BT, mask_BT = tokens_BT[pick], mask_BT[pick]
+    shown = [images_B[b] for b in pick]
+    width = tokens_BT.shape[1]
+    offsets = [b * width for b in range(len(pick))]
+    encoder = titan_model.vision_encoder
+    calls = []
+    hook = encoder.register_forward_hook(lambda *_: calls.append(1))
+    weights_BT = torch.randn(tokens_BT.shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    try:
+        for images in (shown, [None if i is None else copy.copy(i) for i in shown]):
+            calls.clear()
+            titan_model.zero_grad()
+            vision = encoder_inputs(images, offsets, 14, 2)
+            logits_BTV = titan_model(tokens_BT, vision=vision)
+            logprobs_BT = logits_BTV.log_softmax(-1).gather(2, tokens_BT[..., None])[..., 0]
+            (weights_BT * logprobs_BT).sum().backward()
+            grads = {n: p.grad.clone() for n, p in encoder.named_parameters()}
+            results.append((len(calls), logits_BTV.detach(), grads))
+        (once, logits, grads), (per_row, per_row_logits, per_row_grads) = results
+        assert (once, per_row) == (3, 8)  # row 0's prompt has 2 images, row 1's 1
+        torch.testing.assert_close(logits, per_row_logits, rtol=0, atol=0)
+        assert any(g.abs().max() > 0 for g in grads.values())
+        for name, grad in grads.items():  # fp32 sums in another order: 1e-5 of the scale
+            scale = per_row_grads[name].abs().max()
+            assert (grad - per_row_grads[name]).abs().max() <= 1e-5 * scale, name
+        policy = _policy(training=TrainingSection(micro_batch_tokens=0))
+        policy.model.vision_encoder.register_forward_hook(lambda *_: calls.append(1))
+        calls.clear()
+        policy.logprobs(tokens_BT, mask_BT, images_B=tuple(shown))
+        assert len(calls) == 3
+    finally:
+        hook.remove()
+        titan_model.zero_grad()
 
 
 @pytest.mark.parametrize("mode", ["frozen", "trained", "lora"])

@@ -93,21 +93,26 @@ class VisionEncoder(MuseGlimmerVisionEncoder):
 
 @dataclass(frozen=True, slots=True)
 class EncoderInputs:
-    """A forward's images, as `VisionLanguageModel` reads them: each image's patch rows on the
-    device, its grid on the host (the encoder plans its windows and positions from it without
-    reading the device)."""
+    """A forward's images, as `VisionLanguageModel` reads them: each distinct image's patch
+    rows on the device, its grid on the host (the encoder plans its windows and positions from
+    it without reading the device), and where its features go. Rows that show the same images
+    (a prompt's n samples share its `Images`) share one encoding."""
 
     rows: tuple[torch.Tensor, ...]
-    """Each image's patch rows [1, P_i, X], torchtitan's layout (`encoder_rows`)."""
+    """Each distinct image's patch rows [1, P_i, X], torchtitan's layout (`encoder_rows`)."""
     grids: tuple[torch.Tensor, ...]
-    """Each image's grid [1, 3] (1, h, w), on the host."""
+    """Each distinct image's grid [1, 3] (1, h, w), on the host."""
     where_V: torch.Tensor
     """Each placeholder token's index in the forward's flattened tokens [B * L], image by
     image."""
+    take_V: torch.Tensor
+    """Each placeholder token's feature: its index in the distinct images' features, image
+    after image."""
 
     def to(self, device: torch.device) -> "EncoderInputs":
         rows = tuple(platform.upload(r, device) for r in self.rows)
-        return EncoderInputs(rows, self.grids, platform.upload(self.where_V, device))
+        where_V, take_V = (platform.upload(t, device) for t in (self.where_V, self.take_V))
+        return EncoderInputs(rows, self.grids, where_V, take_V)
 
 
 def each_image(
@@ -128,20 +133,29 @@ def encoder_inputs(
     images: list[Images | None], offsets: list[int], patch_size: int, temporal: int
 ) -> EncoderInputs | None:
     """The encoder's inputs for sequences whose prompts' `images` start at `offsets` in the
-    forward's flattened tokens (None: no image among them). Built on the host."""
-    encoded, where = [], []
+    forward's flattened tokens (None: no image among them). Built on the host. Sequences given
+    the same `Images` object (a prompt's samples) have its images encoded once."""
+    encoded, where, take = [], [], []
+    first: dict[int, int] = {}  # id of an Images: where its features start
+    features = 0
     for prompt_images, offset in zip(images, offsets, strict=True):
         if prompt_images is None:
             continue
-        encoded += each_image(
-            prompt_images.pixel_values_PX, prompt_images.grid_thw_N3, patch_size, temporal
-        )
+        if id(prompt_images) not in first:
+            first[id(prompt_images)] = features
+            features += sum(prompt_images.lengths)
+            encoded += each_image(
+                prompt_images.pixel_values_PX, prompt_images.grid_thw_N3, patch_size, temporal
+            )
+        feature = first[id(prompt_images)]
         for start, length in zip(prompt_images.starts, prompt_images.lengths, strict=True):
             where.append(torch.arange(offset + start, offset + start + length))
+            take.append(torch.arange(feature, feature + length))
+            feature += length
     if not encoded:
         return None
     rows, grids = zip(*encoded, strict=True)
-    return EncoderInputs(rows, grids, torch.cat(where))
+    return EncoderInputs(rows, grids, torch.cat(where), torch.cat(take))
 
 
 class VisionLanguageModel(MuseGlimmerModel):
@@ -166,9 +180,12 @@ class VisionLanguageModel(MuseGlimmerModel):
 
     def embed_images(self, h_BLD: torch.Tensor, vision: EncoderInputs) -> torch.Tensor:
         """The token embeddings `h_BLD` with the images' features at their placeholders."""
-        features_VD = torch.cat(
+        features_UD = torch.cat(
             [self.image_features(r, g) for r, g in zip(vision.rows, vision.grids, strict=True)]
-        ).to(h_BLD.dtype)
+        )
+        # Each placeholder's feature (rows showing one image read its one encoding; backward
+        # sums their gradients into it).
+        features_VD = features_UD.index_select(0, vision.take_V).to(h_BLD.dtype)
         return h_BLD.flatten(0, 1).index_copy(0, vision.where_V, features_VD).view_as(h_BLD)
 
     def forward(self, tokens, positions=None, attention_masks=None, *, vision=None, **kwargs):
