@@ -330,6 +330,49 @@ def test_rows_that_show_one_image_encode_it_once_and_sum_its_gradients(titan_mod
         titan_model.zero_grad()
 
 
+@pytest.mark.parametrize("window", [(2, 2), (3, 2), (4, 5)])
+def test_the_windowed_layers_order_is_planned_on_the_host_as_torchtitans(titan_model, window):
+    """The windowed layers' permutation, its inverse and window ids equal torchtitan's
+    `_compute_sparse_perm_winid` for grids square or not, whole windows or not, up to a
+    1024x768 image's (74 x 54 patches)."""
+    from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder
+
+    encoder = titan_model.vision_encoder
+    saved = encoder.pos_emb_grid_h, encoder.pos_emb_grid_w
+    encoder.pos_emb_grid_h, encoder.pos_emb_grid_w = window
+    try:
+        grids = [[1, 4, 6], [1, 10, 8], [1, 2, 2], [1, 14, 18], [1, 74, 54]]
+        most = max(h * w for _, h, w in grids)
+        ours = encoder._compute_sparse_perm_winid(grids, most, torch.device("cpu"))
+        theirs = MuseGlimmerVisionEncoder._compute_sparse_perm_winid(
+            encoder, grids, most, torch.device("cpu")
+        )
+    finally:
+        encoder.pos_emb_grid_h, encoder.pos_emb_grid_w = saved
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.dtype == reference.dtype and torch.equal(mine, reference)
+
+
+def test_the_vision_forward_reads_only_its_host_grids(titan_model):
+    """On a GPU a read of a device tensor waits for the queue. The encoder's inputs keep each
+    image's grid on the host, and the tower's forward reads nothing else: torchtitan's forward
+    checks each host grid twice and lists it once; the windowed layers' order is planned from
+    the grids (no `nonzero`, boolean index or `repeat_interleave` of device values)."""
+    from helpers.host_syncs import HostSyncs
+
+    tokens_BT, _, images_B = _rows()
+    width = tokens_BT.shape[1]
+    vision = encoder_inputs(list(images_B), [b * width for b in range(3)], 14, 2)
+    assert all(grid.device.type == "cpu" for grid in vision.grids)
+    assert titan_model.vision_encoder.sparse_attention_factor > 1  # windowed layers run
+    with torch.no_grad(), HostSyncs() as syncs:
+        titan_model(tokens_BT, vision=vision)
+    assert dict(syncs.counts) == {
+        ("_local_scalar_dense.default", "library < vision.image_features"): 2 * 3,
+        ("tolist", "library < vision.image_features"): 3,
+    }
+
+
 @pytest.mark.parametrize("mode", ["frozen", "trained", "lora"])
 def test_the_vision_tower_trains_only_when_unfrozen(mode, tmp_path):
     """model.freeze_vision (the default): an optimizer step on image prompts leaves the vision

@@ -81,6 +81,22 @@ class VisionEncoder(MuseGlimmerVisionEncoder):
         sampled_1D1P = F.grid_sample(table_1DHW, where_11P2, mode="bilinear", align_corners=False)
         return sampled_1D1P[0, :, 0, :].T
 
+    def _compute_sparse_perm_winid(self, grids: list[list[int]], max_num_patch: int, device):
+        """torchtitan's (perm, inv, win_id) [N, P] of the windowed layers, planned on the host
+        from the grids and uploaded: torchtitan's boolean-indexes a device tensor per image
+        (`idx[idx != -1]`), a read of the device each. Each image's patches are ordered
+        window by window (pos_emb_grid_h x pos_emb_grid_w windows, row-major), row-major in
+        each; the padded tail keeps the identity and window id -1."""
+        perm_NP = torch.arange(max_num_patch).repeat(len(grids), 1)
+        inv_NP = perm_NP.clone()
+        win_id_NP = torch.full_like(perm_NP, -1, dtype=torch.int32)
+        for i, (_, h, w) in enumerate(grids):
+            perm_P, win_id_P = window_order(h, w, self.pos_emb_grid_h, self.pos_emb_grid_w)
+            perm_NP[i, : h * w] = perm_P
+            inv_NP[i, : h * w] = torch.argsort(perm_P)
+            win_id_NP[i, : h * w] = win_id_P
+        return tuple(platform.upload(t, device) for t in (perm_NP, inv_NP, win_id_NP))
+
     def _build_padded_masks(self, num_patch_N, win_id_NP, max_num_patch: int, device):
         num_patch_N = platform.upload(num_patch_N, device)  # from a host grid: no read back
         p = torch.arange(max_num_patch, device=device)
@@ -89,6 +105,18 @@ class VisionEncoder(MuseGlimmerVisionEncoder):
         global_NPP = valid_NP[:, :, None] & valid_NP[:, None, :]
         window_NPP = global_NPP & (win_id_NP[:, :, None] == win_id_NP[:, None, :])
         return (global_NPP | self_PP)[:, None], (window_NPP | self_PP)[:, None]
+
+
+def window_order(h: int, w: int, window_h: int, window_w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The patches of an h x w grid (raster indices) ordered window by window, and each one's
+    window (windows of window_h x window_w, row-major over the grid padded to whole windows;
+    torchtitan's `_get_sparse_perm_and_slens`), on the host with no value-dependent op."""
+    row_H1, col_1W = torch.arange(h)[:, None], torch.arange(w)[None, :]
+    windows_across = -(-w // window_w)
+    window_HW = (row_H1 // window_h) * windows_across + col_1W // window_w
+    inside_HW = (row_H1 % window_h) * window_w + col_1W % window_w
+    perm_P = torch.argsort((window_HW * (window_h * window_w) + inside_HW).flatten())
+    return perm_P, window_HW.flatten()[perm_P].to(torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
