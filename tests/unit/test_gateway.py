@@ -546,3 +546,67 @@ def test_image_url_parts_reach_the_policy_token_exact_turn_after_turn():
 
 def _url(image) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(image)}}
+
+
+def test_a_large_image_is_read_off_the_event_loop_while_other_sessions_answer():
+    """Decoding and resizing a request's image runs in a thread: while one session's large
+    image (2,400 x 1,800, LANCZOS-resized) is being read, another session's turn is answered.
+    The read is held until that answer arrives (or 20 s): read on the event loop, it would
+    hold the other answer back the whole time."""
+    import threading
+    import time
+
+    renderer = vision_renderer()
+    gateway = Gateway(stop_ids={IM_END}, max_model_len=4096)
+    parsers = load_parsers(renderer.tokenizer, "hermes", None, "task")
+    clients = []
+    for order in range(2):
+        script = Script(renderer, ["b"])
+        url, opened = gateway.open(
+            renderer,
+            parsers,
+            seed=7,
+            order=order,
+            sample=_defaults(script.sample, None, 8),
+            max_turns=8,
+        )
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app))
+        clients.append(
+            openai.AsyncOpenAI(base_url=url, api_key=opened.key, http_client=http, max_retries=0)
+        )
+    answered, reading = threading.Event(), threading.Event()
+    read = renderer.images.read
+
+    read_at = []
+
+    def held_read(images):
+        read_at.append(time.monotonic())
+        reading.set()
+        answered.wait(timeout=20)
+        return read(images)
+
+    large = PIL.Image.fromarray(
+        np.random.default_rng(0).integers(0, 256, (1800, 2400, 3), dtype=np.uint8)
+    )
+    looks = [{"type": "text", "text": "a"}, _url(large)]
+
+    async def both():
+        async def text_turn():
+            while not reading.is_set():
+                await asyncio.sleep(0.01)
+            await clients[1].chat.completions.create(model="policy", messages=USER)
+            answered.set()
+            return time.monotonic() - read_at[0]
+
+        image_turn = clients[0].chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": looks}]
+        )
+        return await asyncio.gather(image_turn, text_turn())
+
+    renderer.images.read = held_read
+    try:
+        image_answer, waited = run(both())
+    finally:
+        renderer.images.read = read
+    assert waited < 10, f"the text turn was answered {waited:.1f} s into the other's read"
+    assert image_answer.choices[0].message.content == "b"

@@ -236,6 +236,8 @@ class Gateway:
                 "episode",
                 "messages",
             )
+        if asked.messages is not None:
+            await asyncio.to_thread(opened.session.read_images, asked.messages)
         turn, sampling = self._turn(opened, asked)
         opened.session.asked += 1
         if opened.in_flight == 0:

@@ -129,6 +129,27 @@ class Session:
         self.forks = 0
         """Segments after the first: requests that extended an earlier turn (a fork), or no
         recorded turn (a history the client changed)."""
+        self.pixels: dict[str, tuple] = {}
+        """Each image URL of the session read (`read_images`): (pixel_values_PX, grid_thw_13)."""
+
+    def read_images(self, messages: list[dict]) -> None:
+        """Decode and resize the images of `messages`' image_url parts not read yet (the
+        gateway runs this in a thread, off its event loop: a large image would stall every
+        session's requests and the run's stream). One that does not read is left for the
+        request to name (`_read`)."""
+        if self.renderer.images is None:
+            return
+        for message in messages:
+            try:
+                urls = [url for _, url in _image_urls(message.get("content"))]
+            except ValueError:
+                continue  # not a data URL: the request's check names it
+            for url in urls:
+                if url not in self.pixels:
+                    try:
+                        self.pixels[url] = self.renderer.images.read([url])
+                    except ValueError:
+                        continue
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> "Turn":
         """The turn a request of `messages` (and `tools`) asks for: the segment it continues
@@ -184,10 +205,12 @@ class Session:
                 where = f"messages[{i}].content[{j}]"
                 if self.renderer.images is None:
                     raise BadPart(where, "the policy reads no images (a text-only model)")
-                try:
-                    pixel_values_PX, grid_thw_13 = self.renderer.images.read([url])
-                except ValueError as e:
-                    raise BadPart(where, str(e).removeprefix("image 0: ")) from None
+                if url not in self.pixels:
+                    try:
+                        self.pixels[url] = self.renderer.images.read([url])
+                    except ValueError as e:
+                        raise BadPart(where, str(e).removeprefix("image 0: ")) from None
+                pixel_values_PX, grid_thw_13 = self.pixels[url]
                 rows.append(pixel_values_PX)
                 grids.append(grid_thw_13)
         return (torch.cat(rows), torch.cat(grids)) if rows else None
