@@ -191,3 +191,31 @@ def test_images_for_a_model_that_reads_none_are_one_line(tmp_path):
         "images: use a vision-language flavor (muse_glimmer tiny_vl, 30B_mm), or drop the "
         "rows' image parts"
     )
+
+
+def test_the_30b_mm_recipe_takes_a_screenshot_and_the_generator_plans_within_the_model():
+    """The recipe's prompt length takes a 1024x768 image (972 placeholders) with its text, and
+    its model length the prompt and the sampled tokens; the generator's encoder budget never
+    plans an image of more placeholders than the engine's model length leaves its run."""
+    import tomllib
+    from types import SimpleNamespace
+
+    from torchtitan_rl.generator.vision import most_image_tokens
+    from torchtitan_rl.vision.preprocess import (
+        ImageProcessorConfig,
+        grid_thw_for,
+        placeholder_count,
+    )
+
+    recipe = tomllib.loads((REPO / "run_configs" / "muse_glimmer_30b_mm.toml").read_text())
+    screenshot = placeholder_count(grid_thw_for(768, 1024, ImageProcessorConfig()), 2)
+    assert screenshot == 972
+    prompt_len = recipe["training"]["max_prompt_len"]
+    assert screenshot + 2 + 200 <= prompt_len  # its markers and a paragraph of text
+    sampled = recipe["generator"]["sampling"]["max_tokens"]
+    assert prompt_len + sampled <= recipe["generator"]["max_model_len"]
+    assert prompt_len + sampled <= recipe["training"]["micro_batch_tokens"]
+    config = SimpleNamespace(torchtitan_max_image_tokens=4096)
+    assert most_image_tokens(config, 2048) == 2046
+    assert most_image_tokens(config, 8192) == 4096
+    assert most_image_tokens(SimpleNamespace(torchtitan_max_image_tokens=300), 2048) == 300

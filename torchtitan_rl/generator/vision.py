@@ -97,9 +97,16 @@ class _Info(BaseProcessingInfo):
         return _Parser(expected_hidden_size=self._get_expected_hidden_size())
 
     def get_mm_max_tokens_per_item(self, seq_len, mm_counts) -> Mapping[str, int]:
-        """The image processor's limit (vision/preprocess.py): vLLM sizes its encoder budget
-        from it, processing no dummy image."""
-        return {"image": self.get_hf_config().torchtitan_max_image_tokens}
+        """`most_image_tokens`: vLLM sizes its encoder budget from it, processing no dummy
+        image."""
+        return {"image": most_image_tokens(self.get_hf_config(), seq_len)}
+
+
+def most_image_tokens(config, seq_len: int) -> int:
+    """The most placeholders an image has in an engine of `seq_len` tokens (max_model_len):
+    the image processor's limit (vision/preprocess.py), or what the model length leaves the
+    image's run between its two markers, whichever is less."""
+    return max(1, min(config.torchtitan_max_image_tokens, seq_len - 2))
 
 
 def _run(config, tokens: int) -> list[int]:
@@ -123,7 +130,7 @@ class _Dummy(BaseDummyInputsBuilder[_Info]):
 
     def get_dummy_mm_data(self, seq_len, mm_counts, mm_options):
         config = self.info.get_hf_config()
-        grid = torch.tensor([_grid(config, config.torchtitan_max_image_tokens)])
+        grid = torch.tensor([_grid(config, most_image_tokens(config, seq_len))])
         grid = grid.expand(mm_counts.get("image", 0), 3)
         rows = int(grid.prod(-1).sum())
         return {
@@ -138,7 +145,7 @@ class _Processor(BaseMultiModalProcessor[_Info]):
     def get_dummy_inputs(self, seq_len, mm_counts, mm_options) -> ProcessorInputs:
         config = self.info.get_hf_config()
         data = self.dummy_inputs.get_dummy_mm_data(seq_len, mm_counts, mm_options)
-        side = _grid(config, config.torchtitan_max_image_tokens)
+        side = _grid(config, most_image_tokens(config, seq_len))
         tokens = side[1] * side[2] // config.torchtitan_merge_size**2
         prompt = _run(config, tokens) * mm_counts.get("image", 0)
         return ProcessorInputs(
