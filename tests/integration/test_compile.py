@@ -16,7 +16,13 @@ from helpers.launch import REPO
 from torch._dynamo.utils import counters
 
 from torchtitan_rl import platform
-from torchtitan_rl.config import ConfigError, ModelSection, ParallelismSection, TrainingSection
+from torchtitan_rl.config import (
+    ConfigError,
+    ModelSection,
+    ParallelismSection,
+    TrainingSection,
+    parse_args,
+)
 from torchtitan_rl.trainer.compile import compilable_attention
 from torchtitan_rl.trainer.model import build_spec
 from torchtitan_rl.trainer.policy_trainer import PolicyTrainer, StepResult
@@ -117,8 +123,9 @@ def test_compiled_blocks_train_as_eager_and_new_packings_do_not_recompile():
 
 
 def test_sliding_window_models_are_refused_in_one_line():
-    """gpt-oss's window and sink layers run per document from host offsets: refused at build,
-    before any compile, instead of recompiling at every packing."""
+    """gpt-oss's and Muse Glimmer's window layers run per document from host offsets: refused
+    at config validation naming the model (and at build, before any compile), instead of
+    recompiling at every packing."""
     model = ModelSection(name="gpt_oss", hf_checkpoint=str(REPO / "assets" / "tiny_gpt_oss"))
     with torch.device("meta"):
         module = build_spec(model).model.build()
@@ -126,6 +133,14 @@ def test_sliding_window_models_are_refused_in_one_line():
         compilable_attention(module)
     message = str(error.value)
     assert "\n" not in message and "set training.compile = false" in message
+    for name, flavor, windowed in (("gpt_oss", "tiny", "1"), ("muse_glimmer", "tiny_vl", "3")):
+        args = ["--model.name", name, "--model.flavor", flavor, "--training.compile", "true"]
+        with pytest.raises(ConfigError) as error:
+            parse_args(["--job.config_file", str(REPO / "run_configs" / "debug_cpu.toml"), *args])
+        assert str(error.value).startswith(
+            f"training.compile = true: {name}/{flavor}'s {windowed} sliding-window attention "
+            "layers (of"
+        ), str(error.value)
     qwen3 = ModelSection(hf_checkpoint=str(TINY))
     with torch.device("meta"):
         assert compilable_attention(build_spec(qwen3).model.build()) == 2  # its 2 layers

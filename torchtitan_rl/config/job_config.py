@@ -203,6 +203,18 @@ class JobConfig:
                 "DeltaNet layers: pick one that divides both",
             )
 
+    def _validate_compile(self) -> None:
+        """training.compile: a model with sliding-window (gpt-oss, Muse Glimmer) or sink
+        attention layers is refused before launch (trainer/compile.py says why)."""
+        if not self.training.compile:
+            return
+        from torchtitan_rl.models import model_spec
+        from torchtitan_rl.trainer.compile import refuse_windowed
+
+        config = model_spec(self.model.name, self.model.flavor).model
+        windows = [getattr(layer.attention, "sliding_window_size", None) for layer in config.layers]
+        refuse_windowed(f"{self.model.name}/{self.model.flavor}", windows)
+
     def _validate_heads(self) -> None:
         from torchtitan_rl.models import attention_shape, model_spec
 
@@ -386,6 +398,7 @@ class JobConfig:
         self._validate_linear_attention()
         self._validate_heads()
         self._validate_experts()
+        self._validate_compile()
         if entry == "sft":
             self._validate_sft(world_size)
         else:

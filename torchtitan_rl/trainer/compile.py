@@ -31,20 +31,11 @@ from torchtitan_rl.trainer.attention import DocumentCausalAttention
 def compilable_attention(module: nn.Module) -> int:
     """Route every `DocumentCausalAttention` of `module` whose packed kernel reads host values
     through `torchtitan_rl::packed_attention`, in place; returns how many were routed. A model
-    with sliding-window (and sink) layers, gpt-oss, is refused in one line."""
+    with sliding-window layers (gpt-oss, Muse Glimmer) is refused in one line."""
+    layers = [a for a in module.modules() if isinstance(a, DocumentCausalAttention)]
+    refuse_windowed("this model", [attention.window for attention in layers])
     routed = 0
-    for attention in module.modules():
-        if not isinstance(attention, DocumentCausalAttention):
-            continue
-        if attention.window is not None:
-            # Its sink attention (torchtitan passes the sinks as a closure) runs per document
-            # on the host tuple inside the block, and cannot be one tensor-only op.
-            raise ConfigError(
-                "training.compile = true: this model's sliding-window and sink attention "
-                "layers (gpt-oss) run each packed row per document from host offsets, which a "
-                "compiled block would trace anew at every new packing (then run eager past "
-                "Dynamo's recompile limit); set training.compile = false for this model"
-            )
+    for attention in layers:
         kernel = attention.packed
         if kernel is packed_attention.varlen or isinstance(kernel, functools.partial):
             continue  # already tensor-only, or routed
@@ -57,6 +48,21 @@ def compilable_attention(module: nn.Module) -> int:
         attention.packed = functools.partial(_opaque, kernel=name)
         routed += 1
     return routed
+
+
+def refuse_windowed(name: str, windows: list[int | None]) -> None:
+    """One line when any of the attention layers' `windows` is a sliding window (gpt-oss's,
+    Muse Glimmer's): those layers (and gpt-oss's sinks, which torchtitan passes as a closure)
+    run per document on the host tuple of starts inside the block, which cannot be one
+    tensor-only op. Checked at config validation (the model's name) and at build."""
+    windowed = sum(window is not None for window in windows)
+    if windowed:
+        raise ConfigError(
+            f"training.compile = true: {name}'s {windowed} sliding-window attention layers (of "
+            f"{len(windows)}) run each packed row per document from host offsets, which a "
+            "compiled block would trace anew at every new packing (then run eager past "
+            "Dynamo's recompile limit); set training.compile = false for this model"
+        )
 
 
 def _opaque(q_1LNH, k_1LNK, v_1LNK, docs, scale=None, enable_gqa=False, *, kernel: str):
