@@ -373,6 +373,51 @@ def test_the_vision_forward_reads_only_its_host_grids(titan_model):
     }
 
 
+def test_the_vision_towers_blocks_train_under_activation_checkpointing():
+    """training.activation_checkpoint wraps the vision encoder's blocks as the decoder's (their
+    activations recomputed in backward, not kept): an unfrozen tower's step gives the
+    gradients of the step without checkpointing, and its weights keep their names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from torchtitan_rl.config import TrainingSection
+
+    tokens_BT, mask_BT, images_B = _rows()
+    batch = RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.tensor([1.0, -1.0, 0.5]),
+        generator_logprobs_BT=torch.zeros(mask_BT.shape),
+        images_B=images_B,
+    )
+
+    def loss_fn(logprobs_BT, micro, scale):
+        weighted = micro.advantages_B[:, None] * logprobs_BT * micro.loss_mask_BT
+        return -weighted.sum() / scale.tokens, {}
+
+    grads = {}
+    for mode in ("none", "full"):
+        training = TrainingSection(activation_checkpoint=mode)
+        policy = _policy(freeze_vision=False, training=training)
+        blocks = list(policy.model.vision_encoder.layers.values())
+        assert all(isinstance(b, CheckpointWrapper) for b in blocks) == (mode == "full")
+        seen = {}
+
+        def record(*_, policy=policy, seen=seen):
+            for name, p in policy.model.named_parameters():
+                if name.startswith("vision_encoder.") and p.grad is not None:
+                    seen[name.replace("_checkpoint_wrapped_module.", "")] = p.grad.full_tensor()
+
+        hook = policy.optimizers.register_step_pre_hook(record)
+        policy.optimizer_step(batch, loss_fn)
+        hook.remove()
+        grads[mode] = seen
+        assert "vision_encoder.layers.0.attn.wq.weight" in policy.state_dict()
+    assert grads["none"].keys() == grads["full"].keys() and len(grads["none"]) > 10
+    for name, grad in grads["none"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads["full"][name], grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", ["frozen", "trained", "lora"])
 def test_the_vision_tower_trains_only_when_unfrozen(mode, tmp_path):
     """model.freeze_vision (the default): an optimizer step on image prompts leaves the vision

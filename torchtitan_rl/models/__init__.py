@@ -25,7 +25,7 @@ from torchtitan_rl.models.families import FAMILIES, SUPPORTED_MODELS, Family  # 
 from torchtitan_rl.models.gpt_oss import GptOssAdapter
 from torchtitan_rl.models.moe import use_project_moe
 from torchtitan_rl.models.tiny import EXTRA_FLAVORS
-from torchtitan_rl.models.vision import use_vision_language_model
+from torchtitan_rl.models.vision import parallelize_vision_language, use_vision_language_model
 
 
 def family_module(name: str):
@@ -177,13 +177,7 @@ def model_spec(name: str, flavor: str, attn_backend: str = "flex") -> ModelSpec:
     if name == "gpt_oss":  # torchtitan's drops the experts (models/gpt_oss.py)
         spec.state_dict_adapter = GptOssAdapter
     if name == "muse_glimmer":
-        # torchtitan's parallelize_muse_glimmer refuses every spmd backend but "spmd_types",
-        # which this project does not run (platform.spmd_backend). Its text tower takes the
-        # steps of Qwen3's dense one under "partial_dtensor": the spec's TP plan where TP is
-        # on, activation checkpointing, compile, then FSDP over the decoder.
-        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-
-        spec.parallelize_fn = parallelize_qwen3
+        spec.parallelize_fn = parallelize_vision_language
         spec.model = use_vision_language_model(spec.model)
     if name == "qwen3_5":
         from torchtitan_rl.models.qwen3_5 import adapter_class

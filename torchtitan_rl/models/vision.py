@@ -226,6 +226,24 @@ class VisionLanguageModel(MuseGlimmerModel):
         return h_BLD if self._skip_lm_head else self.lm_head(h_BLD)
 
 
+def parallelize_vision_language(model: "VisionLanguageModel", **options):
+    """torchtitan's parallelize steps for Muse Glimmer as this project runs them: Qwen3's dense
+    ones over the text tower (`parallelize_qwen3`: the TP plan where TP is on, activation
+    checkpointing, compile, FSDP; torchtitan's `parallelize_muse_glimmer` refuses every spmd
+    backend but "spmd_types", which this project does not run), then the vision encoder's
+    blocks under the same activation checkpointing, as torchtitan's wraps them (its adapter,
+    two linears, stays as it is). The encoder's blocks are no FSDP unit of their own (its
+    parameters are the root's), so wrapping them after FSDP leaves what FSDP gathers as it
+    was. `training.compile` refuses Muse Glimmer (its windowed layers: trainer/compile.py)."""
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    model = parallelize_qwen3(model, **options)
+    ac_config = options.get("ac_config")
+    if ac_config is not None and getattr(model, "vision_encoder", None) is not None:
+        ac_config.build(dump_folder=options.get("dump_folder")).apply(model.vision_encoder)
+    return model
+
+
 VISION_PARTS = ("vision_encoder", "vision_adapter", "vision_projection")
 """The modules of a vision-language model's vision tower (the scaleless norm has no
 parameters); `model.freeze_vision` freezes them."""
