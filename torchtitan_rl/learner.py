@@ -250,7 +250,7 @@ class Learner:
             order_B = torch.randperm(batch.batch_size, generator=shuffle)
             for rows in order_B.tensor_split(training.mini_batches):
                 results.append(self.trainer.optimizer_step(batch.rows(rows), self.loss, step=step))
-        self.trainer.routing_counts()  # the updated policy's forwards: not compared
+        self.trainer.drop_routing_counts()  # the updated policy's forwards: not compared
         return batch.old_logprobs_BT, results
 
     def kl_in_reward(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:

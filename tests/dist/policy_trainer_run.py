@@ -16,7 +16,7 @@ step), the pre-update logprobs the step itself reports for its share, the model 
 step ran on every rank (their token shapes), and the full parameters before and after it, so
 tests can compare world sizes, micro-batch counts and packing, parallelisms and activation
 checkpointing. It also saves the gradients the
-optimizer applied. With 2 ranks it also compares the vocabulary-parallel head (trainer TP)
+optimizer applied, and every rank's host reads in the step, in order. With 2 ranks it also compares the vocabulary-parallel head (trainer TP)
 with the whole head on random tensors: OUT_DIR/head.pt (`vocabulary_parallel_head`).
 """
 
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers.batches import fixed_batch, pg_loss, recorded_grads
+from helpers.host_syncs import HostSyncs
 from helpers.launch import REPO, TINY
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -105,7 +106,7 @@ def step(
     trainer.model.lm_head.register_forward_hook(lambda *_: head_calls.append(1))
 
     before = {k: p.full_tensor().clone() for k, p in trainer.named_parameters().items()}
-    with recorded_grads(trainer) as grads:
+    with recorded_grads(trainer) as grads, HostSyncs() as syncs:
         result = trainer.optimizer_step(local, pg_loss)
     head = trainer.model.lm_head.weight  # FSDP swaps the sharded parameter back at reshard
     head_after_step = (type(head).__name__, tuple(getattr(head, "_local_tensor", head).shape))
@@ -135,6 +136,8 @@ def step(
         "share": (dp_rank, dp_size),
         "rows": rows,
         "forwards": platform.all_gather_objects(forwards),
+        # Every rank's reads in the step, in order (tests/helpers/host_syncs.py).
+        "host_reads": platform.all_gather_objects(syncs.calls),
         "checkpointed_blocks": sum(
             isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
         ),

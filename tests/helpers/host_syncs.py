@@ -63,36 +63,41 @@ def _bool_index(args) -> bool:
 
 
 class _Ops(TorchDispatchMode):
-    def __init__(self, counts):
+    def __init__(self, calls):
         super().__init__()
-        self.counts = counts
+        self.counts = calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SYNC_OPS or (func is aten.index.Tensor and _bool_index(args)):
-            self.counts[(func.__name__, _where())] += 1
+            self.counts.append((func.__name__, _where()))
         return func(*args, **kwargs)
 
 
 class _Methods(TorchFunctionMode):
-    def __init__(self, counts):
+    def __init__(self, calls):
         super().__init__()
-        self.counts = counts
+        self.counts = calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in READ_METHODS:
-            self.counts[(func.__name__, _where())] += 1
+            self.counts.append((func.__name__, _where()))
         return func(*args, **kwargs)
 
 
 class HostSyncs:
     """Context manager: `counts` maps (op or method, innermost torchtitan_rl function) to the
-    number of calls made inside."""
+    number of calls made inside; `calls` lists them in order."""
 
     def __init__(self):
-        self.counts: collections.Counter = collections.Counter()
-        self._modes = (_Methods(self.counts), _Ops(self.counts))
+        self.calls: list[tuple[str, str]] = []
+        """Each call, in order: (op or method, innermost torchtitan_rl function)."""
+        self._modes = (_Methods(self.calls), _Ops(self.calls))
+
+    @property
+    def counts(self) -> collections.Counter:
+        return collections.Counter(self.calls)
 
     def __enter__(self):
         for mode in self._modes:

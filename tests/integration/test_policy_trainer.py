@@ -270,3 +270,37 @@ def test_the_vocabulary_parallel_head_equals_the_whole_head(runs):
         torch.testing.assert_close(parallel[name], whole[name], rtol=1e-5, atol=1e-5)
     assert whole["logprobs"].shape == (37,) and (whole["logprobs"] < 0).all()
     assert whole["grad_weight"].abs().sum() > 0
+
+
+# The step's reads by the project's code, outside the host planners (which read the host loss
+# mask: tests/unit/test_model.py) and the library's (the CPU for-loop AdamW's step counters).
+PLANNERS = {
+    "packing.needed",
+    "packing.all_lengths",
+    "packing.<listcomp>",
+    "packing.plan",
+    "packing.deal",
+    "packing.padded_scale",
+    "policy_trainer.plan",
+}
+FIGURES = [("cpu", "policy_trainer.optimizer_step"), ("tolist", "policy_trainer.optimizer_step")]
+TOTALS = [("tolist", "policy_trainer.optimizer_step")]  # of the all-reduced host totals
+
+
+@pytest.mark.parametrize(
+    "key, dealt", [((2, "b16"), True), ((2, "b24", "full", "tp2"), False), ((2, 4), False)]
+)
+def test_a_2_rank_step_reads_the_device_once_and_dealt_rows_come_back_before_the_optimizer(
+    runs, key, dealt
+):
+    """On 2 ranks, FSDP packed with rows dealt between the ranks (uneven shares, 6 and 2), TP
+    packed, and FSDP padded in 4 micro-batches: every rank's step reads the device once for its
+    figures; where rows moved, their pre-update logprobs come back with one more `.cpu()`,
+    right after the figures' read (the queue already drained), before the optimizer's kernels
+    are queued and the host totals read."""
+    for rank, calls in enumerate(runs[key]["host_reads"]):
+        ours = [
+            call for call in calls if call[1] not in PLANNERS and not call[1].startswith("library")
+        ]
+        returned = [("cpu", "packing.back")] if dealt else []
+        assert ours == FIGURES + returned + TOTALS, (rank, ours)

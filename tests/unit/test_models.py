@@ -118,7 +118,20 @@ def test_routing_mismatch_counts_differing_top_k_sets_in_counted_forwards():
         _, used, _ = router(x_BLD)
     assert torch.equal(used, own)  # without replay, its own routing
     differs_at_0 = set(own[0, 0].tolist()) != set(expected[0, 0].tolist())
-    assert moe.take_counts([router]) == (1 + int(differs_at_0), 5)
+    # Every router's two counts are read from the device together, once per call (a MoE
+    # model's forwards count in each of its layers); dropping them reads nothing.
+    from helpers.host_syncs import HostSyncs
+
+    with HostSyncs() as syncs:
+        taken = moe.take_counts([router, router])
+    assert taken == (2 * (1 + int(differs_at_0)), 10)
+    assert syncs.calls == [("tolist", "moe.take_counts")]
+    assert moe.take_counts([router]) == (0, 0)
+    with moe.counting([router]):
+        router(x_BLD)
+    with HostSyncs() as syncs:
+        moe.drop_counts([router])
+    assert syncs.calls == [] and moe.take_counts([router]) == (0, 0)
     moe.expect([router], None, replay=False)
     assert router(x_BLD)[1].equal(own)
 

@@ -315,12 +315,24 @@ def counting(routers_: list[Router]):
 
 
 def take_counts(routers_: list[Router]) -> tuple[int, int]:
-    """(mismatched, compared) (token, layer) pairs counted since the last call; resets them."""
-    mismatched = int(sum(r.mismatched for r in routers_))
-    compared = int(sum(r.compared for r in routers_))
+    """(mismatched, compared) (token, layer) pairs counted since the last call, read from the
+    device at once; resets them."""
+    counted = [
+        torch.stack([r.mismatched, r.compared])
+        for r in routers_
+        if isinstance(r.compared, torch.Tensor)
+    ]
+    drop_counts(routers_)
+    if not counted:
+        return 0, 0
+    mismatched, compared = torch.stack(counted).sum(0).tolist()
+    return int(mismatched), int(compared)
+
+
+def drop_counts(routers_: list[Router]) -> None:
+    """Forget the counts since the last call, reading nothing."""
     for router in routers_:
         router.compared = router.mismatched = 0
-    return mismatched, compared
 
 
 def use_project_moe(model_config) -> None:

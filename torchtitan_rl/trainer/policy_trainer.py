@@ -276,6 +276,10 @@ class PolicyTrainer:
         last call, against the generator's routing the batches carried (`moe.take_counts`)."""
         return moe.take_counts(self._routers)
 
+    def drop_routing_counts(self) -> None:
+        """Forget the routing counts of the forwards since the last `routing_counts`."""
+        moe.drop_counts(self._routers)
+
     def _expect(self, routed_BLMK: torch.Tensor | None) -> None:
         """Give the routers the generator's routing of the next forward's tokens (None: no
         routing; kept through the backward, whose activation-checkpointing recompute must
@@ -560,6 +564,9 @@ class PolicyTrainer:
                 culprit = f"the loss is {local_loss}"
             raise NonFiniteError(f"step {label}: {culprit}")
 
+        # Rows lent to another rank come back now, while the queue is empty (the figures'
+        # read drained it), not after the optimizer's kernels.
+        (own_BT,) = dealt.back(pre_update_BT)
         # The metric totals travel while the optimizer steps.
         totals = torch.tensor(
             [local_loss, entropy_sum, *(metric_sums[n] for n in names)], dtype=torch.float64
@@ -582,7 +589,7 @@ class PolicyTrainer:
             "tokens": float(scale.tokens),
             **dict(zip(names, metric_totals, strict=True)),
         }
-        return StepResult(metrics=metrics, logprobs_BT=dealt.back(pre_update_BT)[0])
+        return StepResult(metrics=metrics, logprobs_BT=own_BT)
 
     def _first_nonfinite_grad(self) -> str:
         for name, param in self._params.items():
