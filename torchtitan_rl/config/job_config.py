@@ -32,6 +32,7 @@ from torchtitan_rl.config.training import (
     ParallelismSection,
     SFTSection,
     TrainingSection,
+    refuse_windowed,
 )
 from torchtitan_rl.models.from_hf import AUTO, checkpoint_of, derived_flavor
 
@@ -209,7 +210,6 @@ class JobConfig:
         if not self.training.compile:
             return
         from torchtitan_rl.models import model_spec
-        from torchtitan_rl.trainer.compile import refuse_windowed
 
         config = model_spec(self.model.name, self.model.flavor).model
         windows = [getattr(layer.attention, "sliding_window_size", None) for layer in config.layers]

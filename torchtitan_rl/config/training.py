@@ -226,3 +226,18 @@ class LoRASection:
             return
         require(self.rank >= 1, f"lora.rank = {self.rank}: must be >= 1, e.g. 8")
         require(self.alpha > 0, f"lora.alpha = {self.alpha}: must be > 0, e.g. 2 * lora.rank")
+
+
+def refuse_windowed(name: str, windows: list[int | None]) -> None:
+    """One line when any of the attention layers' `windows` is a sliding window (gpt-oss's,
+    Muse Glimmer's): those layers (and gpt-oss's sinks, which torchtitan passes as a closure)
+    run per document on the host tuple of starts inside the block, which cannot be one
+    tensor-only op. Checked at config validation (the model's name) and at build."""
+    windowed = sum(window is not None for window in windows)
+    if windowed:
+        raise ConfigError(
+            f"training.compile = true: {name}'s {windowed} sliding-window attention layers (of "
+            f"{len(windows)}) run each packed row per document from host offsets, which a "
+            "compiled block would trace anew at every new packing (then run eager past "
+            "Dynamo's recompile limit); set training.compile = false for this model"
+        )

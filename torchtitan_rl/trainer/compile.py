@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torchtitan.models.common.attention import VarlenMetadata
 
-from torchtitan_rl.config import ConfigError
+from torchtitan_rl.config.training import refuse_windowed
 from torchtitan_rl.trainer import packed_attention
 from torchtitan_rl.trainer.attention import DocumentCausalAttention
 
@@ -48,21 +48,6 @@ def compilable_attention(module: nn.Module) -> int:
         attention.packed = functools.partial(_opaque, kernel=name)
         routed += 1
     return routed
-
-
-def refuse_windowed(name: str, windows: list[int | None]) -> None:
-    """One line when any of the attention layers' `windows` is a sliding window (gpt-oss's,
-    Muse Glimmer's): those layers (and gpt-oss's sinks, which torchtitan passes as a closure)
-    run per document on the host tuple of starts inside the block, which cannot be one
-    tensor-only op. Checked at config validation (the model's name) and at build."""
-    windowed = sum(window is not None for window in windows)
-    if windowed:
-        raise ConfigError(
-            f"training.compile = true: {name}'s {windowed} sliding-window attention layers (of "
-            f"{len(windows)}) run each packed row per document from host offsets, which a "
-            "compiled block would trace anew at every new packing (then run eager past "
-            "Dynamo's recompile limit); set training.compile = false for this model"
-        )
 
 
 def _opaque(q_1LNH, k_1LNK, v_1LNK, docs, scale=None, enable_gqa=False, *, kernel: str):
