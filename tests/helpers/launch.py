@@ -254,10 +254,14 @@ def run_script(
 
 
 def run_dist(
-    script: str, *args: str, nproc: int, env: dict[str, str] | None = None
+    script: str,
+    *args: str,
+    nproc: int,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
 ) -> subprocess.CompletedProcess:
     """Run tests/dist/`script` with `args`; fails the test on a non-zero exit."""
-    result = run([*launcher(nproc), str(TESTS / "dist" / script), *args], env)
+    result = run([*launcher(nproc), str(TESTS / "dist" / script), *args], env, timeout_s)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

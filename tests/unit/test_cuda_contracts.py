@@ -477,8 +477,10 @@ def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatc
     assert platform.device_type() == "cuda" and platform.vllm_can_sleep()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert platform.device_type() == "cpu" and not platform.vllm_can_sleep()
+    from torchtitan_rl.generator import hybrid
     from torchtitan_rl.generator.hybrid import uses_vllm_kernels
 
+    monkeypatch.setattr(hybrid, "_vllm_kernels_built", lambda: True)  # an AVX2 build has not
     assert uses_vllm_kernels(torch.bfloat16, 64, 64)
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     assert _onednn_available(torch.float32) is False
