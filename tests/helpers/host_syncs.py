@@ -37,6 +37,17 @@ SYNC_OPS = {
     aten.repeat_interleave.Tensor,
 }
 READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+# Where a train step plans on the host: these read the host loss mask (on CUDA, CPU memory: no
+# wait), a fixed number of times however many micro-batches there are.
+HOST_PLANNERS = {
+    "packing.needed",
+    "packing.all_lengths",
+    "packing.<listcomp>",
+    "packing.plan",
+    "packing.deal",
+    "packing.padded_scale",
+    "policy_trainer.plan",
+}
 PACKAGE = str(Path(__file__).resolve().parents[2] / "torchtitan_rl")
 # The modes' own frames and torch's dispatch machinery between the caller and the mode.
 _SKIPPED = (

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from helpers.batches import fixed_batch
+from helpers.host_syncs import HOST_PLANNERS
 from helpers.launch import REPO, run_dist
 
 TINY = REPO / "assets" / "tiny_qwen3"
@@ -274,15 +275,6 @@ def test_the_vocabulary_parallel_head_equals_the_whole_head(runs):
 
 # The step's reads by the project's code, outside the host planners (which read the host loss
 # mask: tests/unit/test_model.py) and the library's (the CPU for-loop AdamW's step counters).
-PLANNERS = {
-    "packing.needed",
-    "packing.all_lengths",
-    "packing.<listcomp>",
-    "packing.plan",
-    "packing.deal",
-    "packing.padded_scale",
-    "policy_trainer.plan",
-}
 FIGURES = [("cpu", "policy_trainer.optimizer_step"), ("tolist", "policy_trainer.optimizer_step")]
 TOTALS = [("tolist", "policy_trainer.optimizer_step")]  # of the all-reduced host totals
 
@@ -300,7 +292,9 @@ def test_a_2_rank_step_reads_the_device_once_and_dealt_rows_come_back_before_the
     are queued and the host totals read."""
     for rank, calls in enumerate(runs[key]["host_reads"]):
         ours = [
-            call for call in calls if call[1] not in PLANNERS and not call[1].startswith("library")
+            call
+            for call in calls
+            if call[1] not in HOST_PLANNERS and not call[1].startswith("library")
         ]
         returned = [("cpu", "packing.back")] if dealt else []
         assert ours == FIGURES + returned + TOTALS, (rank, ours)

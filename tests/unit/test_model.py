@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from helpers.batches import recorded_grads
+from helpers.host_syncs import HOST_PLANNERS
 from helpers.launch import REPO
 from safetensors.torch import load_file, save_file
 
@@ -290,18 +291,6 @@ def test_updating_the_bias_is_refused_where_the_export_would_lose_it():
 
 
 # ---- a step on a GPU's terms: host reads and GEMM dtypes --------------------------------------
-
-# Where the step plans on the host: these read the host loss mask (on CUDA, CPU memory: no
-# wait), a fixed number of times however many micro-batches there are.
-HOST_PLANNERS = {
-    "packing.needed",
-    "packing.all_lengths",
-    "packing.<listcomp>",
-    "packing.plan",
-    "packing.deal",
-    "packing.padded_scale",
-    "policy_trainer.plan",
-}
 
 
 def ragged(rows: int = 8) -> RolloutBatch:

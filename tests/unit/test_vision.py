@@ -373,6 +373,23 @@ def test_the_vision_forward_reads_only_its_host_grids(titan_model):
     }
 
 
+def _image_batch() -> RolloutBatch:
+    """`_rows()` as a batch to train on: an advantage per row, the generator's logprobs 0."""
+    tokens_BT, mask_BT, images_B = _rows()
+    return RolloutBatch(
+        tokens_BT=tokens_BT,
+        loss_mask_BT=mask_BT,
+        advantages_B=torch.tensor([1.0, -1.0, 0.5]),
+        generator_logprobs_BT=torch.zeros(mask_BT.shape),
+        images_B=images_B,
+    )
+
+
+def _pg_loss(logprobs_BT, micro, scale):
+    weighted = micro.advantages_B[:, None] * logprobs_BT * micro.loss_mask_BT
+    return -weighted.sum() / scale.tokens, {}
+
+
 def test_the_vision_towers_blocks_train_under_activation_checkpointing():
     """training.activation_checkpoint wraps the vision encoder's blocks as the decoder's (their
     activations recomputed in backward, not kept): an unfrozen tower's step gives the
@@ -381,19 +398,7 @@ def test_the_vision_towers_blocks_train_under_activation_checkpointing():
 
     from torchtitan_rl.config import TrainingSection
 
-    tokens_BT, mask_BT, images_B = _rows()
-    batch = RolloutBatch(
-        tokens_BT=tokens_BT,
-        loss_mask_BT=mask_BT,
-        advantages_B=torch.tensor([1.0, -1.0, 0.5]),
-        generator_logprobs_BT=torch.zeros(mask_BT.shape),
-        images_B=images_B,
-    )
-
-    def loss_fn(logprobs_BT, micro, scale):
-        weighted = micro.advantages_B[:, None] * logprobs_BT * micro.loss_mask_BT
-        return -weighted.sum() / scale.tokens, {}
-
+    batch = _image_batch()
     grads = {}
     for mode in ("none", "full"):
         training = TrainingSection(activation_checkpoint=mode)
@@ -408,7 +413,7 @@ def test_the_vision_towers_blocks_train_under_activation_checkpointing():
                     seen[name.replace("_checkpoint_wrapped_module.", "")] = p.grad.full_tensor()
 
         hook = policy.optimizers.register_step_pre_hook(record)
-        policy.optimizer_step(batch, loss_fn)
+        policy.optimizer_step(batch, _pg_loss)
         hook.remove()
         grads[mode] = seen
         assert "vision_encoder.layers.0.attn.wq.weight" in policy.state_dict()
@@ -426,25 +431,12 @@ def test_the_vision_tower_trains_only_when_unfrozen(mode, tmp_path):
     the language model (target all): only its adapters move, none on the tower."""
     from torchtitan_rl.config import LoRASection, TrainingSection
 
-    tokens_BT, mask_BT, images_B = _rows()
     freeze_vision = mode != "trained"
     lora = LoRASection(enable=True, target="all") if mode == "lora" else None
     training = TrainingSection(lr=1e-2)
     policy = _policy(freeze_vision=freeze_vision, training=training, lora=lora)
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
-    batch = RolloutBatch(
-        tokens_BT=tokens_BT,
-        loss_mask_BT=mask_BT,
-        advantages_B=torch.tensor([1.0, -1.0, 0.5]),
-        generator_logprobs_BT=torch.zeros(mask_BT.shape),
-        images_B=images_B,
-    )
-
-    def loss_fn(logprobs_BT, micro, scale):
-        weighted = micro.advantages_B[:, None] * logprobs_BT * micro.loss_mask_BT
-        return -weighted.sum() / scale.tokens, {}
-
-    policy.optimizer_step(batch, loss_fn)
+    policy.optimizer_step(_image_batch(), _pg_loss)
     after = policy.model.state_dict()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     vision = {
