@@ -22,6 +22,14 @@ and `peak_rss_gib_children_per_rank` (a generator rank's engine process). With
 step time on / off. With a distill teacher (`--distill.teacher_checkpoint`) it runs the same
 config without the teacher and with the KL reference instead (`--algorithm.kl_beta 0.001`), and
 adds `teacher_cost_ratio` and `reference_cost_ratio`: step time with each / without either.
+
+With a held-out set (a reasoning-gym task's, or eval.dataset_path) our run is evaluated before
+its first step and after its last (`eval_accuracy_start`, `eval_accuracy`), and the TRL peer
+trains for as long as our steps took (`--wall_s`: `steps_s`, the sum of our step times), then is
+evaluated the same way (`trl_eval_accuracy`, `trl_steps_done`): the held-out accuracy of each
+after the same wall-clock time. `--rows_out FILE`: every rank's trained rows of every step
+(prompt length and token ids, JSON) for `scripts/bench/trainer.py --rows FILE`, the trainer
+against plain torchtitan on real rollout lengths.
 """
 
 import json
@@ -46,8 +54,27 @@ class Collect(Hooks):
         self.rows.append(metrics)
 
 
+def record_rows(trainer: RLTrainer, steps: list) -> None:
+    """Append to `steps` each optimizer step's rows of this rank: [prompt tokens, token ids]."""
+    policy = trainer.learner.trainer
+    step_fn = policy.optimizer_step
+
+    def recorded(batch, loss_fn, **kwargs):
+        rows = []
+        for tokens_T, mask_T in zip(batch.tokens_BT, batch.loss_mask_BT, strict=True):
+            scored = mask_T.nonzero().flatten().tolist()
+            rows.append([scored[0], tokens_T[: scored[-1] + 1].tolist()])
+        steps.append(rows)
+        return step_fn(batch, loss_fn, **kwargs)
+
+    policy.optimizer_step = recorded
+
+
 def measure(flags: list[str]) -> int:
     """The child, one rank of the torchrun world: train, then report the figures (rank 0)."""
+    rows_out = None
+    if flags[:1] == ["--rows_out"]:
+        rows_out, flags = flags[1], flags[2:]
     config, rank, world = join_world(flags, prog="scripts/bench/e2e.py")
     collect = Collect()
     if config.generator.placement in ("disaggregated", "continuous"):
@@ -55,12 +82,22 @@ def measure(flags: list[str]) -> int:
 
         placement = disaggregated if config.generator.placement == "disaggregated" else continuous
         placement.run(config, hooks=collect)  # rank 0 trains, and collects
-        flops = None
+        flops, evals = None, [None, None]
     else:
         trainer = RLTrainer(config, hooks=collect)
+        rows: list = []
+        if rows_out:
+            record_rows(trainer, rows)
+        evals = [trainer.evaluate(0)]
         for step in range(1, config.training.steps + 1):
             trainer.train_step(step)
+        evals.append(trainer.evaluate(config.training.steps))
         flops = model_flops(trainer, collect.rows)
+        if rows_out:
+            every_rank = platform.all_gather_objects(rows)
+            if rank == 0:
+                with open(rows_out, "w") as f:
+                    json.dump({"ranks": every_rank}, f)
     # Each rank's peak RSS, and its children's (a generator rank's engine process).
     memory = platform.all_gather_objects((peak_rss_gib(), children_peak_rss_gib()))
     platform.shutdown_distributed()
@@ -88,6 +125,10 @@ def measure(flags: list[str]) -> int:
                 ),
                 "response_length_max": max(r["response_length/max"] for r in collect.rows),
                 "final_reward": round(collect.rows[-1]["reward/mean"], 4),
+                # Every step, the first (warm-up) included: the peer's wall-clock budget.
+                "steps_s": round(sum(r["time/step_s"] for r in collect.rows), 2),
+                "eval_accuracy_start": evals[0] and evals[0]["eval/accuracy"],
+                "eval_accuracy": evals[-1] and evals[-1]["eval/accuracy"],
                 "logprob_diff_max": max(r["logprob_diff/max"] for r in collect.rows),
                 "weight_sync_gb_per_s": median("weight_sync/gb_per_s")
                 if "weight_sync/gb_per_s" in timed[0]
@@ -155,10 +196,11 @@ print(2 * {size}**3 / min(times) / 1e9)
     return float(out.stdout.strip())
 
 
-def run(nproc: int, flags: list[str]) -> dict:
+def run(nproc: int, flags: list[str], rows_out: str | None = None) -> dict:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     script = str(REPO / "scripts" / "bench" / "e2e.py")
-    return run_child([*torchrun, "--nproc_per_node", str(nproc), script, "--child", *flags])
+    ours = ["--rows_out", rows_out] if rows_out else []
+    return run_child([*torchrun, "--nproc_per_node", str(nproc), script, "--child", *ours, *flags])
 
 
 def run_peer(threads: int, flags: list[str], peer_flags: tuple[str, ...] = ()) -> dict:
@@ -180,12 +222,14 @@ def main() -> int:
     args = sys.argv[1:]
     if args[:1] == ["--child"]:
         return measure(args[1:])
-    nproc, peer, peer_micro_batches = 1, None, 1
-    while args[:1] in (["--nproc"], ["--peer"], ["--peer_micro_batches"]):
+    nproc, peer, peer_micro_batches, rows_out = 1, None, 1, None
+    while args[:1] in (["--nproc"], ["--peer"], ["--peer_micro_batches"], ["--rows_out"]):
         if args[0] == "--nproc":
             nproc = int(args[1])
         elif args[0] == "--peer":
             peer = args[1]
+        elif args[0] == "--rows_out":
+            rows_out = args[1]
         else:
             peer_micro_batches = int(args[1])
         args = args[2:]
@@ -200,13 +244,15 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     peak = peak_gflops(threads=nproc)
-    result = {"bench": "e2e", **run(nproc, args), "peak_gflops": round(peak, 1)}
+    result = {"bench": "e2e", **run(nproc, args, rows_out), "peak_gflops": round(peak, 1)}
     if result["model_tflop_per_step"]:
         result["mfu"] = round(result["model_tflop_per_step"] * 1e3 / result["step_s"] / peak, 3)
     if peer is not None:
         peer_flags = ("--micro_batches", str(peer_micro_batches))
         if peer == "trl-vllm":
             peer_flags = ("--vllm", *peer_flags)
+        if result["eval_accuracy"] is not None:  # the same wall-clock time, then its accuracy
+            peer_flags = (*peer_flags, "--wall_s", str(result["steps_s"]))
         trl = run_peer(nproc, args, peer_flags)
         result["trl_peer"] = peer
         result["trl_micro_batches"] = peer_micro_batches
@@ -214,6 +260,9 @@ def main() -> int:
         result["trl_response_length"] = trl["response_length"]
         result["trl_response_length_max"] = trl["response_length_max"]
         result["trl_ratio"] = round(trl["step_s"] / result["step_s"], 3)
+        result["trl_steps_done"] = trl["steps_done"]
+        result["trl_steps_s"] = trl["steps_s"]
+        result["trl_eval_accuracy"] = trl["eval_accuracy"]
     if config.batch_invariant:
         off = run(nproc, [*args, "--batch_invariant", "false"])
         result["batch_invariant"] = True

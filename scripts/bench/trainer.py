@@ -13,6 +13,8 @@ long-tailed rows), or packed against padded micro-batches on a long-tailed mix o
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --ac full --steps 2 --warmup 0
     .venv/bin/python scripts/bench/trainer.py --lengths longtail --flavor 0.6B --sequences 4 \
         --max_completion 2048 --steps 1 --warmup 0 --ac full
+    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench/trainer.py --model llama3 \
+        --checkpoint assets/smollm2_135m_instruct --lengths rows --rows ROWS.json
     scripts/gpu_trainer.sh        (a GPU: 0.6B, 1.7B, 4B in bf16; docs/performance.md)
 
 Against plain (`--compare plain`, the default for uniform rows; under torchrun): both sides use
@@ -24,7 +26,12 @@ with a token-mean policy-gradient loss. Uniform rows: `--batch` rows of `--seq` 
 rank, plain runs them as they are. Long-tailed rows (`--lengths longtail --compare plain`):
 the mix below, each rank its contiguous share; plain runs the share as torchtitan's trainer
 packs documents, one stream cut into equal rows of at most `--budget` tokens (document-causal
-attention, positions restarting per piece). Steps alternate between the two so machine noise
+attention, positions restarting per piece). Real rollouts (`--lengths rows --rows FILE`, the
+rows `scripts/bench/e2e.py --rows_out FILE` records: every rank's rows of every step of a real
+run, their token ids and prompt lengths): timed step i trains step i's rows (cycling), each rank
+its own, plain packing them as the long tail's; `ratio` is then the two sides' total time over
+the timed steps. `--checkpoint DIR`: the HF checkpoint's weights and shape (`model.flavor =
+"auto"`, `--model` its family). Steps alternate between the two so machine noise
 hits both alike. Rank 0 prints one JSON line: median tokens/s of each, `ratio` = ours / plain,
 `mfu` of each (`flops` says the formula: torchtitan's own `get_nparams_and_flops`; `peak_gflops`
 and `peak` the denominator: on CUDA `--peak_tflops` per GPU, on CPU a GEMM in `--dtype`
@@ -55,6 +62,7 @@ longest sequence is refused in one line.
 """
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -113,14 +121,17 @@ def plain_step(trainer: PolicyTrainer, tokens_BT: torch.Tensor, max_norm: float)
 
 
 def build_trainer(args, micro_batch_tokens: int) -> PolicyTrainer:
-    tiny = args.flavor == "tiny"
-    model = ModelSection(
-        name=args.model,
-        flavor=args.flavor,
-        hf_checkpoint=str(TOKENIZER) if tiny else None,
-        tokenizer_path=str(TOKENIZER),
-        dtype=args.dtype,
-    )
+    if args.checkpoint:
+        model = ModelSection(name=args.model, hf_checkpoint=args.checkpoint, dtype=args.dtype)
+    else:
+        tiny = args.flavor == "tiny"
+        model = ModelSection(
+            name=args.model,
+            flavor=args.flavor,
+            hf_checkpoint=str(TOKENIZER) if tiny else None,
+            tokenizer_path=str(TOKENIZER),
+            dtype=args.dtype,
+        )
     training = TrainingSection(
         lr=1e-4,
         steps=10_000,
@@ -220,12 +231,51 @@ def plain_rows(
     return rows, [stream[lo:hi] for lo, hi in zip(cuts, cuts[1:], strict=False)]
 
 
+def recorded_steps(path: str, rank: int, world: int) -> list[tuple[RolloutBatch, list[int]]]:
+    """This rank's rows of every step `path` holds (scripts/bench/e2e.py --rows_out), each step
+    as a right-padded RolloutBatch (loss on the completions, random advantages) and its
+    sequences' lengths."""
+    ranks = json.loads(Path(path).read_text())["ranks"]
+    if len(ranks) != world:
+        sys.exit(f"error: --rows {path} holds {len(ranks)} ranks' rows: run {len(ranks)} ranks")
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for rows in ranks[rank]:
+        lengths = [len(ids) for _, ids in rows]
+        tokens_BT = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        mask_BT = torch.zeros(len(rows), max(lengths))
+        for b, (prompt, ids) in enumerate(rows):
+            tokens_BT[b, : len(ids)] = torch.tensor(ids)
+            mask_BT[b, prompt : len(ids)] = 1.0
+        batch = RolloutBatch(
+            tokens_BT=tokens_BT,
+            loss_mask_BT=mask_BT,
+            advantages_B=torch.randn(len(rows), generator=g),
+            generator_logprobs_BT=torch.zeros_like(mask_BT),
+        )
+        steps.append((batch, lengths))
+    return steps
+
+
 def versus_plain(args) -> None:
     """Ours (`optimizer_step`) against the plain torchtitan step on the same rows, alternating."""
     rank, world = platform.init_distributed()
     trainer = build_trainer(args, micro_batch_tokens=args.budget)
     vocab = trainer.spec.model.vocab_size
-    if args.lengths == "uniform":
+    recorded = []  # --lengths rows: (batch, lengths, plain's rows) of each recorded step
+    if args.lengths == "rows":
+        for batch, lengths in recorded_steps(args.rows, rank, world):
+            recorded.append((batch, lengths, plain_rows(batch, lengths, args.budget)))
+        batch, lengths, _ = recorded[0]
+
+        def plain(i):
+            _, _, (rows, row_tokens) = recorded[i % len(recorded)]
+            plain_packed_step(trainer, rows, row_tokens, 1.0)
+
+        def ours(i):
+            trainer.optimizer_step(recorded[i % len(recorded)][0], pg_loss)
+
+    elif args.lengths == "uniform":
         g = torch.Generator().manual_seed(rank)
         tokens_BT = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
         batch = RolloutBatch(
@@ -236,7 +286,7 @@ def versus_plain(args) -> None:
         )
         lengths = [args.seq] * args.batch
 
-        def plain():
+        def plain(i):
             plain_step(trainer, tokens_BT, 1.0)
 
     else:
@@ -247,11 +297,13 @@ def versus_plain(args) -> None:
         lengths = [sum(mix[i]) for i in share]
         rows, row_tokens = plain_rows(batch, lengths, args.budget)
 
-        def plain():
+        def plain(i):
             plain_packed_step(trainer, rows, row_tokens, 1.0)
 
-    def ours():
-        trainer.optimizer_step(batch, pg_loss)
+    if not recorded:
+
+        def ours(i):
+            trainer.optimizer_step(batch, pg_loss)
 
     cuda = torch.cuda.is_available()
     sides = {"ours": ours, "plain": plain}
@@ -263,21 +315,30 @@ def versus_plain(args) -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            step()
+            step(i)
             if cuda:  # the step's kernels done, not only queued
                 torch.cuda.synchronize()
                 peak_bytes[kind] = max(peak_bytes[kind], torch.cuda.max_memory_allocated())
             dist.barrier()
             if i >= args.warmup:
                 times[kind].append(time.perf_counter() - start)
-    syncs = {kind: host_syncs(step) for kind, step in sides.items()}  # one untimed step each
+    syncs = {kind: host_syncs(functools.partial(step, 0)) for kind, step in sides.items()}
     compiled = counters["stats"]["unique_graphs"]
 
-    flops = sum(platform.all_gather_objects(model_flops(trainer, lengths)))
-    tokens = sum(platform.all_gather_objects(sum(lengths)))
+    if recorded:  # steps of different sizes: a mean step of the timed ones, both sides
+        timed = [
+            recorded[i % len(recorded)][1] for i in range(args.warmup, args.warmup + args.steps)
+        ]
+        flops = sum(model_flops(trainer, lengths) for lengths in timed) / len(timed)
+        tokens = sum(sum(lengths) for lengths in timed) / len(timed)
+        step_s = {kind: statistics.mean(t) for kind, t in times.items()}
+    else:
+        flops, tokens = model_flops(trainer, lengths), sum(lengths)
+        step_s = {kind: statistics.median(t) for kind, t in times.items()}
+    flops = sum(platform.all_gather_objects(flops))
+    tokens = sum(platform.all_gather_objects(tokens))
     peak, peak_how = peak_gflops(args, world)
     rss = platform.all_gather_objects(round(peak_rss_gib(), 3))
-    step_s = {kind: statistics.median(t) for kind, t in times.items()}
     if rank == 0:
         row = {
             "bench": "trainer",
@@ -285,6 +346,7 @@ def versus_plain(args) -> None:
             "compare": "plain",
             "model": args.model,
             "flavor": args.flavor,
+            "checkpoint": args.checkpoint,
             "dtype": args.dtype,
             "compile": args.compile,
             "compiled_graphs": compiled,
@@ -294,6 +356,8 @@ def versus_plain(args) -> None:
         }
         if args.lengths == "uniform":
             row |= {"batch_per_rank": args.batch, "seq": args.seq}
+        elif recorded:
+            row |= {"rows": args.rows, "recorded_steps": len(recorded)}
         else:
             row |= {"sequences": args.sequences, "max_completion": args.max_completion}
         row |= {
@@ -464,7 +528,9 @@ def longtail(args, passthrough: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform")
+    parser.add_argument("--lengths", choices=("uniform", "longtail", "rows"), default="uniform")
+    parser.add_argument("--rows", help="--lengths rows: scripts/bench/e2e.py --rows_out's file")
+    parser.add_argument("--checkpoint", help="an HF checkpoint folder (its shape, its weights)")
     parser.add_argument(
         "--compare",
         choices=("plain", "padded"),
@@ -507,6 +573,8 @@ def main() -> None:
         args.flavor = "debugmodel" if args.lengths == "longtail" else "tiny"
     if args.compare is None:
         args.compare = "padded" if args.lengths == "longtail" else "plain"
+    if args.lengths == "rows" and not args.rows:
+        parser.error("--lengths rows needs --rows FILE (scripts/bench/e2e.py --rows_out FILE)")
     if args.lengths == "uniform" and args.compare == "padded":
         parser.error("--compare padded needs --lengths longtail (uniform rows have no padding)")
     if args.lengths == "longtail":

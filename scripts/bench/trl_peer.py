@@ -10,8 +10,14 @@ vllm_mode="colocate"`, as TRL users run it: `use_vllm_on_cpu` says what it takes
 reference model (beta = 0, as ours without a KL), and uses the loss_type matching
 algorithm.aggregation. `--micro_batches M` accumulates each step's gradient over M
 micro-batches of P * G / M (one generation per optimizer step). One process with as many
-threads as our ranks have together (`--threads`, default 2): the same cores. Prints the median
-step time over steps 2.. (step 1 warms up) and the mean completion length.
+threads as our ranks have together (`--threads`, default 2): the same cores. The prompts are
+rendered as ours are (the task's chat template and system prompt). `--wall_s S` stops training
+after the step that takes its steps' time past S seconds (scripts/bench/e2e.py passes our run's:
+the same wall-clock time); with `--vllm` and a held-out set, the policy is then evaluated as
+ours is: greedy on the held-out prompts (our renderer's token ids), eval.max_tokens, a sample
+correct when the task's reward is >= 1. Prints the median step time over steps 2.. (step 1
+warms up), the mean completion length, the steps trained and their time, and the held-out
+accuracy.
 """
 
 import json
@@ -29,12 +35,14 @@ TRL_LOSS_TYPE = {
 
 
 def main(argv: list[str]) -> int:
-    threads, vllm, micro_batches = 2, False, 1
-    while argv[:1] in (["--threads"], ["--vllm"], ["--micro_batches"]):
+    threads, vllm, micro_batches, wall_s = 2, False, 1, None
+    while argv[:1] in (["--threads"], ["--vllm"], ["--micro_batches"], ["--wall_s"]):
         if argv[0] == "--vllm":
             vllm, argv = True, argv[1:]
         elif argv[0] == "--threads":
             threads, argv = int(argv[1]), argv[2:]
+        elif argv[0] == "--wall_s":
+            wall_s, argv = float(argv[1]), argv[2:]
         else:
             micro_batches, argv = int(argv[1]), argv[2:]
     if vllm:
@@ -47,24 +55,25 @@ def main(argv: list[str]) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from torchtitan_rl.config import parse_args
-    from torchtitan_rl.tasks import build_task
+    from torchtitan_rl.episodes import open_task
     from torchtitan_rl.types import Prompt
 
     # Validated as our run of as many ranks as TRL has threads (a continuous run's flags need
     # a trainer and a generator rank); TRL ignores our placement.
     config = parse_args(argv, threads, prog="scripts/bench/trl_peer.py")
     sampling, training = config.generator.sampling, config.training
-    task = build_task(config.task, seed=config.job.seed)
+    opened = open_task(config)
+    task = opened.task
     rows = [
-        {"prompt": p.text, "answer": p.answer}
+        {"prompt": opened.renderer_of(p).text(p), "question": p.text, "answer": p.answer}
         for step in range(1, training.steps + 1)
         for p in task.prompts(step, training.prompts_per_step)
     ]
 
-    def reward(prompts, completions, answer, **_) -> list[float]:
+    def reward(prompts, completions, question, answer, **_) -> list[float]:
         return [
-            task.reward(Prompt(text=p, answer=a), c)
-            for p, c, a in zip(prompts, completions, answer, strict=True)
+            task.reward(Prompt(text=q, answer=a), c)
+            for q, c, a in zip(question, completions, answer, strict=True)
         ]
 
     class StepTimes(TrainerCallback):
@@ -76,6 +85,8 @@ def main(argv: list[str]) -> int:
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.start)
+            if wall_s is not None and sum(self.times) >= wall_s:
+                control.should_training_stop = True
 
     checkpoint = config.model.hf_checkpoint
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_dir)
@@ -123,6 +134,7 @@ def main(argv: list[str]) -> int:
             callbacks=[timer],
         )
         trainer.train()
+        accuracy = held_out_accuracy(trainer, opened, config) if vllm else None
     lengths = [
         row["completions/mean_length"]
         for row in trainer.state.log_history
@@ -142,6 +154,9 @@ def main(argv: list[str]) -> int:
                 "response_length": round(statistics.mean(lengths), 2) if lengths else None,
                 "response_length_max": max(longest) if longest else None,
                 "final_reward": trainer.state.log_history[-2].get("reward"),
+                "steps_done": len(timer.times),
+                "steps_s": round(sum(timer.times), 2),
+                "eval_accuracy": accuracy,
                 "threads": threads,
                 "vllm": vllm,
                 "micro_batches": micro_batches,
@@ -151,6 +166,31 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     return 0
+
+
+def held_out_accuracy(trainer, opened, config) -> float | None:
+    """The trained policy's accuracy on the held-out prompts as our evaluator scores it: its
+    weights synced to TRL's vLLM, greedy, eval.max_tokens (or sampling's), correct when the
+    task's reward is >= 1 (our eval/accuracy at eval.n = 1, temperature 0); None without a
+    held-out set."""
+    from vllm import SamplingParams
+
+    prompts = opened.eval_prompts
+    if not prompts:
+        return None
+    generation = trainer.vllm_generation
+    generation.sync_weights()  # TRL syncs before each generation: the last update is not in yet
+    max_tokens = config.eval.max_tokens or config.generator.sampling.max_tokens
+    ids = [opened.renderer_of(p).encode([p])[0] for p in prompts]
+    outputs = generation.llm.generate(
+        [{"prompt_token_ids": i} for i in ids],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        use_tqdm=False,
+    )
+    rewards = [
+        opened.task.reward(p, out.outputs[0].text) for p, out in zip(prompts, outputs, strict=True)
+    ]
+    return round(sum(r >= 1.0 for r in rewards) / len(rewards), 4)
 
 
 def use_vllm_on_cpu() -> None:

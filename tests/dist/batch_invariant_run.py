@@ -9,7 +9,10 @@ measures max |generator - trainer| logprob of the sampled tokens for: prompts of
 (3 to 200 tokens, across vLLM's 128-token CPU KV block) sampled together; one prompt alone;
 the same prompt among 16 concurrent sequences. Several runs go one after another in the same
 world (`--then`). Rank 0 writes {NAME: figures} to OUT.json, with what the run's engine
-compiled (its graphs and their host reads: helpers/compiled_graphs.py).
+compiled (its graphs and their host reads: helpers/compiled_graphs.py). A run's flag
+`--plant_plain_reduction` (this script's, not the config's) plants a defect for that run: its
+row-parallel layers reduce as without a TP side (one GEMM; a TP generator's rank sums its
+plain partial product over the ranks), which a test expects to break bitwise equality.
 """
 
 import gc
@@ -21,11 +24,11 @@ import torch
 import torch.distributed as dist
 from helpers import compiled_graphs
 
-from torchtitan_rl import platform
-from torchtitan_rl.types import rollout_batch
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import parse_args
 from torchtitan_rl.loop import Hooks
 from torchtitan_rl.placements.colocated import RLTrainer
+from torchtitan_rl.types import rollout_batch
 
 
 class StepDiffs(Hooks):
@@ -87,8 +90,17 @@ def split_runs(args: list[str]) -> list[tuple[str, list[str]]]:
 def probe(flags: list[str], rank: int, world_size: int) -> dict:
     """One run's RL steps, then the probes on its trained weights: its figures (rank 0's)."""
     recorder = StepDiffs()
+    planted = "--plant_plain_reduction" in flags
+    flags = [f for f in flags if f != "--plant_plain_reduction"]
+    config = parse_args(flags, world_size)
     with compiled_graphs.recording() as graphs:  # the engine's, over the run and the probes
-        run = RLTrainer(parse_args(flags, world_size), hooks=recorder)
+        saved = batch_invariant.reduction_slices
+        if planted:
+            batch_invariant.reduction_slices = lambda *degrees: 1
+        try:
+            run = RLTrainer(config, hooks=recorder)
+        finally:
+            batch_invariant.reduction_slices = saved
         run.train()
         rng = random.Random(7)
         mixed = [f"echo {digits(rng, n)}:" for n in (3, 17, 64, 121, 130, 200)]

@@ -140,3 +140,86 @@ def test_pointwise_gradients_are_its_pieces_own():
         torch.testing.assert_close(op_grad, torch.func.vjp(fn, x.detach())[1](upstream)[0])
     with pytest.raises(ValueError, match="ops.pointwise runs sigmoid, softplus, silu, not tanh"):
         ops.pointwise(torch.tanh, torch.ones(3))
+
+
+# Row-parallel shapes of the models the suite runs: (rows, reduction, outputs).
+ROW_PARALLEL_SHAPES = [(1, 64, 64), (37, 256, 128), (300, 1536, 576), (5, 576, 1536)]
+
+
+def rank_partials(x, w, ranks: int, width: int) -> list[torch.Tensor]:
+    """Each of `ranks` TP ranks' `partial_products`: its contiguous block of the input columns."""
+    block = x.shape[-1] // ranks
+    cols = [slice(r * block, (r + 1) * block) for r in range(ranks)]
+    return [ops.partial_products(x[:, c], w[:, c], width) for c in cols]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_parallel_layers_canonical_reduction_is_the_same_on_one_rank_and_split(dtype):
+    """A TP generator's rank holds a contiguous block of a row-parallel layer's input columns:
+    its `partial_products` over its slices, combined with the other ranks' (two ranks: an
+    all-reduce, a + b in either order; four: the gathered partials summed as the tree), equal
+    the one-device product over all the slices bit for bit, at every row count. Without the
+    canonical order (each rank's plain product, summed) they do not, nor with the slices
+    folded left to right (planted: the rank split regroups the sums)."""
+    g = torch.Generator().manual_seed(0)
+    plain_differs = fold_differs = False
+    for rows, width_in, width_out in ROW_PARALLEL_SHAPES:
+        x = torch.randn(rows, width_in, generator=g).to(dtype)
+        w = torch.randn(width_out, width_in, generator=g).to(dtype)
+        for slices in (2, 4):
+            width = width_in // slices
+            whole = ops.partial_products(x, w, width)
+            a, b = rank_partials(x, w, 2, width)
+            assert torch.equal(a + b, whole) and torch.equal(b + a, whole), (rows, slices)
+            if slices == 4:
+                four = rank_partials(x, w, 4, width)
+                gathered = ops.combine_partials(
+                    four[0],
+                    4,
+                    all_reduce=None,
+                    all_gather=lambda y, dim, four=four: torch.stack(four),
+                )
+                assert torch.equal(gathered, whole), rows
+            assert torch.equal(ops.partial_products(x[:1], w, width), whole[:1])  # row-invariant
+        half = width_in // 2
+        split = ops.linear(x[:, :half], w[:, :half]).float() + ops.linear(x[:, half:], w[:, half:])
+        plain_differs |= not torch.equal(split, ops.linear(x, w).float())
+        q = [p.float() for p in rank_partials(x, w, 4, width_in // 4)]
+        fold_differs |= not torch.equal(
+            ((q[0] + q[1]) + q[2]) + q[3], (q[0] + q[1]) + (q[2] + q[3])
+        )
+    assert plain_differs and fold_differs
+
+
+def test_only_row_parallel_linears_reduce_canonically_with_the_plain_gradients(monkeypatch):
+    """With reduction slices > 1, `make_linears_invariant` gives the canonical reduction to
+    exactly the linears the TP plan splits by input columns (attention output, MLP down
+    projection, read from torchtitan's sharding config), each slice `in_features / slices`
+    wide; the rest keep `ops.linear`. Their gradients are the plain linear's."""
+    from torchtitan_rl import batch_invariant
+    from torchtitan_rl.config import ParallelismSection
+    from torchtitan_rl.models import model_spec
+    from torchtitan_rl.trainer.parallel import fill_sharding_plan, layout
+
+    monkeypatch.setattr(batch_invariant, "_slices", 2)
+    for name in ("qwen3", "llama3"):
+        spec = model_spec(name, "tiny")
+        fill_sharding_plan(spec, layout(ParallelismSection(), 1)[1])
+        model = spec.model.build()
+        batch_invariant.make_linears_invariant(model)
+        canonical = {
+            n.split(".", 2)[-1]
+            for n, m in model.named_modules()
+            if getattr(m, "reduction_width", None) is not None
+        }
+        assert canonical == {"attention.wo", "feed_forward.w2"}, (name, canonical)
+        wo = model.layers["0"].attention.wo
+        assert wo.reduction_width == wo.in_features // 2 and wo.tp_combine is None
+        x = torch.randn(3, 5, wo.in_features, requires_grad=True)
+        y = wo(x)
+        expected = ops.partial_products(x, wo.weight, wo.in_features // 2).to(x.dtype)
+        assert torch.equal(y, expected)
+        y.square().sum().backward()
+        x_ref = x.detach().clone().requires_grad_()
+        F.linear(x_ref, wo.weight).square().sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,11 @@ batch-invariant kernels, so the two agree bit for bit whatever the batch composi
   wrapper, which then skips its oneDNN-packed copies) pads its rows to a fixed tile; attention
   is `ops.attention` on both sides, the generator reading keys/values from vLLM's paged cache;
   RMSNorm, RoPE and log_softmax are row-invariant as they are. The trainer computes logprobs
-  as log_softmax(logits / T), exactly vLLM's processed logprobs.
+  as log_softmax(logits / T), exactly vLLM's processed logprobs. Where a side is tensor
+  parallel, every row-parallel linear (its weight split by input columns in the TP plan:
+  attention output, MLP down projection) reduces in a canonical order on both sides
+  (`reduction_slices`, `ops.partial_products`): a rank of a TP generator computes its block of
+  the slices and the ranks combine them in the same tree.
 - CUDA (written, not run here: no GPU in this project's CI): torchtitan's
   `set_batch_invariance` (the batch_invariant_ops ATen overrides, deterministic NCCL) for the
   trainer and vLLM's VLLM_BATCH_INVARIANT=1 for the generator. Each side is then
@@ -29,14 +33,25 @@ from torchtitan.protocols.module import Module
 from torchtitan_rl.batch_invariant import ops
 
 _enabled = False
+_slices = 1
+"""The canonical slice count of a row-parallel layer's reduction (`reduction_slices`)."""
 _checked: set[tuple] = set()  # (dim, heads, head_dim, dtype, threads) found invariant here
 
 
-def enable() -> None:
-    """Turn the mode on for this process (before building any model or engine)."""
-    global _enabled
+def reduction_slices(trainer_tp: int, generator_tp: int) -> int:
+    """How many slices a row-parallel layer's reduction runs in: the run's largest tensor-
+    parallel degree (1: one GEMM, as without TP). Every degree of the run divides it, so each
+    TP rank holds a whole block of slices."""
+    return max(trainer_tp, generator_tp)
+
+
+def enable(slices: int = 1) -> None:
+    """Turn the mode on for this process (before building any model or engine); `slices`:
+    `reduction_slices` of the run."""
+    global _enabled, _slices
     from torchtitan_rl import platform
 
+    _slices = slices
     if platform.device_type() == "cuda":
         from torchtitan.distributed.utils import set_batch_invariance
 
@@ -59,6 +74,17 @@ def is_enabled() -> bool:
     return _enabled
 
 
+def slices() -> int:
+    """The reduction slices `enable` was given."""
+    return _slices
+
+
+def enable_for(config) -> None:
+    """`enable` with the slices of `config`'s (a JobConfig's) layouts."""
+    generator_tp = config.generator.parallelism.tensor_parallel_degree
+    enable(reduction_slices(config.parallelism.tp, generator_tp))
+
+
 def uses_own_kernels() -> bool:
     """True where this project's kernels implement the mode (CPU); on CUDA the ATen overrides
     of batch_invariant_ops and vLLM's own batch-invariant backend do."""
@@ -69,6 +95,44 @@ def uses_own_kernels() -> bool:
 
 def _invariant_linear_forward(self: nn.Linear, x):
     return ops.linear(x, self.weight, self.bias)
+
+
+def row_parallel(module: nn.Module) -> bool:
+    """Whether `module` is a linear the model's TP plan splits by input columns (weight
+    Shard(1): its output a partial sum over the TP ranks), read from torchtitan's sharding
+    config, which the trainer and the generator both fill in."""
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+
+    config = getattr(module, "_sharding_config", None)
+    if not isinstance(module, nn.Linear) or config is None:
+        return False
+    weight = (config.state_shardings or {}).get("weight")
+    return weight is not None and str(weight.axis_types.get(MeshAxisName.TP)) == "S(1)"
+
+
+def canonical_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A row-parallel linear's output under the mode: `ops.partial_products` over slices of
+    `module.reduction_width` (whichever of them this rank holds), finished over the ranks by
+    `module.tp_combine` (a TP generator's, set by generator/tensor_parallel.py; None where
+    the rank holds every slice), then the whole bias once, rounded to x's dtype once."""
+    y = ops.partial_products(x, weight, module.reduction_width)
+    if module.tp_combine is not None:
+        y = module.tp_combine(y)
+    if module.bias is not None:
+        y = y + module.bias.float()
+    return y.to(x.dtype)
+
+
+def _canonical_forward(self: nn.Linear, x):
+    return canonical_linear(self, x, self.weight)
+
+
+def invariant_linear(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`module`'s output under the mode with `weight` (LoRA's merged one): canonical where it
+    is row-parallel in a run with a TP side, else `ops.linear`."""
+    if getattr(module, "reduction_width", None) is not None:
+        return canonical_linear(module, x, weight)
+    return ops.linear(x, weight, module.bias)
 
 
 def _invariant_capped_forward(self: nn.Linear, x, cap):
@@ -84,7 +148,9 @@ def make_linears_invariant(model: nn.Module) -> None:
     then its soft cap where it has one (Muse Glimmer's head: `logprobs.soft_cap`), and this
     project's MoE experts and routers (models/moe.py: the modules with a
     `batch_invariant` switch) through their batch-invariant kernels. A shared expert's sigmoid
-    gate (Qwen3.5-MoE's: one value a token) goes through `ops.pointwise`."""
+    gate (Qwen3.5-MoE's: one value a token) goes through `ops.pointwise`. With
+    `reduction_slices` > 1 each row-parallel linear reduces canonically (`canonical_linear`;
+    its bias added once, after the sum)."""
     from torchtitan_rl.trainer.logprobs import soft_cap
 
     for module in model.modules():
@@ -92,6 +158,10 @@ def make_linears_invariant(model: nn.Module) -> None:
             forward = _invariant_linear_forward
             if (cap := soft_cap(module)) is not None:
                 forward = functools.partial(_invariant_capped_forward, cap=cap)
+            elif _slices > 1 and row_parallel(module):
+                module.reduction_width = module.in_features // _slices
+                module.tp_combine = None
+                forward = _canonical_forward
             module.forward = types.MethodType(forward, module)
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True

@@ -11,6 +11,14 @@ Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; docs/batch_invariant
   when M is padded to a multiple of ROW_TILE (1024-wide layers: 1 vs 40 rows differ). Its
   products are exact in fp32, so `linear` multiplies bf16 inputs as fp32 (invariant wherever
   fp32 is) and rounds the result to bf16 once; without AMX fp32 GEMM is also the faster one.
+- A row-parallel layer (attention output, MLP down projection) sharded over TP ranks adds
+  partial products across them, which one device's GEMM does not reproduce. Where the run has
+  a tensor-parallel side (batch_invariant.reduction_slices), every such layer runs its
+  reduction as `partial_products`: a fixed number of slices of its input dimension, each one
+  GEMM, summed by a pairwise tree in slice order, in fp32. A rank holding a contiguous whole
+  part of the slices computes its subtree; the ranks' subtrees then combine in the same tree
+  (`combine_partials`): the same bits on one device and on any power-of-two degree that
+  divides the slice count.
 - RMSNorm, log_softmax and logsumexp are row-invariant as they are.
 - Elementwise sigmoid, softplus and SiLU are not where a row is narrower than ATen's vector
   loop: ATen runs a tensor's elements in vectors of 2 x 16 (fp32, AVX-512) and the remainder
@@ -119,6 +127,64 @@ _pointwise.register_autograd(_pointwise_backward, setup_context=_keep)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear whose result for a row depends only on that row (rows padded to ROW_TILE)."""
     return _Linear.apply(x, weight, bias)
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + ... + parts[-1] as a pairwise tree: the left half's sum plus the right
+    half's. For a power-of-two count, any aligned block of the parts is one subtree, which is
+    what lets ranks holding blocks sum them first."""
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) // 2
+    return tree_sum(parts[:half]) + tree_sum(parts[half:])
+
+
+def partial_products(x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
+    """x @ weight.T in fp32 with its reduction in canonical order: the input dimension cut
+    into slices of `width` (contiguous, in order), each slice's product one row-padded fp32
+    GEMM, the slices summed by `tree_sum`. Not rounded to x's dtype: a rank's result is a
+    partial sum that `combine_partials` finishes. Differentiable (the plain linear's
+    gradients)."""
+    return _PartialProducts.apply(x, weight, width)
+
+
+class _PartialProducts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, width):
+        ctx.save_for_backward(x, weight)
+        rows = x.reshape(-1, x.shape[-1])
+        padded = F.pad(rows, (0, 0, 0, -rows.shape[0] % ROW_TILE)).float()
+        parts = [
+            F.linear(
+                padded[:, start : start + width].contiguous(),
+                weight[:, start : start + width].float(),
+            )
+            for start in range(0, x.shape[-1], width)
+        ]
+        y = tree_sum(parts)[: rows.shape[0]]
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = (grad_rows @ weight.to(grad_rows.dtype)).reshape(x.shape).to(x.dtype)
+        grad_w = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad_rows.dtype)
+        return grad_x, grad_w.to(weight.dtype), None
+
+
+def combine_partials(y: torch.Tensor, world_size: int, all_reduce, all_gather) -> torch.Tensor:
+    """Finish `partial_products` over `world_size` ranks, each holding a contiguous block of the
+    slices (rank r the r-th): the ranks' subtrees summed in the tree's order. Two ranks: an
+    all-reduce (a + b is b + a in IEEE arithmetic: any algorithm gives the tree's bits); more:
+    every rank's partial gathered, then summed as the tree (an all-reduce's order is its
+    own)."""
+    if world_size == 1:
+        return y
+    if world_size == 2:
+        return all_reduce(y)
+    gathered = all_gather(y[None], 0)
+    return tree_sum(list(gathered.unbind(0)))
 
 
 def attention(

@@ -265,12 +265,49 @@ class JobConfig:
             "training.compile = false in this mode",
         )
         generator_tp = self.generator.parallelism.tensor_parallel_degree
+        if generator_tp > 1:
+            self._validate_invariant_generator_tp(generator_tp)
+
+    def _validate_invariant_generator_tp(self, tp: int) -> None:
+        """A TP generator under the mode: its row-parallel linears reduce canonically
+        (batch_invariant.canonical_linear), proven for dense decoders; what is not yet is one
+        line naming it."""
+        from torchtitan_rl.generator import tensor_parallel
+        from torchtitan_rl.models import (
+            has_linear_attention,
+            has_vision_tower,
+            is_mixture_of_experts,
+            model_spec,
+        )
+
+        name, flavor = self.model.name, self.model.flavor
+        at = f"batch_invariant = true with generator.parallelism.tensor_parallel_degree = {tp}"
         require(
-            generator_tp == 1,
-            f"batch_invariant = true with generator.parallelism.tensor_parallel_degree = "
-            f"{generator_tp}: the generator's row-parallel layers add partial products across "
-            "ranks, which the trainer's one-device GEMMs do not reproduce bit for bit; use 1 "
-            "in this mode",
+            tp & (tp - 1) == 0,
+            f"{at}: the canonical reduction splits each row-parallel layer in a power-of-two "
+            "number of slices; use 2 (or 4, 8)",
+        )
+        parts = [
+            (
+                is_mixture_of_experts,
+                "mixture-of-experts layers (its experts' hidden units "
+                "would be summed over the ranks after the routing weights)",
+            ),
+            (has_linear_attention, "Gated DeltaNet layers"),
+            (has_vision_tower, "a vision tower"),
+        ]
+        for has, what in parts:
+            require(
+                not has(name, flavor),
+                f"{at}: {name}/{flavor} has {what}, which are bitwise across TP layouts only on "
+                "dense decoders so far; use tensor_parallel_degree = 1 in this mode (a "
+                "generator replica per rank)",
+            )
+        why = tensor_parallel.why_not_local(model_spec(name, flavor), tp)
+        require(
+            not why,
+            f"{at}: {why}, so the generator would run DTensors, whose reductions are not "
+            "canonical; use tensor_parallel_degree = 1 in this mode",
         )
 
     def _validate_distill(self) -> None:

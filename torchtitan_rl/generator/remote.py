@@ -94,8 +94,8 @@ def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
         # its own single-process executor would put every child on device 0.
         if world is None:
             os.environ.update(RANK="0", WORLD_SIZE="1")
-        if invariant:
-            batch_invariant.enable()
+        if invariant:  # the mode's reduction slices (0: off)
+            batch_invariant.enable(invariant)
         engine = LocalGenerator(generator=generator, model=model, seed=seed)
         params, shards = {}, {}
         for name, param in engine.weights().items():
@@ -167,7 +167,7 @@ class RemoteGenerator:
                 generator,
                 model,
                 seed,
-                batch_invariant.uses_own_kernels(),
+                batch_invariant.uses_own_kernels() and batch_invariant.slices(),
                 world,
                 self.requests,
                 self.replies,

@@ -52,6 +52,8 @@ from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import LocalDispatchMetadata, LocalTokenDispatcher
 
+from torchtitan_rl.batch_invariant import ops
+
 Layout = tuple
 """(device mesh, placements, global shape, global stride) of a sharded weight."""
 
@@ -173,9 +175,30 @@ def _local_experts(routed: nn.Module, layouts: dict, experts_name: str) -> bool:
 
 def add_all_reduces(model: nn.Module, names: list[str]) -> None:
     """Sum the output of each named module (as it is now: maybe a packed stand-in) over the
-    ranks, with vLLM's all-reduce (a registered op: it compiles)."""
+    ranks, with vLLM's all-reduce (a registered op: it compiles). A row-parallel linear of
+    batch-invariant mode (`batch_invariant.canonical_linear`) instead finishes its canonical
+    reduction over the ranks itself, in fp32, before its bias and its rounding."""
     for name in names:
-        model.get_submodule(name).register_forward_hook(_all_reduce_output)
+        module = model.get_submodule(name)
+        if getattr(module, "reduction_width", None) is not None:
+            module.tp_combine = _combine_partials
+        else:
+            module.register_forward_hook(_all_reduce_output)
+
+
+def _combine_partials(y: torch.Tensor) -> torch.Tensor:
+    from vllm.distributed import (
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+        tensor_model_parallel_all_reduce,
+    )
+
+    return ops.combine_partials(
+        y,
+        get_tensor_model_parallel_world_size(),
+        tensor_model_parallel_all_reduce,
+        tensor_model_parallel_all_gather,
+    )
 
 
 def _sums_over_ranks(name: str, module: nn.Module, placements) -> bool:

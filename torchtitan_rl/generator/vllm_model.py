@@ -160,8 +160,10 @@ class TorchTitanForCausalLM(nn.Module):
                     attention.inner_attention.attn.impl.sinks = sinks
         with torch.no_grad():
             model.init_states()  # computes the RoPE cache; weights come from load_weights
-        if invariant:
-            # The trainer's kernels on the generator side; no packed copies.
+        self.invariant = invariant
+        if invariant and not self.local_shards:
+            # The trainer's kernels on the generator side; no packed copies. (On local shards
+            # once they are: `localize` drops the modules' forwards.)
             make_linears_invariant(model)
         self.packed = (
             vllm_kernels
@@ -318,6 +320,8 @@ class TorchTitanForCausalLM(nn.Module):
         names = {name for name, _ in self.named_parameters()}
         if self.local_shards:
             self.layouts, reduced = tensor_parallel.localize(self.model)
+            if self.invariant:
+                make_linears_invariant(self.model)
             if self.packed:
                 _pack(self.model)
                 self.repack()

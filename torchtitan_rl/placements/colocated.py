@@ -37,7 +37,7 @@ class RLTrainer:
         self.hooks = hooks or Hooks()
         self.rank, self.group = dist.get_rank(), None  # every rank trains
         if config.batch_invariant:
-            batch_invariant.enable()  # before any model or engine is built
+            batch_invariant.enable_for(config)  # before any model or engine is built
         torch.manual_seed(config.job.seed)
         # First, so that a wrong checkpoint folder fails before anything is built.
         self.checkpointer = Checkpointer(

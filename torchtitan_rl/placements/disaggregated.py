@@ -160,7 +160,7 @@ class GeneratorWorker:
         self.config, self.topology = config, topology
         self.rank = dist.get_rank()
         if config.batch_invariant:
-            batch_invariant.enable()
+            batch_invariant.enable_for(config)
         task = task or open_task(config)  # before the engine: a bad dataset row fails in seconds
         # Prompts and seeds are split over the generator ranks' engines (one per rank, or per
         # generator TP group); each rank sends its part of its engine's rollouts.
@@ -260,7 +260,7 @@ class DisaggregatedTrainer:
         self.rank, self.group = dist.get_rank(), topology.trainer_group
         self.continuous = continuous
         if config.batch_invariant:
-            batch_invariant.enable()
+            batch_invariant.enable_for(config)
         torch.manual_seed(config.job.seed)
         self.checkpointer = Checkpointer(
             config.checkpoint,

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from torchtitan_rl import batch_invariant
 from torchtitan_rl.batch_invariant import ops
 from torchtitan_rl.config import LoRASection
 
@@ -74,9 +75,8 @@ def merge(
 
 
 def _merged_forward(self, x):
-    return ops.linear(
-        x, merge(self.weight, self.lora_a.weight, self.lora_b.weight, self._lora_scaling), self.bias
-    )
+    merged = merge(self.weight, self.lora_a.weight, self.lora_b.weight, self._lora_scaling)
+    return batch_invariant.invariant_linear(self, x, merged)
 
 
 def use_merged_forward(model: nn.Module) -> None:
