@@ -195,20 +195,22 @@ def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_p
 def test_a_tensor_parallel_generator_is_bitwise_with_the_fsdp_trainer(tmp_path):
     """Trainer FSDP 2, one generator over both ranks at TP 2 (each rank half of every
     attention head group and MLP unit): 3 RL steps that move the weights, then the probes,
-    every difference exactly 0.0 in fp32 and in bf16, on the tiny Qwen3 and Llama 3. Each
+    every difference exactly 0.0 in fp32 and in bf16, on the tiny Qwen3 and Llama 3 (whose
+    random checkpoint earns no reward: its steps sync unchanged weights). Each
     row-parallel layer (attention output, MLP down projection) reduces in 2 canonical slices
     on both sides, the trainer's one device summing them as the generator's two ranks do
     (`ops.partial_products`, an fp32 all-reduce of two). The engine compiled once, without
     host reads. Planted: the same run with the plain reduction (each generator rank's GEMM
     over its half, summed over the ranks) is not bitwise."""
     tp2 = ("--batch_invariant", "true", "--generator.parallelism.tensor_parallel_degree", "2")
+    warn = ("--batch_invariant_on_mismatch", "warn")  # the planted run runs on to its probes
     llama = ("--model.name", "llama3", "--model.hf_checkpoint", "assets/tiny_llama3")
     results = probe(
         tmp_path,
         ("fp32", (*STEPS, *tp2)),
         ("bf16", (*STEPS, *tp2, *BF16)),
         ("llama3_bf16", (*STEPS, *tp2, *BF16, *llama)),
-        ("planted", (*STEPS, *tp2, "--plant_plain_reduction")),
+        ("planted", (*STEPS, *tp2, *warn, "--plant_plain_reduction")),
     )
     for name in ("fp32", "bf16", "llama3_bf16"):
         result = results[name]
@@ -216,7 +218,9 @@ def test_a_tensor_parallel_generator_is_bitwise_with_the_fsdp_trainer(tmp_path):
         assert diffs(result) == [0.0] * 6, (name, result)
         assert result["alone_equals_among_16"], name
         rows = metric_rows(tmp_path / name)
-        assert len(rows) == 3 and all(row["grad_norm"] > 0 for row in rows), rows
+        assert len(rows) == 3, rows
+        if name != "llama3_bf16":  # its random checkpoint answers ':' (p 0.995): no reward
+            assert all(row["grad_norm"] > 0 for row in rows), rows
     assert max(diffs(results["planted"])) > 0.0, results["planted"]
 
 
