@@ -569,7 +569,9 @@ def main() -> None:
     parser.add_argument("--child", choices=("packed", "padded"), dest="path")
     argv = sys.argv[1:]
     args = parser.parse_args(argv)
-    if args.flavor is None:
+    if args.checkpoint:
+        args.flavor = "auto"  # the checkpoint's shape (its config.json)
+    elif args.flavor is None:
         args.flavor = "debugmodel" if args.lengths == "longtail" else "tiny"
     if args.compare is None:
         args.compare = "padded" if args.lengths == "longtail" else "plain"

@@ -191,6 +191,33 @@ def test_a_row_parallel_layers_canonical_reduction_is_the_same_on_one_rank_and_s
     assert plain_differs and fold_differs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_parallel_layers_and_attention_heads_need_no_canonical_order(dtype):
+    """What a TP generator's rank computes unchanged under the mode: a column-parallel linear
+    (q/k/v, gate/up, the vocabulary-parallel head: its block of output rows) equals that block
+    of the one-device `ops.linear`, and `ops.attention` over a rank's block of query heads with
+    their KV heads equals those heads of the whole, bit for bit (a dot product's order does not
+    depend on how many others run beside it). The vocabulary-parallel embedding's sum over
+    ranks adds zeros: exact."""
+    g = torch.Generator().manual_seed(0)
+    for rows, width_in, width_out in [(1, 128, 256), (37, 576, 1536), (300, 576, 49152 // 8)]:
+        x = torch.randn(rows, width_in, generator=g).to(dtype)
+        w = torch.randn(width_out, width_in, generator=g).to(dtype)
+        whole = ops.linear(x, w)
+        for r in range(2):
+            block = slice(r * width_out // 2, (r + 1) * width_out // 2)
+            assert torch.equal(ops.linear(x, w[block].contiguous()), whole[:, block]), rows
+    B, L, N, K, H = 2, 40, 8, 2, 64
+    q = torch.randn(B, L, N, H, generator=g).to(dtype)
+    k, v = (torch.randn(B, L, K, H, generator=g).to(dtype) for _ in range(2))
+    positions = torch.arange(L).expand(B, L)
+    whole = ops.attention(q, k, v, positions)
+    for r in range(2):
+        heads, kv = slice(r * N // 2, (r + 1) * N // 2), slice(r * K // 2, (r + 1) * K // 2)
+        mine = ops.attention(q[:, :, heads], k[:, :, kv], v[:, :, kv], positions)
+        assert torch.equal(mine, whole[:, :, heads]), r
+
+
 def test_only_row_parallel_linears_reduce_canonically_with_the_plain_gradients(monkeypatch):
     """With reduction slices > 1, `make_linears_invariant` gives the canonical reduction to
     exactly the linears the TP plan splits by input columns (attention output, MLP down

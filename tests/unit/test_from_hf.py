@@ -46,6 +46,8 @@ def leaves(config, path=""):
         ("deepseek_v3", "tiny", "tiny_deepseek_v3"),
         ("deepseek_v3", "tiny_grouped", "tiny_grouped_deepseek_v3"),
         ("kimi_k2_7", "tiny", "tiny_kimi_k2_7"),
+        ("qwen3_5", "tiny", "tiny_qwen3_5"),
+        ("qwen3_5", "tiny_moe", "tiny_moe_qwen3_5"),
     ],
 )
 def test_the_tiny_checkpoints_config_json_gives_their_flavor(name, flavor, folder):
@@ -170,6 +172,55 @@ def deepseek_v3(folder):
     return _save(model, folder)
 
 
+def qwen3_5(folder, moe: bool = False):
+    """A Qwen3_5ForCausalLM (or its MoE) at a shape no qwen3_5 flavor has: full attention every
+    2nd layer, half the head rotated, 2 key heads repeated to 4 value heads of 32; the MoE 6
+    experts of width 40, top 2, beside a shared one of 48. Norm weights drawn (HF's offset
+    norms start at 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=68,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 2, 2],
+            "mrope_interleaved": True,
+        },
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    if moe:
+        config |= dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=48,
+        )
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**config))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
+    return _save(model, folder)
+
+
 MAKERS = {
     "llama3": llama,
     "llama3 (Llama 3.1 RoPE, untied)": lambda folder: llama(
@@ -186,6 +237,8 @@ MAKERS = {
     "qwen3": qwen3,
     "qwen3 (MoE)": qwen3_moe,
     "deepseek_v3": deepseek_v3,
+    "qwen3_5": qwen3_5,
+    "qwen3_5 (MoE)": lambda folder: qwen3_5(folder, moe=True),
 }
 
 
@@ -261,6 +314,13 @@ def _with(folder, **fields):
             'layer_types = "sliding_attention"',
         ),
         ("qwen3", llama, {}, "is a LlamaForCausalLM: set model.name = 'llama3'"),
+        (
+            "qwen3_5",
+            qwen3_5,
+            {"layer_types": ["linear_attention", "full_attention", "full_attention"]},
+            "is not full attention every k-th layer",
+        ),
+        ("qwen3_5", qwen3_5, {"tie_word_embeddings": True}, "tie_word_embeddings = true"),
         ("qwen3", qwen3, {"num_key_value_heads": None}, "config.json has no num_key_value_heads"),
     ],
 )

@@ -368,12 +368,98 @@ def _kimi_k2_7(fields: _Fields, attn_backend: str):
     return _mla(fields, attn_backend, KimiK25Model.Config, _build_kimi_layers)
 
 
+def _qwen3_5(fields: _Fields, attn_backend: str):
+    """Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM (text only): Gated DeltaNet layers with
+    gated full attention every `full_attention_interval`-th layer (read from `layer_types`),
+    partial RoPE, offset norms, untied; the MoE's experts beside a sigmoid-gated shared one."""
+    from torchtitan.models.common import Embedding, Linear
+
+    from torchtitan_rl.models.qwen3_5 import family, text_only
+
+    q35 = family()
+    _common(fields, "qwen3_5")
+    fields.expect("tie_word_embeddings", (False,), "(tied embeddings) is not torchtitan's qwen3_5")
+    fields.expect("linear_conv_kernel_dim", (4,), "is not the width-4 convolution of qwen3_5")
+    fields.expect("attn_output_gate", (True,), "(ungated attention) is not torchtitan's qwen3_5")
+    n_layers = fields.need("num_hidden_layers")
+    kinds = fields.need("layer_types")
+    interval = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+    pattern = (
+        [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+        if interval
+        else []
+    )
+    if kinds != pattern:
+        raise fields.fail(
+            "layer_types", kinds, "is not full attention every k-th layer, as torchtitan builds"
+        )
+    rope = fields.rope()
+    if rope["rope_type"] != "default":
+        raise fields.fail("rope_type", rope["rope_type"], "is not a RoPE torchtitan's qwen3_5 has")
+    if rope.get("mrope_interleaved", True) is not True:
+        raise fields.fail(
+            "rope_parameters.mrope_interleaved", False, "is not the interleaved MRoPE of qwen3_5"
+        )
+    head_dim = fields.head_dim()
+    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    sizes = dict(
+        n_layers=n_layers,
+        dim=fields.need("hidden_size"),
+        n_heads=fields.need("num_attention_heads"),
+        n_kv_heads=fields.need("num_key_value_heads"),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope=q35.MRoPE.Config(
+            dim=rotary_dim,
+            max_seq_len=fields.need("max_position_embeddings"),
+            theta=float(rope["rope_theta"]),
+            mrope_section=list(rope.get("mrope_section", [rotary_dim // 2, 0, 0])),
+        ),
+        n_key_heads=fields.need("linear_num_key_heads"),
+        n_value_heads=fields.need("linear_num_value_heads"),
+        key_head_dim=fields.need("linear_key_head_dim"),
+        value_head_dim=fields.need("linear_value_head_dim"),
+        full_attention_interval=interval,
+        attn_backend=attn_backend,
+    )
+    if fields.get("num_experts"):
+        layers = q35._build_qwen35_moe_layers(
+            moe_hidden_dim=fields.need("moe_intermediate_size"),
+            num_experts=fields.need("num_experts"),
+            top_k=fields.need("num_experts_per_tok"),
+            shared_expert_hidden_dim=fields.need("shared_expert_intermediate_size"),
+            **sizes,
+        )
+    else:
+        layers = q35._build_qwen35_layers(hidden_dim=fields.need("intermediate_size"), **sizes)
+    vocab, dim = fields.need("vocab_size"), sizes["dim"]
+    config = q35.Qwen35Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=q35._offset_norm(dim),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=q35._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(
+            in_features=dim, out_features=vocab, param_init=q35._output_linear_init(dim)
+        ),
+        layers=layers,
+        vision_encoder=None,
+    )
+    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
+    return text_only(config)
+
+
 _READERS = {
     "llama3": _llama3,
     "qwen3": _qwen3,
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
     "kimi_k2_7": _kimi_k2_7,
+    "qwen3_5": _qwen3_5,
 }
 
 
