@@ -372,9 +372,8 @@ def _qwen3_5(fields: _Fields, attn_backend: str):
     """Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM (text only): Gated DeltaNet layers with
     gated full attention every `full_attention_interval`-th layer (read from `layer_types`),
     partial RoPE, offset norms, untied; the MoE's experts beside a sigmoid-gated shared one."""
-    from torchtitan.models.common import Embedding, Linear
-
-    from torchtitan_rl.models.qwen3_5 import family, text_only
+    from torchtitan_rl.models.qwen3_5 import family
+    from torchtitan_rl.models.tiny import qwen3_5_text_config
 
     q35 = family()
     _common(fields, "qwen3_5")
@@ -435,22 +434,9 @@ def _qwen3_5(fields: _Fields, attn_backend: str):
         )
     else:
         layers = q35._build_qwen35_layers(hidden_dim=fields.need("intermediate_size"), **sizes)
-    vocab, dim = fields.need("vocab_size"), sizes["dim"]
-    config = q35.Qwen35Model.Config(
-        vocab_size=vocab,
-        dim=dim,
-        norm=q35._offset_norm(dim),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab, embedding_dim=dim, param_init=q35._EMBEDDING_INIT
-        ),
-        lm_head=Linear.Config(
-            in_features=dim, out_features=vocab, param_init=q35._output_linear_init(dim)
-        ),
-        layers=layers,
-        vision_encoder=None,
-    )
+    config = qwen3_5_text_config(fields.need("vocab_size"), sizes["dim"], layers)
     _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
-    return text_only(config)
+    return config
 
 
 _READERS = {

@@ -432,9 +432,7 @@ def qwen3_5_tiny(attn_backend: str, moe: bool = False):
     attention (QK-norm, RoPE on the first quarter of each head: 8 of 32 dims), offset norms,
     untied. `moe`: each MLP replaced by 8 experts of width 64, 2 per token, plus the
     sigmoid-gated shared expert (Qwen3.5-35B-A3B's structure)."""
-    from torchtitan.models.common import Embedding, Linear
-
-    from torchtitan_rl.models.qwen3_5 import family, text_only
+    from torchtitan_rl.models.qwen3_5 import family
 
     q35 = family()
     sizes = dict(
@@ -459,15 +457,26 @@ def qwen3_5_tiny(attn_backend: str, moe: bool = False):
         )
     else:
         layers = q35._build_qwen35_layers(hidden_dim=256, **sizes)
+    return qwen3_5_text_config(VOCAB_SIZE, DIM, layers)
+
+
+def qwen3_5_text_config(vocab: int, dim: int, layers: list):
+    """Qwen3.5's text model over `layers`: embedding, offset final norm and untied LM head of
+    torchtitan's initializers (the tiny flavor and a config.json's)."""
+    from torchtitan.models.common import Embedding, Linear
+
+    from torchtitan_rl.models.qwen3_5 import family, text_only
+
+    q35 = family()
     config = q35.Qwen35Model.Config(
-        vocab_size=VOCAB_SIZE,
-        dim=DIM,
-        norm=q35._offset_norm(DIM),
+        vocab_size=vocab,
+        dim=dim,
+        norm=q35._offset_norm(dim),
         tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB_SIZE, embedding_dim=DIM, param_init=q35._EMBEDDING_INIT
+            num_embeddings=vocab, embedding_dim=dim, param_init=q35._EMBEDDING_INIT
         ),
         lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB_SIZE, param_init=q35._output_linear_init(DIM)
+            in_features=dim, out_features=vocab, param_init=q35._output_linear_init(dim)
         ),
         layers=layers,
         vision_encoder=None,
