@@ -149,10 +149,14 @@ def describe(name: str, config) -> str:
         ffn = f"FFN {layers[0].feed_forward.w1.out_features}"
     rope = layers[0].attention.rope
     tied = "tied" if config.enable_weight_tying else "untied"
+    encoder = getattr(config, "vision_encoder", None)
+    vision = (
+        "" if encoder is None else f"; vision: {encoder.num_layers} layers of {encoder.latent_dim}"
+    )
     return (
         f"{name}: {len(layers)} layers, dim {config.dim}, {heads}, {ffn}, "
         f"vocab {config.vocab_size} ({tied}), RoPE theta {rope.theta:g} ({rope.scaling}), "
-        f"norm eps {config.norm.eps:g}, {rope.max_seq_len} positions"
+        f"norm eps {config.norm.eps:g}, {rope.max_seq_len} positions{vision}"
     )
 
 

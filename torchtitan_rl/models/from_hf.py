@@ -40,11 +40,6 @@ def checkpoint_of(flavor: str) -> str | None:
 def derived_config(name: str, flavor: str, attn_backend: str):
     """The torchtitan model config of derived `flavor` (auto:<folder>) of family `name`."""
     folder = checkpoint_of(flavor)
-    if name not in _READERS:
-        raise ConfigError(
-            f"model.flavor = 'auto' reads {', '.join(_READERS)} checkpoints' config.json, not "
-            f"{name}'s yet: name the flavor the checkpoint was saved from"
-        )
     fields = _Fields(read_json(folder, "config.json", "model.hf_checkpoint"), folder)
     return _READERS[name](fields, attn_backend)
 
@@ -52,13 +47,17 @@ def derived_config(name: str, flavor: str, attn_backend: str):
 class _Fields:
     """config.json's values, read with the checks that keep a field from being dropped."""
 
-    def __init__(self, config: dict, folder: str):
-        self.config, self.folder = config, folder
+    def __init__(self, config: dict, folder: str, prefix: str = ""):
+        self.config, self.folder, self.prefix = config, folder, prefix
+
+    def section(self, key: str) -> "_Fields":
+        """The fields of a nested table (`text_config`), named `key.field` in errors."""
+        return _Fields(self.need(key), self.folder, f"{self.prefix}{key}.")
 
     def fail(self, key: str, value, why: str) -> ConfigError:
         return ConfigError(
-            f"model.hf_checkpoint = {self.folder!r}: config.json's {key} = {json.dumps(value)} "
-            f"{why}: name a flavor, or convert the checkpoint"
+            f"model.hf_checkpoint = {self.folder!r}: config.json's {self.prefix}{key} = "
+            f"{json.dumps(value)} {why}: name a flavor, or convert the checkpoint"
         )
 
     def get(self, key: str, default=None):
@@ -68,8 +67,8 @@ class _Fields:
     def need(self, key: str):
         if self.config.get(key) is None:
             raise ConfigError(
-                f"model.hf_checkpoint = {self.folder!r}: config.json has no {key}, which "
-                "model.flavor = 'auto' reads the model's shape from: name a flavor"
+                f"model.hf_checkpoint = {self.folder!r}: config.json has no {self.prefix}{key}, "
+                "which model.flavor = 'auto' reads the model's shape from: name a flavor"
             )
         return self.config[key]
 
@@ -439,6 +438,13 @@ def _qwen3_5(fields: _Fields, attn_backend: str):
     return config
 
 
+def _muse_glimmer(fields: _Fields, attn_backend: str):
+    """MuseGlimmerForConditionalGeneration: models/from_hf_muse_glimmer.py."""
+    from torchtitan_rl.models.from_hf_muse_glimmer import muse_glimmer
+
+    return muse_glimmer(fields, attn_backend)
+
+
 _READERS = {
     "llama3": _llama3,
     "qwen3": _qwen3,
@@ -446,6 +452,7 @@ _READERS = {
     "deepseek_v3": _deepseek_v3,
     "kimi_k2_7": _kimi_k2_7,
     "qwen3_5": _qwen3_5,
+    "muse_glimmer": _muse_glimmer,
 }
 
 
