@@ -15,11 +15,11 @@ Qwen3, an activation but SiLU) is one ConfigError line naming the field and its 
 that change nothing (token ids, dtype, initializer range, cache flags) are not read.
 """
 
-import dataclasses
-import json
 from pathlib import Path
 
-from torchtitan_rl.config.errors import ConfigError, read_json
+from torchtitan_rl.config.errors import read_json
+from torchtitan_rl.models.from_hf_muse_glimmer import muse_glimmer
+from torchtitan_rl.models.hf_fields import Fields, set_norm_eps
 
 AUTO = "auto"
 """`model.flavor`'s default: the flavor of model.hf_checkpoint's config.json."""
@@ -40,58 +40,11 @@ def checkpoint_of(flavor: str) -> str | None:
 def derived_config(name: str, flavor: str, attn_backend: str):
     """The torchtitan model config of derived `flavor` (auto:<folder>) of family `name`."""
     folder = checkpoint_of(flavor)
-    fields = _Fields(read_json(folder, "config.json", "model.hf_checkpoint"), folder)
+    fields = Fields(read_json(folder, "config.json", "model.hf_checkpoint"), folder)
     return _READERS[name](fields, attn_backend)
 
 
-class _Fields:
-    """config.json's values, read with the checks that keep a field from being dropped."""
-
-    def __init__(self, config: dict, folder: str, prefix: str = ""):
-        self.config, self.folder, self.prefix = config, folder, prefix
-
-    def section(self, key: str) -> "_Fields":
-        """The fields of a nested table (`text_config`), named `key.field` in errors."""
-        return _Fields(self.need(key), self.folder, f"{self.prefix}{key}.")
-
-    def fail(self, key: str, value, why: str) -> ConfigError:
-        return ConfigError(
-            f"model.hf_checkpoint = {self.folder!r}: config.json's {self.prefix}{key} = "
-            f"{json.dumps(value)} {why}: name a flavor, or convert the checkpoint"
-        )
-
-    def get(self, key: str, default=None):
-        value = self.config.get(key)
-        return default if value is None else value
-
-    def need(self, key: str):
-        if self.config.get(key) is None:
-            raise ConfigError(
-                f"model.hf_checkpoint = {self.folder!r}: config.json has no {self.prefix}{key}, "
-                "which model.flavor = 'auto' reads the model's shape from: name a flavor"
-            )
-        return self.config[key]
-
-    def expect(self, key: str, allowed: tuple, why: str) -> None:
-        """`key` is absent or one of `allowed`, else one line saying `why` not."""
-        value = self.config.get(key)
-        if value is not None and value not in allowed:
-            raise self.fail(key, value, why)
-
-    def head_dim(self) -> int:
-        return self.get("head_dim", self.need("hidden_size") // self.need("num_attention_heads"))
-
-    def rope(self) -> dict:
-        """RoPE's parameters: transformers 5's `rope_parameters`, or the older `rope_theta`
-        and `rope_scaling`; `rope_type` "default" when neither names one."""
-        scaling = self.get("rope_scaling", {})
-        params = {**scaling, **self.get("rope_parameters", {})}
-        params.setdefault("rope_theta", self.get("rope_theta", 10000.0))
-        params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-        return params
-
-
-def _common(fields: _Fields, family: str) -> None:
+def _common(fields: Fields, family: str) -> None:
     """The checks every dense GQA family shares: SiLU gates, no biases, no tensor split."""
     fields.expect("hidden_act", ("silu",), f"is not the SiLU gate of torchtitan's {family} FFN")
     for key in ("attention_bias", "mlp_bias"):
@@ -99,21 +52,7 @@ def _common(fields: _Fields, family: str) -> None:
     fields.expect("pretraining_tp", (1,), "(split projections) is not in torchtitan's model")
 
 
-def _set_norm_eps(config, eps: float) -> None:
-    """Every RMSNorm config in `config`'s tree gets `eps` (the layer builders fix their own)."""
-    from torchtitan.models.common import RMSNorm
-
-    if isinstance(config, RMSNorm.Config):
-        config.eps = eps
-    elif isinstance(config, list):
-        for item in config:
-            _set_norm_eps(item, eps)
-    elif dataclasses.is_dataclass(config):
-        for field in dataclasses.fields(config):
-            _set_norm_eps(getattr(config, field.name), eps)
-
-
-def _decoder(model_config, fields: _Fields, layers, init):
+def _decoder(model_config, fields: Fields, layers, init):
     """`model_config` (a family's model Config class) over `layers`: embedding, final norm and
     LM head of config.json's vocabulary, tied as it says. `init`: (embedding, tied embedding,
     norm, LM head) initializers of the family."""
@@ -136,11 +75,11 @@ def _decoder(model_config, fields: _Fields, layers, init):
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=output_init),
         layers=layers,
     )
-    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
+    set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
     return config
 
 
-def _llama3(fields: _Fields, attn_backend: str):
+def _llama3(fields: Fields, attn_backend: str):
     """LlamaForCausalLM: Llama 2/3, SmolLM, TinyLlama. RoPE: none or Llama 3's scaling."""
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE
@@ -186,7 +125,7 @@ def _llama3(fields: _Fields, attn_backend: str):
     return _decoder(llama3.Llama3Model.Config, fields, layers, init)
 
 
-def _qwen3(fields: _Fields, attn_backend: str):
+def _qwen3(fields: Fields, attn_backend: str):
     """Qwen3ForCausalLM and Qwen3MoeForCausalLM (experts on every layer, softmax routing)."""
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE
@@ -240,7 +179,7 @@ def _qwen3(fields: _Fields, attn_backend: str):
     return _decoder(qwen3.Qwen3Model.Config, fields, layers, init)
 
 
-def _gpt_oss(fields: _Fields, attn_backend: str):
+def _gpt_oss(fields: Fields, attn_backend: str):
     """GptOssForCausalLM: sinks, biased attention, a sliding window on the layers
     `layer_types` says, YaRN RoPE, clamped-SwiGLU experts with biases, untied."""
     from torchtitan.models.common import CosSinRoPE
@@ -280,11 +219,11 @@ def _gpt_oss(fields: _Fields, attn_backend: str):
             original_seq_len=int(rope["original_max_position_embeddings"]),
         ),
     )
-    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-5)))
+    set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-5)))
     return config
 
 
-def _mla(fields: _Fields, attn_backend: str, model_config, build_layers):
+def _mla(fields: Fields, attn_backend: str, model_config, build_layers):
     """DeepseekV3ForCausalLM (DeepSeek-V3 and Kimi K2's text tower): multi-head latent
     attention, YaRN RoPE on interleaved pairs, dense layers first, then routed experts beside
     shared ones, "noaux_tc" routing (top-k of the scores plus the correction bias, within the
@@ -349,25 +288,25 @@ def _mla(fields: _Fields, attn_backend: str, model_config, build_layers):
             **scaling,
         ),
     )
-    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
+    set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
     return config
 
 
-def _deepseek_v3(fields: _Fields, attn_backend: str):
+def _deepseek_v3(fields: Fields, attn_backend: str):
     from torchtitan.models.deepseek_v3 import _build_dsv3_layers
     from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 
     return _mla(fields, attn_backend, DeepSeekV3Model.Config, _build_dsv3_layers)
 
 
-def _kimi_k2_7(fields: _Fields, attn_backend: str):
+def _kimi_k2_7(fields: Fields, attn_backend: str):
     from torchtitan.models.kimi_k2_7 import _build_kimi_layers
     from torchtitan.models.kimi_k2_7.model import KimiK25Model
 
     return _mla(fields, attn_backend, KimiK25Model.Config, _build_kimi_layers)
 
 
-def _qwen3_5(fields: _Fields, attn_backend: str):
+def _qwen3_5(fields: Fields, attn_backend: str):
     """Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM (text only): Gated DeltaNet layers with
     gated full attention every `full_attention_interval`-th layer (read from `layer_types`),
     partial RoPE, offset norms, untied; the MoE's experts beside a sigmoid-gated shared one."""
@@ -434,15 +373,8 @@ def _qwen3_5(fields: _Fields, attn_backend: str):
     else:
         layers = q35._build_qwen35_layers(hidden_dim=fields.need("intermediate_size"), **sizes)
     config = qwen3_5_text_config(fields.need("vocab_size"), sizes["dim"], layers)
-    _set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
+    set_norm_eps(config, float(fields.get("rms_norm_eps", 1e-6)))
     return config
-
-
-def _muse_glimmer(fields: _Fields, attn_backend: str):
-    """MuseGlimmerForConditionalGeneration: models/from_hf_muse_glimmer.py."""
-    from torchtitan_rl.models.from_hf_muse_glimmer import muse_glimmer
-
-    return muse_glimmer(fields, attn_backend)
 
 
 _READERS = {
@@ -452,7 +384,7 @@ _READERS = {
     "deepseek_v3": _deepseek_v3,
     "kimi_k2_7": _kimi_k2_7,
     "qwen3_5": _qwen3_5,
-    "muse_glimmer": _muse_glimmer,
+    "muse_glimmer": muse_glimmer,
 }
 
 

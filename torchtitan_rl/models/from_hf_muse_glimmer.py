@@ -12,10 +12,10 @@ set here from the file, layer by layer where the file says per layer.
 
 import dataclasses
 
-from torchtitan_rl.models.from_hf import _Fields, _set_norm_eps
+from torchtitan_rl.models.hf_fields import Fields, set_norm_eps
 
 
-def muse_glimmer(fields: _Fields, attn_backend: str):
+def muse_glimmer(fields: Fields, attn_backend: str):
     """The text tower (and the vision tower, unless `has_vision` is false) of `fields`."""
     from torchtitan.models import muse_glimmer as mg
 
@@ -103,7 +103,7 @@ def muse_glimmer(fields: _Fields, attn_backend: str):
     post_norms = [
         norm for layer in config.layers for norm in (layer.post_attention_norm, layer.post_ffn_norm)
     ]
-    _set_norm_eps(config.layers, float(text.get("rms_norm_eps", 1e-5)))
+    set_norm_eps(config.layers, float(text.get("rms_norm_eps", 1e-5)))
     for norm in (config.norm, config.tok_embeddings.norm, config.perception_emb_norm):
         if norm is not None:
             norm.eps = float(text.get("rms_norm_eps", 1e-5))
@@ -112,7 +112,7 @@ def muse_glimmer(fields: _Fields, attn_backend: str):
     return config
 
 
-def _vision(fields: _Fields, vision: _Fields):
+def _vision(fields: Fields, vision: Fields):
     """The vision encoder's and adapter's configs of `vision_config` and the projector fields."""
     from torchtitan.models import muse_glimmer as mg
 
