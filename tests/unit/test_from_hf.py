@@ -388,8 +388,12 @@ def _images_give_transformers_logits(folder, hf, model) -> None:
 
 
 def _with(folder, **fields):
+    """config.json with `fields` set; a table's (text_config: {...}) merged into its own."""
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    for key, value in fields.items():
+        merge = isinstance(value, dict) and isinstance(config.get(key), dict)
+        config[key] = {**config[key], **value} if merge else value
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -422,6 +426,29 @@ def _with(folder, **fields):
         ),
         ("qwen3_5", qwen3_5, {"tie_word_embeddings": True}, "tie_word_embeddings = true"),
         ("qwen3", qwen3, {"num_key_value_heads": None}, "config.json has no num_key_value_heads"),
+        (
+            "muse_glimmer",
+            muse_glimmer,
+            {"text_config": {"layer_rope_theta": [0, 1e4, 2e4, 2e4, 0]}},
+            "config.json's text_config.layer_rope_theta = 10000.0 differs from rope_theta",
+        ),
+        (
+            "muse_glimmer",
+            muse_glimmer,
+            {"text_config": {"hidden_activation": "gelu"}},
+            'text_config.hidden_activation = "gelu" is not the SiLU gate',
+        ),
+        (
+            "muse_glimmer",
+            muse_glimmer,
+            {
+                "vision_config": {
+                    "layer_types": ["full_attention", "window_attention", "full_attention"]
+                }
+            },
+            "is not global attention every k-th and the last layer",
+        ),
+        ("muse_glimmer", muse_glimmer, {"text_config": None}, "config.json has no text_config"),
     ],
 )
 def test_a_field_the_model_cannot_express_is_one_line(name, make, fields, words, tmp_path):
