@@ -31,18 +31,17 @@ def muse_glimmer(fields: Fields, attn_backend: str):
     if rope["rope_type"] != "default":
         raise text.fail("rope_type", rope["rope_type"], "is not Muse Glimmer's RoPE")
     theta = float(rope["rope_theta"])
+    # transformers' defaults: every fourth layer from the last global and without RoPE.
+    every_fourth = [(n_layers - 1 - i) % 4 == 0 for i in range(n_layers)]
     kinds = text.get("layer_types") or [
-        "full_attention" if (n_layers - 1 - i) % 4 == 0 else "sliding_attention"
-        for i in range(n_layers)
+        "full_attention" if nope else "sliding_attention" for nope in every_fourth
     ]
     if unknown := [kind for kind in kinds if kind not in ("sliding_attention", "full_attention")]:
         raise text.fail("layer_types", unknown[0], "is not an attention Muse Glimmer has")
     window = text.get("sliding_window") if "sliding_attention" in kinds else 0
     if "sliding_attention" in kinds and not window:
         raise text.fail("sliding_window", window, "leaves the sliding layers without a window")
-    thetas = text.get("layer_rope_theta") or [
-        0 if (n_layers - 1 - i) % 4 == 0 else theta for i in range(n_layers)
-    ]
+    thetas = text.get("layer_rope_theta") or [0 if nope else theta for nope in every_fourth]
     if odd := [t for t in thetas if t not in (0, theta)]:
         raise text.fail("layer_rope_theta", odd[0], f"differs from rope_theta ({theta:g})")
     use_rope = [bool(t) for t in thetas]
@@ -100,15 +99,10 @@ def muse_glimmer(fields: Fields, attn_backend: str):
             w2w3_param_init=mg._depth_init(layer_id),
         )
     # transformers: rms_norm_eps everywhere in the text tower but the post-norms.
-    post_norms = [
-        norm for layer in config.layers for norm in (layer.post_attention_norm, layer.post_ffn_norm)
-    ]
-    set_norm_eps(config.layers, float(text.get("rms_norm_eps", 1e-5)))
-    for norm in (config.norm, config.tok_embeddings.norm, config.perception_emb_norm):
-        if norm is not None:
-            norm.eps = float(text.get("rms_norm_eps", 1e-5))
-    for norm in post_norms:
-        norm.eps = float(text.get("post_norm_eps", 1e-8))
+    set_norm_eps(config, float(text.get("rms_norm_eps", 1e-5)))
+    for layer in config.layers:
+        for norm in (layer.post_attention_norm, layer.post_ffn_norm):
+            norm.eps = float(text.get("post_norm_eps", 1e-8))
     return config
 
 
