@@ -4,7 +4,8 @@ one step, save results: several layouts share one launch.
     torchrun --nproc_per_node 2 tests/dist/policy_trainer_run.py OUT_DIR \
         [MODEL:]MICRO,ACTIVATION_CHECKPOINT,TP[,REPLICATE] [MICRO,ACTIVATION_CHECKPOINT,TP ...]
 
-MODEL (default the tiny Qwen3) names another tiny model: qwen3_5 (its Gated DeltaNet layers).
+MODEL (default the tiny Qwen3) names another tiny model: qwen3_5 (its Gated DeltaNet layers),
+or moe (the tiny Qwen3-MoE, its experts split over the world: parallelism.ep = world size).
 MICRO is a count of padded micro-batches (training.micro_batch_tokens = 0) or bN, packed
 micro-batches of at most N tokens. REPLICATE (default 1) is HSDP's replica count
 (parallelism.dp_replicate; FSDP shards over the world / (REPLICATE x TP) ranks of each). Each
@@ -52,11 +53,16 @@ def main() -> None:
         micro, checkpointing, tp, *replicate = layout.split(",")
         replicas = int(replicate[0]) if replicate else 1
         model = ModelSection(hf_checkpoint=TINY)
-        if name:
+        if name == "moe":  # the tiny Qwen3-MoE, its experts over the world (EP)
+            model = ModelSection(
+                flavor="tiny_moe", hf_checkpoint=str(REPO / "assets" / "tiny_moe_qwen3")
+            )
+        elif name:
             model = ModelSection(
                 name=name, flavor="tiny", hf_checkpoint=str(REPO / "assets" / f"tiny_{name}")
             )
-        result = step(model, micro, checkpointing, int(tp), rank, world, replicas)
+        ep = world if name == "moe" else 1
+        result = step(model, micro, checkpointing, int(tp), rank, world, replicas, ep)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             prefix, suffix = f"{name}_" if name else "", f"_r{replicas}" if replicate else ""
@@ -76,6 +82,7 @@ def step(
     rank: int,
     world: int,
     replicas: int = 1,
+    ep: int = 1,
 ) -> dict:
     """One layout's trainer: score, one step; what rank 0 saves (every rank must call it)."""
     packed = micro.startswith("b")
@@ -88,7 +95,7 @@ def step(
             max_grad_norm=0.0,
             activation_checkpoint=checkpointing,
         ),
-        parallelism=ParallelismSection(tp=tp, dp_replicate=replicas),
+        parallelism=ParallelismSection(tp=tp, dp_replicate=replicas, ep=ep),
         temperature=0.7,
     )
     batch = fixed_batch()
@@ -112,8 +119,9 @@ def step(
     head_after_step = (type(head).__name__, tuple(getattr(head, "_local_tensor", head).shape))
     after = {k: p.full_tensor() for k, p in trainer.named_parameters().items()}
     state = trainer.state_dict()  # collective: every rank calls it
-    params = {k: v.full_tensor() for k, v in state.items()}
-    local_shapes = {k: tuple(v.to_local().shape) for k, v in state.items()}
+    # A MoE model's state holds plain tensors too (its routers' load-balancing buffers).
+    params = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in state.items()}
+    local_shapes = {k: tuple(getattr(v, "_local_tensor", v).shape) for k, v in state.items()}
     live = {
         name.replace("_checkpoint_wrapped_module.", ""): param
         for name, param in trainer.model.named_parameters()
@@ -138,6 +146,7 @@ def step(
         "forwards": platform.all_gather_objects(forwards),
         # Every rank's reads in the step, in order (tests/helpers/host_syncs.py).
         "host_reads": platform.all_gather_objects(syncs.calls),
+        "library_reads": platform.all_gather_objects(syncs.library),
         "checkpointed_blocks": sum(
             isinstance(m, CheckpointWrapper) for m in trainer.model.modules()
         ),

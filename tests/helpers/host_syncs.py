@@ -48,6 +48,9 @@ HOST_PLANNERS = {
     "packing.padded_scale",
     "policy_trainer.plan",
 }
+# Where a step with images plans on the host: these read the rows' image grids and the host
+# plan (CPU memory on CUDA too: no wait), once per micro-batch.
+IMAGE_PLANNERS = {"policy_trainer._vision", "vision.each_image", "vision.encoder_rows"}
 PACKAGE = str(Path(__file__).resolve().parents[2] / "torchtitan_rl")
 # The modes' own frames and torch's dispatch machinery between the caller and the mode.
 _SKIPPED = (
@@ -59,13 +62,16 @@ _SKIPPED = (
 )
 
 
-def _where() -> str:
-    """Who made the call: "module.function" of torchtitan_rl when our code made it, else
-    "library < module.function", the library called from the innermost function of ours."""
+def _where() -> tuple[str, str | None]:
+    """Who made the call: ("module.function" of torchtitan_rl, None) when our code made it,
+    else ("library < module.function", the library's "module.function" that made it), the
+    library called from the innermost function of ours."""
     frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_SKIPPED)]
     ours = next((f for f in reversed(frames) if f.filename.startswith(PACKAGE)), None)
     name = "?" if ours is None else f"{Path(ours.filename).stem}.{ours.name}"
-    return name if frames[-1] is ours else f"library < {name}"
+    if frames[-1] is ours:
+        return name, None
+    return f"library < {name}", f"{Path(frames[-1].filename).stem}.{frames[-1].name}"
 
 
 def _bool_index(args) -> bool:
@@ -73,27 +79,34 @@ def _bool_index(args) -> bool:
     return any(i is not None and i.dtype == torch.bool for i in indices)
 
 
+def _record(syncs: "HostSyncs", call: str) -> None:
+    where, library = _where()
+    syncs.calls.append((call, where))
+    if library is not None:
+        syncs.library.append((call, library, where))
+
+
 class _Ops(TorchDispatchMode):
-    def __init__(self, calls):
+    def __init__(self, syncs):
         super().__init__()
-        self.counts = calls
+        self.syncs = syncs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SYNC_OPS or (func is aten.index.Tensor and _bool_index(args)):
-            self.counts.append((func.__name__, _where()))
+            _record(self.syncs, func.__name__)
         return func(*args, **kwargs)
 
 
 class _Methods(TorchFunctionMode):
-    def __init__(self, calls):
+    def __init__(self, syncs):
         super().__init__()
-        self.counts = calls
+        self.syncs = syncs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in READ_METHODS:
-            self.counts.append((func.__name__, _where()))
+            _record(self.syncs, func.__name__)
         return func(*args, **kwargs)
 
 
@@ -104,7 +117,10 @@ class HostSyncs:
     def __init__(self):
         self.calls: list[tuple[str, str]] = []
         """Each call, in order: (op or method, innermost torchtitan_rl function)."""
-        self._modes = (_Methods(self.calls), _Ops(self.calls))
+        self.library: list[tuple[str, str, str]] = []
+        """The calls a library made, in order: (op or method, the library's "module.function"
+        that made it, `calls`' "library < ..." caller)."""
+        self._modes = (_Methods(self), _Ops(self))
 
     @property
     def counts(self) -> collections.Counter:

@@ -3,6 +3,7 @@
 .venv/bin/python -m pytest tests/integration/test_policy_trainer.py
 """
 
+import collections
 import json
 
 import pytest
@@ -37,7 +38,7 @@ def runs(tmp_path_factory):
     single, selective, single_packed = worlds(
         tmp_path_factory, 0, (1, "none", 1), (1, "selective", 1), ("b16", "none", 1)
     )
-    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed, hybrid, hybrid_tp, head = worlds(
+    fsdp, fsdp_micro, fsdp_full, tp, fsdp_packed, tp_packed, hybrid, hybrid_tp, moe, head = worlds(
         tmp_path_factory,
         2,
         (1, "none", 1),
@@ -48,6 +49,7 @@ def runs(tmp_path_factory):
         ("b24", "full", 2),
         ("qwen3_5:1", "none", 1),
         ("qwen3_5:b24", "full", 2),
+        ("moe:b24", "none", 1),
     )
     # HSDP on 4 ranks: 2 replicas x 2 FSDP shards, each rank 2 of the 8 rows.
     (hsdp,) = worlds(tmp_path_factory, 4, (1, "none", 1, 2))
@@ -68,6 +70,8 @@ def runs(tmp_path_factory):
         # The tiny Qwen3.5 (three Gated DeltaNet layers): FSDP, and TP packed, checkpointed.
         ("qwen3_5", 2, 1): hybrid,
         ("qwen3_5", 2, "b24", "full", "tp2"): hybrid_tp,
+        # The tiny Qwen3-MoE, its experts split over both ranks (EP 2), packed, rows dealt.
+        ("moe", 2, "b24", "ep2"): moe,
     }
 
 
@@ -280,16 +284,23 @@ TOTALS = [("tolist", "policy_trainer.optimizer_step")]  # of the all-reduced hos
 
 
 @pytest.mark.parametrize(
-    "key, dealt", [((2, "b16"), True), ((2, "b24", "full", "tp2"), False), ((2, 4), False)]
+    "key, dealt",
+    [
+        ((2, "b16"), True),
+        ((2, "b24", "full", "tp2"), False),
+        ((2, 4), False),
+        (("moe", 2, "b24", "ep2"), True),
+    ],
 )
 def test_a_2_rank_step_reads_the_device_once_and_dealt_rows_come_back_before_the_optimizer(
     runs, key, dealt
 ):
     """On 2 ranks, FSDP packed with rows dealt between the ranks (uneven shares, 6 and 2), TP
-    packed, and FSDP padded in 4 micro-batches: every rank's step reads the device once for its
-    figures; where rows moved, their pre-update logprobs come back with one more `.cpu()`,
-    right after the figures' read (the queue already drained), before the optimizer's kernels
-    are queued and the host totals read."""
+    packed, FSDP padded in 4 micro-batches, and a MoE model with expert parallelism, packed and
+    dealt: every rank's step reads the device once for its figures; where rows moved, their
+    pre-update logprobs come back with one more `.cpu()`, right after the figures' read (the
+    queue already drained), before the optimizer's kernels are queued and the host totals
+    read. (What the libraries read: the next test.)"""
     for rank, calls in enumerate(runs[key]["host_reads"]):
         ours = [
             call
@@ -298,3 +309,39 @@ def test_a_2_rank_step_reads_the_device_once_and_dealt_rows_come_back_before_the
         ]
         returned = [("cpu", "packing.back")] if dealt else []
         assert ours == FIGURES + returned + TOTALS, (rank, ours)
+
+
+# The libraries' reads in a step, by the library function that made them. Host tensors (no
+# wait on a GPU): AdamW's step counters (for-loop AdamW), the gloo object gathers that deal
+# rows, the test's own loss reading the host loss mask.
+HOST_LIBRARY_READS = {
+    "optimizer._get_value",
+    "distributed_c10d.all_gather_object",
+    "distributed_c10d._tensor_to_object",
+    "batches.pg_loss",
+}
+
+
+@pytest.mark.parametrize("key", [(2, "b16"), ("moe", 2, "b24", "ep2")])
+def test_what_the_libraries_read_in_a_step_is_named_and_the_expert_dispatchs_wait_counted(
+    runs, key
+):
+    """Every read a library makes in a 2-rank step, named: besides host tensors, only
+    torchtitan's expert-parallel dispatch reads the device, and it does per MoE layer per
+    forward: the all-to-all's split sizes (`_sync_token_count_exchange`: a `.to("cpu")` then 2
+    `.tolist()`, one wait on a GPU; docs/performance.md names it), and `_permute`'s
+    `repeat_interleave`, counted but sized by those host splits (`output_size`: no wait). A
+    dense step's libraries read only host tensors."""
+    result = runs[key]
+    moe_layers = 2 if key[0] == "moe" else 0  # the tiny Qwen3-MoE: every layer of its 2
+    for rank, calls in enumerate(result["library_reads"]):
+        forwards = len(result["forwards"][rank])
+        device = collections.Counter(
+            (call, library) for call, library, _ in calls if library not in HOST_LIBRARY_READS
+        )
+        expected = {
+            ("tolist", "token_dispatcher._sync_token_count_exchange"): 2 * moe_layers * forwards,
+            ("repeat_interleave.Tensor", "token_dispatcher._permute"): moe_layers * forwards,
+        }
+        assert device == {k: n for k, n in expected.items() if n}, (rank, device)
+        assert all(where.startswith("library <") for *_, where in calls)

@@ -390,6 +390,39 @@ def _pg_loss(logprobs_BT, micro, scale):
     return -weighted.sum() / scale.tokens, {}
 
 
+def test_a_step_on_images_reads_the_device_once_as_a_text_step():
+    """A step of the vision-language model, its tower trained, packed in 2 micro-batches of
+    rows with images: besides the host plans (`HOST_PLANNERS`, and `IMAGE_PLANNERS`, which
+    read the rows' host image grids), our code reads the device once, for the figures, as a
+    text step does; the libraries read only host tensors: the tower's own grids
+    (`test_the_vision_forward_reads_only_its_host_grids`) and AdamW's step counters."""
+    from helpers.host_syncs import HOST_PLANNERS, IMAGE_PLANNERS, HostSyncs
+
+    from torchtitan_rl.config import TrainingSection
+
+    policy = _policy(freeze_vision=False, training=TrainingSection(micro_batch_tokens=48))
+    batch = _image_batch()
+    assert len(policy.plan(batch)) == 2
+    policy.optimizer_step(batch, _pg_loss)  # the first builds the optimizer's state
+    with HostSyncs() as syncs:
+        policy.optimizer_step(batch, _pg_loss)
+    planners = HOST_PLANNERS | IMAGE_PLANNERS
+    ours = [c for c in syncs.calls if c[1] not in planners and not c[1].startswith("library")]
+    assert ours == [
+        ("cpu", "policy_trainer.optimizer_step"),
+        ("tolist", "policy_trainer.optimizer_step"),
+        ("tolist", "policy_trainer.optimizer_step"),  # the host totals
+    ]
+    planned = {caller for _, caller in syncs.calls if caller in IMAGE_PLANNERS}
+    assert planned == IMAGE_PLANNERS  # the step ran the image path
+    library = {(call, function) for call, function, _ in syncs.library}
+    assert library == {
+        ("_local_scalar_dense.default", "optimizer._get_value"),
+        ("_local_scalar_dense.default", "vision_encoder.forward"),
+        ("tolist", "vision_encoder.forward"),
+    }
+
+
 def test_the_vision_towers_blocks_train_under_activation_checkpointing():
     """training.activation_checkpoint wraps the vision encoder's blocks as the decoder's (their
     activations recomputed in backward, not kept): an unfrozen tower's step gives the
