@@ -146,8 +146,9 @@ def setting(args):
     flags = ["--model.hf_checkpoint", args.checkpoint, "--model.flavor", flavor]
     flags += ["--generator.sampling.n", str(args.n), "--generator.sampling.temperature", "1.0"]
     flags += ["--generator.sampling.max_tokens", str(args.max_tokens)]
-    longest = max(len(p) for p in prompt_ids) + args.max_tokens + 8
-    flags += ["--generator.max_model_len", str(longest)]
+    longest = max(len(p) for p in prompt_ids)
+    flags += ["--training.max_prompt_len", str(longest)]
+    flags += ["--generator.max_model_len", str(longest + args.max_tokens + 8)]
     config = parse_args(["--job.config_file", str(REPO / "run_configs" / "debug_cpu.toml"), *flags])
     return prompt_ids, config
 
