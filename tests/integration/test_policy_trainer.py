@@ -344,4 +344,7 @@ def test_what_the_libraries_read_in_a_step_is_named_and_the_expert_dispatchs_wai
             ("repeat_interleave.Tensor", "token_dispatcher._permute"): moe_layers * forwards,
         }
         assert device == {k: n for k, n in expected.items() if n}, (rank, device)
-        assert all(where.startswith("library <") for *_, where in calls)
+        # The census sees the host reads too: AdamW reads its step counters in every step.
+        assert ("_local_scalar_dense.default", "optimizer._get_value") in {
+            (call, library) for call, library, _ in calls
+        }
