@@ -46,13 +46,15 @@ def summary(lengths: list[int]) -> dict:
     }
 
 
-def hf_lengths(args, prompt_ids, pad_id: int, stop_ids: list[int], sampling) -> list[int]:
-    """Lengths of `args.rounds` x `sampling.n` samples of each prompt from HF `generate`, as
-    TRL calls it without vLLM."""
+def hf_lengths(args, prompt_ids, pad_id: int, stop_ids: list[int], config) -> list[int]:
+    """Lengths of `args.rounds` x n samples of each prompt from HF `generate`, as TRL calls it
+    without vLLM."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+    sampling = config.generator.sampling
+    checkpoint = config.model.hf_checkpoint
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     torch.manual_seed(0)
     rows = [p for _ in range(args.rounds) for p in prompt_ids for _ in range(sampling.n)]
     lengths = []
@@ -81,15 +83,17 @@ def hf_lengths(args, prompt_ids, pad_id: int, stop_ids: list[int], sampling) -> 
     return lengths
 
 
-def trl_vllm_lengths(args, prompt_ids: list[list[int]], sampling) -> list[int]:
-    """Lengths of `args.rounds` x `sampling.n` samples of each prompt from the engine TRL 1.16's
-    colocate mode builds (`trl/generation/vllm_generation.py`: vLLM's own model, no dtype, the
-    engine seeded, no per-request seed) and samples with (temperature, top_p, top_k 0)."""
+def trl_vllm_lengths(args, prompt_ids: list[list[int]], config) -> list[int]:
+    """Lengths of `args.rounds` x n samples of each prompt from the engine TRL 1.16's colocate
+    mode builds (`trl/generation/vllm_generation.py`: vLLM's own model, no dtype, the run's
+    max_model_len as trl_peer.py gives it, the engine seeded, no per-request seed) and samples
+    with (temperature, top_p, top_k 0)."""
     from vllm import LLM, SamplingParams
 
+    sampling = config.generator.sampling
     llm = LLM(
-        model=args.checkpoint,
-        max_model_len=max(len(p) for p in prompt_ids) + sampling.max_tokens + 8,
+        model=config.model.hf_checkpoint,
+        max_model_len=config.generator.max_model_len,
         seed=0,
         max_num_batched_tokens=4096,
         logprobs_mode="processed_logprobs",
@@ -134,8 +138,9 @@ def setting(args):
 
         config = parse_args(["--job.config_file", args.config], 1)
         opened = open_task(config)
+        per_step = config.training.prompts_per_step
         steps = range(1, args.steps + 1)
-        prompts = [p for step in steps for p in opened.task.prompts(step, args.prompts_per_step)]
+        prompts = [p for step in steps for p in opened.task.prompts(step, per_step)]
         return [opened.renderer_of(p).encode([p])[0] for p in prompts], config
     config = parse_args(["--job.config_file", str(REPO / "run_configs" / "debug_cpu.toml")])
     task = build_task(config.task, seed=config.job.seed)
@@ -166,7 +171,11 @@ def side_summary(lengths: list[int], per_round: int, seconds: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default=str(REPO / "assets" / "debug_qwen3_L100"))
+    parser.add_argument(
+        "--checkpoint",
+        default=str(REPO / "assets" / "debug_qwen3_L100"),
+        help="without --config (with it: the run's)",
+    )
     parser.add_argument("--config", help="a run config: its checkpoint, sampling and prompts")
     parser.add_argument("--peer", choices=("hf", "trl-vllm"), default="hf")
     parser.add_argument("--prompts", type=int, default=64, help="without --config")
@@ -182,20 +191,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.config:
-        from torchtitan_rl.config import parse_args
-
-        run = parse_args(["--job.config_file", args.config], 1)
-        args.checkpoint = run.model.hf_checkpoint
-        args.prompts_per_step = run.training.prompts_per_step
     prompt_ids, config = setting(args)
-    sampling = config.generator.sampling
+    checkpoint, sampling = config.model.hf_checkpoint, config.generator.sampling
     if args.side:  # a child: one vLLM engine per process
         start = time.perf_counter()
         if args.side == "ours":
             lengths = our_lengths(args, prompt_ids, config)
         else:
-            lengths = trl_vllm_lengths(args, prompt_ids, sampling)
+            lengths = trl_vllm_lengths(args, prompt_ids, config)
         report({"lengths": lengths, "seconds": time.perf_counter() - start})
         return
 
@@ -211,13 +214,10 @@ def main() -> None:
         # HF in this process, before vLLM binds the threads of the process it starts in.
         from transformers import AutoTokenizer
 
-        pad_id = AutoTokenizer.from_pretrained(args.checkpoint).pad_token_id
+        pad_id = AutoTokenizer.from_pretrained(checkpoint).pad_token_id
         start = time.perf_counter()
-        peer = {
-            "lengths": hf_lengths(
-                args, prompt_ids, pad_id, checkpoint_stop_ids(args.checkpoint), sampling
-            )
-        }
+        stop_ids = checkpoint_stop_ids(checkpoint)
+        peer = {"lengths": hf_lengths(args, prompt_ids, pad_id, stop_ids, config)}
         peer["seconds"] = time.perf_counter() - start
     else:
         peer = child("trl-vllm")
@@ -228,7 +228,7 @@ def main() -> None:
     b = side_summary(peer["lengths"], per_round, peer["seconds"])
     row = {
         "bench": "lengths",
-        "checkpoint": args.checkpoint,
+        "checkpoint": checkpoint,
         "config": args.config,
         "peer": args.peer,
         "prompts": len(prompt_ids),

@@ -52,16 +52,14 @@ def main() -> None:
         name, _, layout = layout.rpartition(":")
         micro, checkpointing, tp, *replicate = layout.split(",")
         replicas = int(replicate[0]) if replicate else 1
-        model = ModelSection(hf_checkpoint=TINY)
+        model, ep = ModelSection(hf_checkpoint=TINY), 1
         if name == "moe":  # the tiny Qwen3-MoE, its experts over the world (EP)
-            model = ModelSection(
-                flavor="tiny_moe", hf_checkpoint=str(REPO / "assets" / "tiny_moe_qwen3")
-            )
+            tiny_moe = str(REPO / "assets" / "tiny_moe_qwen3")
+            model, ep = ModelSection(flavor="tiny_moe", hf_checkpoint=tiny_moe), world
         elif name:
             model = ModelSection(
                 name=name, flavor="tiny", hf_checkpoint=str(REPO / "assets" / f"tiny_{name}")
             )
-        ep = world if name == "moe" else 1
         result = step(model, micro, checkpointing, int(tp), rank, world, replicas, ep)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)

@@ -100,9 +100,9 @@ def muse_glimmer(fields: Fields, attn_backend: str):
         )
     # transformers: rms_norm_eps everywhere in the text tower but the post-norms.
     set_norm_eps(config, float(text.get("rms_norm_eps", 1e-5)))
+    post_norm_eps = float(text.get("post_norm_eps", 1e-8))
     for layer in config.layers:
-        for norm in (layer.post_attention_norm, layer.post_ffn_norm):
-            norm.eps = float(text.get("post_norm_eps", 1e-8))
+        layer.post_attention_norm.eps = layer.post_ffn_norm.eps = post_norm_eps
     return config
 
 
