@@ -59,8 +59,8 @@ def _shared(item) -> set[str]:
 def _share_groups(items) -> None:
     """Under `pytest -n 2 --dist loadgroup` (scripts/test.sh), keep the tests that share a
     session or module fixture on one worker, so that each shared run starts once: the tests
-    linked through what they share (`_shared`) get one xdist group; the rest go wherever a
-    worker is free."""
+    linked through what they share (`_shared`) get one xdist group, as do a module's tests
+    marked with their own `xdist_group`; the rest go wherever a worker is free."""
     parent: dict[str, str] = {}
 
     def root(node: str) -> str:
@@ -73,9 +73,13 @@ def _share_groups(items) -> None:
         for name in names[1:]:
             parent[root(name)] = root(names[0])
     for item in items:
+        group = None
         if shares[item.nodeid]:
             group = Path(root(shares[item.nodeid][0])).name
             item.add_marker(pytest.mark.xdist_group(group))
+        elif (mark := item.get_closest_marker("xdist_group")) is not None:
+            group = mark.args[0]  # a module's own group (one worker pays its imports)
+        if group is not None:
             if os.environ.get("PYTEST_XDIST_WORKER") and not item.nodeid.endswith(f"@{group}"):
                 # xdist 3.8 tells its scheduler the group by a "@group" suffix it writes to
                 # item._nodeid, which pytest 9 no longer reads (the id is item._id): write it

@@ -52,37 +52,44 @@ def test_docs_exist_and_every_page_is_linked_from_the_readme():
     assert [p for p in pages if f"(docs/{p}" not in readme] == []
 
 
-def test_every_named_run_config_exists_and_passes_the_dry_run_checks(tmp_path):
+def test_every_named_run_config_exists_and_every_shipped_one_is_named():
     names = named_configs()
     assert {"run_configs/debug_cpu.toml", "run_configs/sft_arith_cpu.toml"} <= names
     assert [n for n in sorted(names) if not (REPO / n).is_file()] == []
     # And every config is named, so that each passes the checks below.
     shipped = {f"run_configs/{p.name}" for p in (REPO / "run_configs").glob("*.toml")}
     assert sorted(shipped - names) == []
-    for name in sorted(names - set(GPU_RECIPES)):
-        # What `python -m torchtitan_rl.{train,sft} --job.config_file NAME --job.dry_run`
-        # checks, under the demo's torchrun world of 2: the config, then the task's data. A
-        # config that starts from the SFT stage's export (outputs/...) gets the tiny checkpoint
-        # the SFT stage starts from.
-        program = SFT if name.startswith("run_configs/sft_") else RL
-        flags = ["--job.config_file", name]
-        toml = tomllib.loads((REPO / name).read_text())
-        if toml["model"]["hf_checkpoint"].startswith("outputs/"):
-            stand_in = VL if toml["model"].get("flavor") == "tiny_vl" else TINY
-            flags += ["--model.hf_checkpoint", stand_in]
-        # So does a distill teacher that an earlier stage exports.
-        if toml.get("distill", {}).get("teacher_checkpoint", "").startswith("outputs/"):
-            flags += ["--distill.teacher_checkpoint", TINY]
-        program.open(parse_args(flags, 2, entry=program.entry))
-    # The GPU recipes point at a checkpoint and GSM8K files the user provides: stand them in.
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "train.parquet").write_bytes(b"")
-    for name in sorted(names & set(GPU_RECIPES)):
+
+
+# One test per config: the slow ones (a tokenizer read, a task's rows rendered) spread over the
+# workers.
+@pytest.mark.parametrize("name", sorted(named_configs()))
+def test_a_named_run_config_passes_the_dry_run_checks(name, tmp_path):
+    if name in GPU_RECIPES:
+        # The GPU recipes point at a checkpoint and GSM8K files the user provides: stand them
+        # in.
+        (tmp_path / "config.json").write_text("{}")
+        (tmp_path / "train.parquet").write_bytes(b"")
         data = str(tmp_path / "train.parquet")
         flags = ["--model.hf_checkpoint", str(tmp_path), "--task.dataset_path", data]
         parse_args(
             ["--job.config_file", name, *flags, "--eval.dataset_path", data], GPU_RECIPES[name]
         )
+        return
+    # What `python -m torchtitan_rl.{train,sft} --job.config_file NAME --job.dry_run` checks,
+    # under the demo's torchrun world of 2: the config, then the task's data. A config that
+    # starts from the SFT stage's export (outputs/...) gets the tiny checkpoint the SFT stage
+    # starts from.
+    program = SFT if name.startswith("run_configs/sft_") else RL
+    flags = ["--job.config_file", name]
+    toml = tomllib.loads((REPO / name).read_text())
+    if toml["model"]["hf_checkpoint"].startswith("outputs/"):
+        stand_in = VL if toml["model"].get("flavor") == "tiny_vl" else TINY
+        flags += ["--model.hf_checkpoint", stand_in]
+    # So does a distill teacher that an earlier stage exports.
+    if toml.get("distill", {}).get("teacher_checkpoint", "").startswith("outputs/"):
+        flags += ["--distill.teacher_checkpoint", TINY]
+    program.open(parse_args(flags, 2, entry=program.entry))
 
 
 def documented_sections() -> tuple[set[str], set[str]]:

@@ -29,7 +29,16 @@ from torchtitan_rl.algorithms.losses import PolicyLoss
 from torchtitan_rl.algorithms.offpolicy import OffPolicyCorrection
 from torchtitan_rl.types import LossScale, RolloutBatch
 
-grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+# TRL's trainer module takes 3-4 s to import: only the worker that runs these tests pays it, not
+# every worker's collection (all of them run on one worker: their xdist group).
+pytestmark = pytest.mark.xdist_group("trl")
+
+
+@cache
+def grpo_trainer():
+    """`trl.trainer.grpo_trainer`, imported on first use."""
+    return pytest.importorskip("trl.trainer.grpo_trainer")
+
 
 B, P, C = 6, 3, 7
 
@@ -96,7 +105,7 @@ def trl_correction_code() -> CodeType:
     """The body of the `if self.use_vllm and self.vllm_importance_sampling_correction:` block of
     `GRPOTrainer._generate_and_score_completions` that assigns `vllm_importance_sampling_ratio`,
     compiled as TRL wrote it: file name and line numbers are TRL's, so a traceback points there."""
-    method = grpo_trainer.GRPOTrainer._generate_and_score_completions
+    method = grpo_trainer().GRPOTrainer._generate_and_score_completions
     lines, first_line = inspect.getsourcelines(method)
     tree = ast.parse(textwrap.dedent("".join(lines)))
     ast.increment_lineno(tree, first_line - 1)
@@ -139,7 +148,7 @@ def trl_correction_weights(
         "tool_mask": None,
     }
     # TRL's module globals (its torch, math): the block runs as it would inside the method.
-    exec(trl_correction_code(), dict(vars(grpo_trainer)), local_names)
+    exec(trl_correction_code(), dict(vars(grpo_trainer())), local_names)
     return local_names["vllm_importance_sampling_ratio"]
 
 
@@ -256,7 +265,7 @@ def test_loss_and_gradient_equal_trl(case, seed):
         inputs["importance_sampling_ratio"] = trl_weights_for(
             correction, old_BC, behaviour_BC, mask_BC
         )
-    theirs = grpo_trainer.GRPOTrainer._compute_loss(trl_self, None, inputs)
+    theirs = grpo_trainer().GRPOTrainer._compute_loss(trl_self, None, inputs)
     theirs.backward()
 
     assert abs(ours.item() - theirs.item()) <= 1e-6, (ours.item(), theirs.item())
