@@ -192,27 +192,41 @@ def test_every_mixture_of_experts_family_is_bitwise_in_bf16_under_torchrun(tmp_p
     assert len({metric_rows(tmp_path / name)[-1]["entropy"] for name in results}) == 5
 
 
-def test_a_tensor_parallel_generator_is_bitwise_with_the_fsdp_trainer(tmp_path):
-    """Trainer FSDP 2, one generator over both ranks at TP 2 (each rank half of every
-    attention head group and MLP unit): 3 RL steps that move the weights, then the probes,
-    every difference exactly 0.0 in fp32 and in bf16, on the tiny Qwen3 and Llama 3 (whose
-    random checkpoint earns no reward: its steps sync unchanged weights). Each
-    row-parallel layer (attention output, MLP down projection) reduces in 2 canonical slices
-    on both sides, the trainer's one device summing them as the generator's two ranks do
-    (`ops.partial_products`, an fp32 all-reduce of two). The engine compiled once, without
-    host reads. Planted: the same run with the plain reduction (each generator rank's GEMM
-    over its half, summed over the ranks) is not bitwise."""
+def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
+    """Each layout of 2 ranks with a TP side, 3 RL steps that move the weights, then the
+    probes, every difference exactly 0.0, in fp32 and in bf16:
+    - trainer FSDP 2, one generator over both ranks at TP 2 (each rank half of every attention
+      head group and MLP unit), on the tiny Qwen3 and Llama 3 (whose random checkpoint earns
+      no reward: its steps sync unchanged weights);
+    - trainer TP 2 (its row-parallel layers DTensors split by input columns, its head over the
+      whole vocabulary), a generator replica per rank (TP 1);
+    - trainer TP 2 and generator TP 2.
+    Each row-parallel layer (attention output, MLP down projection) reduces in 2 canonical
+    slices on every side: one device sums both (`ops.partial_products`), two ranks each sum
+    theirs and add the two in fp32. The trainer TP 2 step takes FSDP's step (its gradient
+    norms equal within fp32 rounding: the same samples, the backward's sums in another order).
+    The engine compiled once, without host reads. Planted: the same runs with the plain
+    reduction (each rank's GEMM over its half, summed over the ranks), on the generator's side
+    and on the trainer's, are not bitwise."""
     tp2 = ("--batch_invariant", "true", "--generator.parallelism.tensor_parallel_degree", "2")
-    warn = ("--batch_invariant_on_mismatch", "warn")  # the planted run runs on to its probes
+    trainer_tp2 = ("--batch_invariant", "true", "--parallelism.tp", "2")
+    warn = ("--batch_invariant_on_mismatch", "warn")  # the planted runs run on to their probes
     llama = ("--model.name", "llama3", "--model.hf_checkpoint", "assets/tiny_llama3")
+    both = (*trainer_tp2, *tp2[2:])
     results = probe(
         tmp_path,
         ("fp32", (*STEPS, *tp2)),
         ("bf16", (*STEPS, *tp2, *BF16)),
         ("llama3_bf16", (*STEPS, *tp2, *BF16, *llama)),
+        ("trainer_tp2", (*STEPS, *trainer_tp2)),
+        ("trainer_tp2_bf16", (*STEPS, *trainer_tp2, *BF16)),
+        ("both_tp2", (*STEPS, *both)),
+        ("both_tp2_bf16", (*STEPS, *both, *BF16)),
         ("planted", (*STEPS, *tp2, *warn, "--plant_plain_reduction")),
+        ("planted_trainer", (*STEPS, *trainer_tp2, *warn, "--plant_plain_reduction")),
     )
-    for name in ("fp32", "bf16", "llama3_bf16"):
+    exact = [name for name in results if not name.startswith("planted")]
+    for name in exact:
         result = results[name]
         assert_compiled_once_without_host_reads(name, result)
         assert diffs(result) == [0.0] * 6, (name, result)
@@ -221,7 +235,13 @@ def test_a_tensor_parallel_generator_is_bitwise_with_the_fsdp_trainer(tmp_path):
         assert len(rows) == 3, rows
         if name != "llama3_bf16":  # its random checkpoint answers ':' (p 0.995): no reward
             assert all(row["grad_norm"] > 0 for row in rows), rows
-    assert max(diffs(results["planted"])) > 0.0, results["planted"]
+    # Step 1 of trainer TP 2 and of FSDP, before any update: the same samples (one TP 2
+    # generator), the same forward bits, the same gradient up to the backward's rounding.
+    ours, theirs = metric_rows(tmp_path / "both_tp2")[0], metric_rows(tmp_path / "fp32")[0]
+    assert ours["reward/mean"] == theirs["reward/mean"], (ours, theirs)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
+    for name in ("planted", "planted_trainer"):
+        assert max(diffs(results[name])) > 0.0, results[name]
 
 
 def test_without_the_mode_the_same_probes_differ_in_fp32_and_bf16(demo_world):

@@ -11,8 +11,8 @@ batch-invariant kernels, so the two agree bit for bit whatever the batch composi
   as log_softmax(logits / T), exactly vLLM's processed logprobs. Where a side is tensor
   parallel, every row-parallel linear (its weight split by input columns in the TP plan:
   attention output, MLP down projection) reduces in a canonical order on both sides
-  (`reduction_slices`, `ops.partial_products`): a rank of a TP generator computes its block of
-  the slices and the ranks combine them in the same tree.
+  (`reduction_slices`, `ops.partial_products`): a rank of a TP generator or trainer computes
+  its block of the slices and the ranks combine them in the same tree.
 - CUDA (written, not run here: no GPU in this project's CI): torchtitan's
   `set_batch_invariance` (the batch_invariant_ops ATen overrides, deterministic NCCL) for the
   trainer and vLLM's VLLM_BATCH_INVARIANT=1 for the generator. Each side is then
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
 from torchtitan.protocols.module import Module
 
@@ -114,10 +115,40 @@ def canonical_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -
     """A row-parallel linear's output under the mode: `ops.partial_products` over slices of
     `module.reduction_width` (whichever of them this rank holds), finished over the ranks by
     `module.tp_combine` (a TP generator's, set by generator/tensor_parallel.py; None where
-    the rank holds every slice), then the whole bias once, rounded to x's dtype once."""
+    the rank holds every slice), then the whole bias once, rounded to x's dtype once. A
+    DTensor weight (the trainer's TP) is finished over its mesh (`_canonical_dtensor`)."""
+    if isinstance(weight, DTensor):
+        return _canonical_dtensor(module, x, weight)
     y = ops.partial_products(x, weight, module.reduction_width)
     if module.tp_combine is not None:
         y = module.tp_combine(y)
+    if module.bias is not None:
+        y = y + module.bias.float()
+    return y.to(x.dtype)
+
+
+def _canonical_dtensor(module: nn.Module, x: torch.Tensor, weight: DTensor) -> DTensor:
+    """`canonical_linear` on the trainer's TP: `weight` split by input columns over a 1-D mesh
+    (Shard(1)), `x` split by features as the column-parallel layer before left it (Shard(-1);
+    a plain tensor is this rank's block). Each rank sums its block of the slices, the ranks'
+    partial sums are combined in the tree's order (`ops.combine_partials` with DTensor's
+    collectives, which carry the gradients: each rank's block gets the whole output's), then
+    the bias and one rounding: the output, replicated, has the bits of one device's
+    canonical linear. torchtitan's output redistribution is off for these linears
+    (`make_linears_invariant`), as for its own RowParallelLinear; sequence parallelism is off
+    under the mode (trainer/parallel.py `layout`)."""
+    mesh = weight.device_mesh
+    if isinstance(x, DTensor):
+        x = x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local()
+    y = ops.partial_products(x, weight.to_local(), module.reduction_width)
+
+    def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [Replicate()])
+
+    def all_gather(partial: torch.Tensor, dim: int) -> torch.Tensor:
+        return DTensor.from_local(partial, mesh, [Shard(dim)]).redistribute(mesh, [Replicate()])
+
+    y = ops.combine_partials(y, mesh.size(), all_reduce, all_gather)
     if module.bias is not None:
         y = y + module.bias.float()
     return y.to(x.dtype)
@@ -162,6 +193,11 @@ def make_linears_invariant(model: nn.Module) -> None:
                 module.reduction_width = module.in_features // _slices
                 module.tp_combine = None
                 forward = _canonical_forward
+                # Its output is final, summed over a TP trainer's ranks in the canonical
+                # order (`_canonical_dtensor`): torchtitan then only distributes its weight,
+                # as for its own RowParallelLinear (its output no Partial to reduce).
+                config = module._sharding_config
+                module._sharding_config = type(config)(state_shardings=config.state_shardings)
             module.forward = types.MethodType(forward, module)
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True

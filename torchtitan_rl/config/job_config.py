@@ -251,12 +251,8 @@ class JobConfig:
             "renormalizes the generator's logprobs over the nucleus, which the trainer does not "
             "see: set top_p = 1.0",
         )
-        require(
-            self.parallelism.tp == 1,
-            f"batch_invariant = true with parallelism.tp = {self.parallelism.tp}: row-parallel "
-            "layers add partial products across ranks, which the generator's one-device GEMMs "
-            "do not reproduce bit for bit; use parallelism.tp = 1 (FSDP) in this mode",
-        )
+        if self.parallelism.tp > 1:
+            self._validate_invariant_trainer_tp(self.parallelism.tp)
         require(
             not self.training.compile,
             "batch_invariant = true with training.compile = true: inductor fuses and reorders "
@@ -268,20 +264,47 @@ class JobConfig:
         if generator_tp > 1:
             self._validate_invariant_generator_tp(generator_tp)
 
+    def _validate_invariant_trainer_tp(self, tp: int) -> None:
+        """A TP trainer under the mode: its row-parallel linears reduce canonically over the
+        TP ranks (batch_invariant.canonical_linear on DTensors) and its head runs on the whole
+        vocabulary (trainer/logprobs.py `head_weight`); dense decoders only, as a TP
+        generator."""
+        self._validate_invariant_tp(f"parallelism.tp = {tp}", tp, fix="parallelism.tp = 1 (FSDP)")
+        require(
+            not self.lora.enable,
+            f"batch_invariant = true with parallelism.tp = {tp} and lora.enable = true: the "
+            "merged adapters' row-parallel linears are not canonical across TP ranks yet; use "
+            "parallelism.tp = 1 (FSDP) with LoRA in this mode",
+        )
+
     def _validate_invariant_generator_tp(self, tp: int) -> None:
         """A TP generator under the mode: its row-parallel linears reduce canonically
         (batch_invariant.canonical_linear), proven for dense decoders; what is not yet is one
         line naming it."""
         from torchtitan_rl.generator import tensor_parallel
+        from torchtitan_rl.models import model_spec
+
+        at = f"generator.parallelism.tensor_parallel_degree = {tp}"
+        fix = "tensor_parallel_degree = 1 in this mode (a generator replica per rank)"
+        self._validate_invariant_tp(at, tp, fix=fix)
+        why = tensor_parallel.why_not_local(model_spec(self.model.name, self.model.flavor), tp)
+        require(
+            not why,
+            f"batch_invariant = true with {at}: {why}, so the generator would run DTensors, "
+            "whose reductions are not canonical; use tensor_parallel_degree = 1 in this mode",
+        )
+
+    def _validate_invariant_tp(self, field: str, tp: int, *, fix: str) -> None:
+        """A tensor-parallel side under the mode (`field`: the degree's setting): a power of
+        two (the canonical slices), a dense decoder."""
         from torchtitan_rl.models import (
             has_linear_attention,
             has_vision_tower,
             is_mixture_of_experts,
-            model_spec,
         )
 
         name, flavor = self.model.name, self.model.flavor
-        at = f"batch_invariant = true with generator.parallelism.tensor_parallel_degree = {tp}"
+        at = f"batch_invariant = true with {field}"
         require(
             tp & (tp - 1) == 0,
             f"{at}: the canonical reduction splits each row-parallel layer in a power-of-two "
@@ -300,15 +323,8 @@ class JobConfig:
             require(
                 not has(name, flavor),
                 f"{at}: {name}/{flavor} has {what}, which are bitwise across TP layouts only on "
-                "dense decoders so far; use tensor_parallel_degree = 1 in this mode (a "
-                "generator replica per rank)",
+                f"dense decoders so far; use {fix}",
             )
-        why = tensor_parallel.why_not_local(model_spec(name, flavor), tp)
-        require(
-            not why,
-            f"{at}: {why}, so the generator would run DTensors, whose reductions are not "
-            "canonical; use tensor_parallel_degree = 1 in this mode",
-        )
 
     def _validate_distill(self) -> None:
         """Every source's learn_from has what it needs; the teacher is a model.name flavor

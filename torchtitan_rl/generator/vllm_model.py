@@ -33,6 +33,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 )
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
+from torchtitan_rl import batch_invariant
 from torchtitan_rl.batch_invariant import make_linears_invariant
 from torchtitan_rl.generator import tensor_parallel
 from torchtitan_rl.generator.attention import PagedAttention
@@ -111,11 +112,20 @@ class TorchTitanForCausalLM(nn.Module):
         else, under TP, DTensors."""
         self.layouts: dict = {}
         """With local shards, each sharded weight's DTensor layout, by FQN."""
+        invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         if self.tp > 1:
             ep = self.tp if getattr(hf_config, "torchtitan_expert_parallel", False) else 1
             self.dims = _tp_layout(self.spec, self.tp, ep)
+        elif invariant and batch_invariant.slices() > 1:
+            # One replica in a run whose trainer is tensor parallel: the row-parallel linears
+            # reduce in the run's canonical slices (`make_linears_invariant` finds them in the
+            # sharding plan, filled in without a mesh: nothing is sharded).
+            from torchtitan.config.configs import ParallelismConfig
+
+            from torchtitan_rl.trainer.parallel import fill_sharding_plan
+
+            fill_sharding_plan(self.spec, ParallelismConfig(enable_sequence_parallel=False))
         model = self.spec.model.build()
-        invariant = getattr(hf_config, "torchtitan_batch_invariant", False)
         vllm_kernels = not invariant and getattr(hf_config, "torchtitan_packed_gemm", True)
         """vLLM's own CPU kernels where they apply (packed GEMMs, fused MoE, Gated DeltaNet):
         `generator.cpu_packed_gemm`, never in batch-invariant mode."""

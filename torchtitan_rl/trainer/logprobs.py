@@ -303,7 +303,9 @@ def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, dist.ProcessGroup 
     FSDP's unsharded copy (inside `fused_head`, FSDP's hooks have gathered it; outside,
     `unshard` gathers it). Under TP, this rank's rows of the vocabulary, the TP group and the
     first row's index: the head then runs vocabulary-parallel and the weight is never
-    gathered."""
+    gathered; except under batch-invariant mode, whose logprobs are those of one device's
+    head over the whole vocabulary (the vocabulary-parallel softmax reduces in another
+    order): the weight is gathered (its gradient each rank's rows of the whole one's)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
@@ -312,7 +314,9 @@ def head_weight(head: torch.nn.Module) -> tuple[torch.Tensor, dist.ProcessGroup 
     weight = head.weight
     if not isinstance(weight, DTensor):
         return weight, None, 0
-    if weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),):
+    batch_invariant = sys.modules.get("torchtitan_rl.batch_invariant")  # see `_head_logits`
+    invariant = batch_invariant is not None and batch_invariant.is_enabled()
+    if weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),) and not invariant:
         mesh = weight.device_mesh
         rows = -(-weight.shape[0] // mesh.size())  # Shard(0) splits as torch.chunk does
         return weight.to_local(), mesh.get_group(), mesh.get_local_rank() * rows
@@ -382,8 +386,8 @@ def head_logprobs(
     With `group` (trainer TP), `weight_VD` is this rank's rows of a vocabulary sharded over the
     group, starting at row `first`: each chunk's logits stay sharded ([chunk, V / tp]) and only
     [chunk]-sized figures cross ranks (`_VocabParallelHeadLogprobs`). Not bitwise equal to the
-    unsharded head (the softmax is reduced in another order), which batch-invariant mode
-    refuses with TP anyway.
+    unsharded head (the softmax is reduced in another order): under batch-invariant mode a TP
+    trainer's head gets the gathered weight instead (`head_weight`).
 
     `cap`: the head's transform of its logits (`soft_cap(lm_head)`: Muse Glimmer's tanh cap),
     applied to each chunk's logits before the softmax and differentiated through in backward.

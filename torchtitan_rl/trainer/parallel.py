@@ -17,7 +17,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_rl import platform
+from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import ParallelismSection
 from torchtitan_rl.trainer.compile import compilable_attention
 
@@ -46,6 +46,9 @@ def layout(
         data_parallel_shard_degree=dp_shard,
         tensor_parallel_degree=parallelism.tp,
         expert_parallel_degree=parallelism.ep,
+        # Under batch-invariant mode a row-parallel layer's output is the whole canonical sum,
+        # replicated (batch_invariant.canonical_linear), not reduce-scattered over the sequence.
+        enable_sequence_parallel=not batch_invariant.is_enabled(),
         spmd_backend=spmd_backend,
     )
     return dims, config
