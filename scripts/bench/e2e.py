@@ -19,7 +19,9 @@ of a step each side works (colocated: the share each phase takes of the ranks' s
 continuous: the generator's engine-step time since its previous batch); `peak_rss_gib_per_rank`
 and `peak_rss_gib_children_per_rank` (a generator rank's engine process). With
 `--batch_invariant true` it runs the same config with the mode off too and adds `cost_ratio`:
-step time on / off. With a distill teacher (`--distill.teacher_checkpoint`) it runs the same
+step time on / off; and where a side is tensor parallel, `canonical_cost_ratio`: step time with
+the row-parallel layers' canonical reduction / with their plain one (the mode's check warning).
+With a distill teacher (`--distill.teacher_checkpoint`) it runs the same
 config without the teacher and with the KL reference instead (`--algorithm.kl_beta 0.001`), and
 adds `teacher_cost_ratio` and `reference_cost_ratio`: step time with each / without either.
 
@@ -75,6 +77,14 @@ def measure(flags: list[str]) -> int:
     rows_out = None
     if flags[:1] == ["--rows_out"]:
         rows_out, flags = flags[1], flags[2:]
+    if flags[:1] == ["--plain_reduction"]:
+        # Under the mode with a TP side: the row-parallel layers reduce as without the mode
+        # (one GEMM on one device, each TP rank's plain partial summed over the ranks), so that
+        # the canonical reduction's own cost shows; the mode's check then warns.
+        from torchtitan_rl import batch_invariant
+
+        batch_invariant.reduction_slices = lambda *degrees: 1
+        flags = [*flags[1:], "--batch_invariant_on_mismatch", "warn"]
     config, rank, world = join_world(flags, prog="scripts/bench/e2e.py")
     collect = Collect()
     if config.generator.placement in ("disaggregated", "continuous"):
@@ -196,10 +206,13 @@ print(2 * {size}**3 / min(times) / 1e9)
     return float(out.stdout.strip())
 
 
-def run(nproc: int, flags: list[str], rows_out: str | None = None) -> dict:
+def run(
+    nproc: int, flags: list[str], rows_out: str | None = None, plain_reduction: bool = False
+) -> dict:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     script = str(REPO / "scripts" / "bench" / "e2e.py")
     ours = ["--rows_out", rows_out] if rows_out else []
+    ours += ["--plain_reduction"] if plain_reduction else []
     return run_child([*torchrun, "--nproc_per_node", str(nproc), script, "--child", *ours, *flags])
 
 
@@ -269,6 +282,11 @@ def main() -> int:
         result["step_s_mode_off"] = off["step_s"]
         result["logprob_diff_max_mode_off"] = off["logprob_diff_max"]
         result["cost_ratio"] = round(result["step_s"] / off["step_s"], 3)
+        tp = (config.parallelism.tp, config.generator.parallelism.tensor_parallel_degree)
+        if max(tp) > 1:  # the canonical reduction of the row-parallel layers, against plain
+            plain = run(nproc, args, plain_reduction=True)
+            result["step_s_plain_reduction"] = plain["step_s"]
+            result["canonical_cost_ratio"] = round(result["step_s"] / plain["step_s"], 3)
     if config.distill.enabled:
         plain = without_teacher(args)
         alone, reference = run(nproc, plain), run(nproc, [*plain, "--algorithm.kl_beta", "0.001"])
