@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import runs
-from helpers.launch import DEBUG_TOML, metric_rows, run_dist
+from helpers.launch import DEBUG_TOML, metric_rows, run_dist, run_train
 
 # Prompts up to 206 tokens: longer than vLLM's 128-token CPU KV block.
 LONG_PROMPTS = ("--generator.max_model_len", "320", "--training.max_prompt_len", "256")
@@ -241,6 +241,24 @@ def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
     assert ours["reward/mean"] == theirs["reward/mean"], (ours, theirs)
     assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
     assert max(diffs(results["planted"])) > 0.0, results["planted"]
+
+
+def test_a_tensor_parallel_trainer_and_a_tensor_parallel_generator_on_their_own_ranks(tmp_path):
+    """The disaggregated placement on 4 ranks: trainer TP 2 on ranks 0-1, one generator at
+    TP 2 on ranks 2-3 (its engine in its own processes, on local shards), 3 RL steps that
+    move the weights, each step's logprob difference 0.0 (fp32). The colocated layouts and the
+    probes: the test above."""
+    result = run_train(
+        *("--job.config_file", DEBUG_TOML, *STEPS, "--batch_invariant", "true"),
+        *("--parallelism.tp", "2", "--generator.placement", "disaggregated"),
+        *("--generator.num_ranks", "2", "--generator.parallelism.tensor_parallel_degree", "2"),
+        *("--job.dump_folder", str(tmp_path)),
+        nproc=4,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metric_rows(tmp_path)
+    assert [row["logprob_diff/max"] for row in rows] == [0.0] * 3, rows
+    assert all(row["grad_norm"] > 0 for row in rows), rows
 
 
 def test_without_the_mode_the_same_probes_differ_in_fp32_and_bf16(demo_world):
