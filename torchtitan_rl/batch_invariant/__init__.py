@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,32 +116,34 @@ def canonical_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -
     """A row-parallel linear's output under the mode: `ops.partial_products` over slices of
     `module.reduction_width` (whichever of them this rank holds), finished over the ranks by
     `module.tp_combine` (a TP generator's, set by generator/tensor_parallel.py; None where
-    the rank holds every slice), then the whole bias once, rounded to x's dtype once. A
-    DTensor weight (the trainer's TP) is finished over its mesh (`_canonical_dtensor`)."""
+    the rank holds every slice) or, for a DTensor weight (the trainer's TP), over its mesh
+    (`_dtensor_blocks`), then the whole bias once, rounded to x's dtype once."""
+    combine = module.tp_combine
     if isinstance(weight, DTensor):
-        return _canonical_dtensor(module, x, weight)
+        x, weight, combine = _dtensor_blocks(x, weight)
     y = ops.partial_products(x, weight, module.reduction_width)
-    if module.tp_combine is not None:
-        y = module.tp_combine(y)
+    if combine is not None:
+        y = combine(y)
     if module.bias is not None:
         y = y + module.bias.float()
     return y.to(x.dtype)
 
 
-def _canonical_dtensor(module: nn.Module, x: torch.Tensor, weight: DTensor) -> DTensor:
-    """`canonical_linear` on the trainer's TP: `weight` split by input columns over a 1-D mesh
-    (Shard(1)), `x` split by features as the column-parallel layer before left it (Shard(-1);
-    a plain tensor is this rank's block). Each rank sums its block of the slices, the ranks'
-    partial sums are combined in the tree's order (`ops.combine_partials` with DTensor's
-    collectives, which carry the gradients: each rank's block gets the whole output's), then
-    the bias and one rounding: the output, replicated, has the bits of one device's
+def _dtensor_blocks(
+    x: torch.Tensor, weight: DTensor
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """`canonical_linear` on the trainer's TP: this rank's blocks of `x` and `weight`, and
+    the combine of the ranks' partial sums. `weight` is split by input columns over a 1-D mesh
+    (Shard(1)), `x` by features as the column-parallel layer before left it (Shard(-1); a
+    plain tensor is this rank's block). The partials are combined in the tree's order
+    (`ops.combine_partials` with DTensor's collectives, which carry the gradients: each rank's
+    block gets the whole output's), so the output, replicated, has the bits of one device's
     canonical linear. torchtitan's output redistribution is off for these linears
     (`make_linears_invariant`), as for its own RowParallelLinear; sequence parallelism is off
     under the mode (trainer/parallel.py `layout`)."""
     mesh = weight.device_mesh
     if isinstance(x, DTensor):
         x = x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local()
-    y = ops.partial_products(x, weight.to_local(), module.reduction_width)
 
     def all_reduce(partial: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [Replicate()])
@@ -148,10 +151,10 @@ def _canonical_dtensor(module: nn.Module, x: torch.Tensor, weight: DTensor) -> D
     def all_gather(partial: torch.Tensor, dim: int) -> torch.Tensor:
         return DTensor.from_local(partial, mesh, [Shard(dim)]).redistribute(mesh, [Replicate()])
 
-    y = ops.combine_partials(y, mesh.size(), all_reduce, all_gather)
-    if module.bias is not None:
-        y = y + module.bias.float()
-    return y.to(x.dtype)
+    def combine(y: torch.Tensor) -> torch.Tensor:
+        return ops.combine_partials(y, mesh.size(), all_reduce, all_gather)
+
+    return x, weight.to_local(), combine
 
 
 def _canonical_forward(self: nn.Linear, x):
@@ -194,7 +197,7 @@ def make_linears_invariant(model: nn.Module) -> None:
                 module.tp_combine = None
                 forward = _canonical_forward
                 # Its output is final, summed over a TP trainer's ranks in the canonical
-                # order (`_canonical_dtensor`): torchtitan then only distributes its weight,
+                # order (`_dtensor_blocks`): torchtitan then only distributes its weight,
                 # as for its own RowParallelLinear (its output no Partial to reduce).
                 config = module._sharding_config
                 module._sharding_config = type(config)(state_shardings=config.state_shardings)
