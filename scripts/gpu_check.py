@@ -13,8 +13,11 @@ each catching its own error so that one failure does not hide the others:
 - "head": `logprobs.head_logprobs` (chunked LM head) against full logits at Qwen3-0.6B's head
   (151,936 x 1,024) and 16k tokens, forward and backward: peak device memory of each and the
   largest logprob difference;
-- "batch_invariance": a row's GEMM and log_softmax bits at several batch sizes, plain and under
-  `batch_invariant_ops` (torchtitan's set_batch_invariance uses it) where it is installed;
+- "batch_invariance": a row's GEMM and log_softmax bits at several batch sizes, plain and, where
+  vLLM's CUDA build is installed, under its in-tree batch-invariant kernels (what
+  `platform.enable_batch_invariance` installs), with the trainer's attention under the mode
+  (batch_invariant/flash.py: vLLM's flash forward) against torch's varlen_attn, forward and
+  backward, and a sequence alone against among others, bitwise;
 - "process_groups": a `cpu:gloo,cuda:nccl` world (platform.init_distributed): a host tensor
   through gloo (platform.all_reduce_host), a device tensor through NCCL, a subgroup;
 - "grouped_mm": `torch._grouped_mm` as models/moe.py's experts call it (rows grouped by
@@ -216,16 +219,50 @@ def row_bits_across_batch(device, sizes=(1, 3, 16, 128, 1000)) -> dict:
     }
 
 
-def check_batch_invariance(device) -> dict:
+def check_batch_invariance(device, small: bool) -> dict:
+    """Plain rows; then, where vLLM runs (a GPU with the `gpu` extra), its in-tree kernels
+    (what `platform.enable_batch_invariance` installs) and the trainer's attention under the
+    mode (batch_invariant/flash.py): vLLM's flash forward against torch's varlen_attn, a
+    sequence alone against the same sequence among others (bitwise), the gradient."""
     figures = {"plain": row_bits_across_batch(device)}
-    if importlib.util.find_spec("batch_invariant_ops") is None:
-        figures["batch_invariant_ops"] = "not installed"
+    if device.type != "cuda" or importlib.util.find_spec("vllm") is None:
+        figures["vllm_kernels"] = "not run: needs vLLM's CUDA build on a GPU"
         return figures
-    from batch_invariant_ops import enable_batch_invariant_mode  # what torchtitan calls
-
-    enable_batch_invariant_mode()
-    figures["batch_invariant_ops"] = row_bits_across_batch(device)
+    platform.enable_batch_invariance()  # as a run under the mode: VLLM_BATCH_INVARIANT, then vLLM's
+    figures["vllm_kernels"] = row_bits_across_batch(device)
+    figures["flash"] = flash_against_varlen(device, small)
     return figures
+
+
+def flash_against_varlen(device, small: bool) -> dict:
+    """batch_invariant/flash.py's attention on a long-tailed packed bf16 row at Qwen3-0.6B's
+    attention shape (it imports torchtitan, which the `gpu` extra that brings vLLM has)."""
+    from torchtitan_rl.batch_invariant import flash
+
+    lengths = [40, 9, 130, 3] if small else [1800, 120, 64, 4000, 17, 900]
+    N, K, H = (4, 2, 16) if small else (16, 8, 128)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    L = sum(lengths)
+    q, k, v = (
+        torch.randn(1, L, heads, H, generator=g).to(device, torch.bfloat16).requires_grad_()
+        for heads in (N, K, K)
+    )
+    docs = docs_of(lengths, device)
+    out = flash.attention(q, k, v, docs)
+    reference = packed_attention.varlen(q, k, v, docs, enable_gqa=True)
+    alone_docs = docs_of(lengths[2:3], device)
+    span = slice(sum(lengths[:2]), sum(lengths[:3]))
+    alone = flash.attention(*(x[:, span] for x in (q, k, v)), alone_docs)
+    upstream = torch.randn(out.shape, generator=g).to(device, torch.bfloat16)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    reference_grads = torch.autograd.grad(reference, (q, k, v), upstream)
+    return {
+        "forward_max_diff_vs_varlen": (out - reference).abs().max().item(),
+        "sequence_alone_bitwise": torch.equal(alone, out[:, span]),
+        "grad_max_diff_vs_varlen": max(
+            (a - b).abs().max().item() for a, b in zip(grads, reference_grads, strict=True)
+        ),
+    }
 
 
 def check_process_groups(device) -> dict:
@@ -366,7 +403,7 @@ def main() -> None:
     checks = {
         "varlen": lambda: check_varlen(device, args.small),
         "head": lambda: check_head(device, args.small),
-        "batch_invariance": lambda: check_batch_invariance(device),
+        "batch_invariance": lambda: check_batch_invariance(device, args.small),
         "process_groups": lambda: check_process_groups(device),
         "grouped_mm": lambda: check_grouped_mm(device, args.small),
         "sink_attention": lambda: check_sink_attention(device, args.small),

@@ -169,8 +169,62 @@ def vllm_can_sleep() -> bool:
     return device_type() == "cuda"
 
 
+def enable_batch_invariance() -> None:
+    """Batch-invariant mode's kernels for this process, before any model or engine is built.
+    CPU: nothing here (this project's kernels, batch_invariant/ops.py, replace the modules'
+    forwards). CUDA: vLLM's in-tree batch-invariant kernels for both sides, the trainer's and
+    the generator's, as vLLM installs them for its own engine (`init_batch_invariance`, which
+    acts under VLLM_BATCH_INVARIANT=1): ATen's mm, addmm, matmul and linear (persistent Triton
+    kernels where cuBLAS cannot be made invariant, cuBLAS without split-K on Hopper and
+    Blackwell), bmm, softmax, log_softmax and mean overridden; TF32 off; the all-reduce and
+    NCCL pinned to fixed-order algorithms; the attention backend's flash attention with one
+    split of the keys. The trainer, in the same process, runs the same ATen ops, and its
+    attention the backend's kernel (`invariant_attention`)."""
+    if device_type() != "cuda":
+        return
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+
+
+def invariant_attention():
+    """The trainer's attention kernel under batch-invariant mode: None on CPU (this project's
+    `ops.attention`, which the generator's paged op runs too); on CUDA vLLM's flash attention
+    with one split (batch_invariant/flash.py), the kernel of the generator's backend
+    (`engine_attention_backend`)."""
+    if device_type() != "cuda":
+        return None
+    from torchtitan_rl.batch_invariant import flash
+
+    return flash.attention
+
+
+def engine_attention_backend(invariant: bool) -> str | None:
+    """vLLM's attention backend for the generator (EngineArgs.attention_backend): under
+    batch-invariant mode on CUDA vLLM's FLASH_ATTN, whose kernel the trainer runs
+    (`invariant_attention`); otherwise vLLM's choice (None)."""
+    return "FLASH_ATTN" if invariant and device_type() == "cuda" else None
+
+
+def engine_kv_block_size(invariant: bool) -> int | None:
+    """The generator's KV-cache block size (EngineArgs.block_size): under batch-invariant mode
+    on CUDA the one the trainer pages its keys in (`batch_invariant.flash.KV_BLOCK`, vLLM's
+    CUDA default, set so that the two cannot part); otherwise vLLM's choice (None)."""
+    if not (invariant and device_type() == "cuda"):
+        return None
+    from torchtitan_rl.batch_invariant import flash
+
+    return flash.KV_BLOCK
+
+
 def generator_compilation(
-    *, compiled: bool, own_invariant_kernels: bool, captures_routing: bool, host_ops=()
+    *,
+    compiled: bool,
+    own_invariant_kernels: bool,
+    captures_routing: bool,
+    host_ops=(),
+    invariant: bool = False,
 ):
     """The generator engine's `compilation_config` (vLLM's EngineArgs), and on CUDA the model
     runner it may use (set in the environment, which vLLM reads at the engine's build).
@@ -191,7 +245,10 @@ def generator_compilation(
       code on the host (Qwen3.5's `torchtitan_rl::gated_delta_paged` splits its batch by
       request there): the graph is split at them, beside vLLM's attention ops, so they run
       eagerly between captured pieces, and piecewise only (a full graph would replay the
-      batch split of its capture).
+      batch split of its capture). Under batch-invariant mode (`invariant`), the graph's
+      pieces run with the "eager" backend instead of inductor, still captured: the ops the
+      trainer runs eagerly, in the same kernels (inductor would fuse the norms and softmax
+      into its own reductions).
     """
     cpu = device_type() == "cpu"
     if cpu:
@@ -209,12 +266,14 @@ def generator_compilation(
             return {"mode": 2, "backend": "eager"}  # CompilationMode.DYNAMO_TRACE_ONCE
         return {"mode": 3}  # VLLM_COMPILE, which vLLM's CPU platform turns into the above
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    backend = {"backend": "eager"} if invariant else {}
     if host_ops:
         from vllm.config import CompilationConfig
 
         splitting = [*CompilationConfig._attention_ops, *host_ops]
-        return {"mode": 3, "cudagraph_mode": "PIECEWISE", "splitting_ops": splitting}
-    return {"mode": 3, "cudagraph_mode": "PIECEWISE" if captures_routing else "FULL_AND_PIECEWISE"}
+        return {"mode": 3, "cudagraph_mode": "PIECEWISE", "splitting_ops": splitting, **backend}
+    graphs = "PIECEWISE" if captures_routing else "FULL_AND_PIECEWISE"
+    return {"mode": 3, "cudagraph_mode": graphs, **backend}
 
 
 def return_freed_memory() -> None:

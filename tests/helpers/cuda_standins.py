@@ -9,6 +9,7 @@ tests/unit/test_cuda_contracts.py before anything is checked with it. Shapes: T 
 tokens, N query heads, K key/value heads, H head dim.
 """
 
+import itertools
 import math
 
 import torch
@@ -97,6 +98,111 @@ def attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None, wind
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
         outs.append((weights @ v_NlH).transpose(0, 1))
     return torch.cat(outs).to(query.dtype)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    max_seqlen_q,
+    cu_seqlens_q,
+    max_seqlen_k,
+    cu_seqlens_k=None,
+    seqused_k=None,
+    q_v=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    return_softmax_lse=False,
+    out=None,
+    scheduler_metadata=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    num_splits=0,
+    output_scale=None,
+    fa_version=3,
+    s_aux=None,
+    cp_world_size=1,
+    cp_rank=0,
+    cp_tot_seqused_k=None,
+    mask_mod=None,
+    block_sparse_tensors=None,
+    aux_tensors=None,
+    aux_tensor_leading_dims=None,
+    dynamic_causal=None,
+):
+    """vLLM 0.32's `vllm.vllm_flash_attn.flash_attn_varlen_func` on CPU, from its docstring:
+    q (total_q, nheads, headdim); k/v (total_k, nheads_k, headdim) with `cu_seqlens_k`, or a
+    paged cache (num_blocks, block_size, nheads_k, headdim) with `block_table` (batch,
+    max_blocks_per_seq; int32) and `seqused_k` (batch; int32: the keys each sequence uses;
+    "mutually exclusive with cu_seqlens_k, and required when block_table is given");
+    nheads divisible by nheads_k (head i of q attends to head i // (nheads / nheads_k));
+    `cu_seqlens_q` int32 cumulative starts; `softmax_scale` 1/sqrt(headdim) by default;
+    `causal` aligned to the bottom right; `window_size` None or (-1, -1): no window;
+    `num_splits` 0 (the kernel's choice) or 1 on FA2. fp16/bf16 only (flash-attn's kernels).
+    Its compiled op has no backward: the result does not require grad. The stand-in takes
+    the paths the trainer uses (no sinks, softcap, alibi, dropout) and refuses the rest."""
+    if q.dtype not in FLASH_DTYPES:
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    unused = (q_v, alibi_slopes, s_aux, out, scheduler_metadata)
+    if any(x is not None for x in unused) or softcap or dropout_p:
+        raise NotImplementedError("stand-in: sinks, softcap, alibi, dropout, scheduling")
+    if (cu_seqlens_k is None) == (seqused_k is None) or (block_table is None) != (
+        seqused_k is None
+    ):
+        raise RuntimeError("cu_seqlens_k, or block_table with seqused_k")
+    if q.size(1) % k.size(-2):
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+    if num_splits < 0 or (fa_version == 2 and num_splits > 1) or fa_version not in (2, 3, 4):
+        raise RuntimeError(f"stand-in: num_splits {num_splits}, fa_version {fa_version}")
+    if block_table is not None:  # the paged cache, read sequence by sequence
+        if block_table.dtype != torch.int32 or seqused_k.dtype != torch.int32:
+            raise RuntimeError("block_table and seqused_k must have dtype int32")
+        used = seqused_k.tolist()
+        k, v = (
+            torch.cat([x[row].flatten(0, 1)[:n] for row, n in zip(block_table, used, strict=True)])
+            for x in (k, v)
+        )
+        cu_seqlens_k = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32)
+    left, right = (-1, -1) if window_size is None else window_size
+    if causal:
+        right = 0
+    with torch.no_grad():
+        return attend(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            (left, right),
+        )
+
+
+def get_flash_attn_version(
+    requires_alibi=False,
+    head_size=None,
+    head_size_v=None,
+    has_sinks=False,
+    requires_softcap=False,
+    kv_cache_block_size=None,
+    supports_fa4_hd256=False,
+):
+    """vLLM 0.32's `fa_utils.get_flash_attn_version` on a Hopper GPU without overrides, under
+    VLLM_BATCH_INVARIANT: FA3 (its step 1: SM90 prefers it), FA2 with alibi; a head size
+    over 256 would take FA4, which batch invariance turns into FA2."""
+    if requires_alibi or (head_size or 0) > 256:
+        return 2
+    return 3
 
 
 class SleepingEngine:

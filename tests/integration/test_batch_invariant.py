@@ -200,15 +200,26 @@ def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
       no reward: its steps sync unchanged weights);
     - trainer TP 2 (its row-parallel layers DTensors split by input columns, its head over the
       whole vocabulary), a generator replica per rank (TP 1);
-    - trainer TP 2 and generator TP 2.
-    Each row-parallel layer (attention output, MLP down projection) reduces in 2 canonical
-    slices on every side: one device sums both (`ops.partial_products`), two ranks each sum
-    theirs and add the two in fp32. The trainer TP 2 step takes FSDP's step (its gradient
-    norms equal within fp32 rounding: the same samples, the backward's sums in another order).
-    The engine compiled once, without host reads. Planted: the first layout with the plain
-    reduction (each rank's GEMM over its half, summed over the ranks) is not bitwise (planted
-    on a TP trainer's side, with a replica per rank, it differs too: 4.8e-7 to 7.2e-7 a step,
-    measured by hand, not rerun here)."""
+    - trainer TP 2 and generator TP 2;
+    - mixtures of experts, trained with EP 2 (experts whole on each rank), generated at TP 2
+      with every expert's hidden units split over the ranks: the tiny Qwen3-MoE (fp32),
+      gpt-oss (bf16: its output bias added once, after the sum) and DeepSeek-V3 (bf16: latent
+      attention, shared experts, group-limited routing);
+    - Qwen3.5, dense and MoE (fp32), generated at TP 2: each rank runs half of every Gated
+      DeltaNet layer's heads, its output projection row-parallel. Its gate projections are 4
+      outputs wide, 2 a rank: `ops.linear` pads outputs to COL_TILE so that a narrow
+      column-parallel shard rounds as the whole layer (without it: 9.5e-7 to 1.4e-6 a step).
+    Each row-parallel layer (attention output, MLP down projection, each expert's down
+    projection) reduces in 2 canonical slices on every side: one device sums both
+    (`ops.partial_products`), two ranks each sum theirs and add the two in fp32 (for experts,
+    every routed row before the dispatcher weighs and adds a token's experts). The trainer TP 2
+    step takes FSDP's step (its gradient norms equal within fp32 rounding: the same samples, the
+    backward's sums in another order). The engine compiled once, without host reads. Planted:
+    the first layout with the plain reduction (each rank's GEMM over its half, summed over the
+    ranks) is not bitwise (planted on a TP trainer's side, with a replica per rank, it differs
+    too: 4.8e-7 to 7.2e-7 a step; in the experts' down projection alone, 4.8e-7 to 9.5e-7 on
+    Qwen3-MoE and 5e-3 to 2.7e-2 on gpt-oss in bf16; measured by hand, not rerun here;
+    tests/unit/test_batch_invariant.py plants the experts' on one layer)."""
     tp2 = ("--batch_invariant", "true", "--generator.parallelism.tensor_parallel_degree", "2")
     trainer_tp2 = ("--batch_invariant", "true", "--parallelism.tp", "2")
     warn = ("--batch_invariant_on_mismatch", "warn")  # the planted runs run on to their probes
@@ -223,6 +234,11 @@ def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
         ("trainer_tp2_bf16", (*STEPS, *trainer_tp2, *BF16)),
         ("both_tp2", (*STEPS, *both)),
         ("both_tp2_bf16", (*STEPS, *both, *BF16)),
+        ("moe_tp2", (*STEPS, *tp2, *runs.MOE_MODEL)),
+        ("gpt_oss_tp2_bf16", (*STEPS, *tp2, *BF16, *runs.GPT_OSS_MODEL)),
+        ("deepseek_v3_tp2_bf16", (*STEPS, *tp2, *BF16, *runs.DEEPSEEK_V3_MODEL)),
+        ("qwen3_5_tp2", (*STEPS, *tp2, *runs.QWEN3_5_MODEL)),
+        ("qwen3_5_moe_tp2", (*STEPS, *tp2, *runs.QWEN3_5_MOE_MODEL)),
         ("planted", (*STEPS, *tp2, *warn, "--plant_plain_reduction")),
     )
     exact = [name for name in results if not name.startswith("planted")]

@@ -142,16 +142,26 @@ BAD_INPUTS = {
         ["--world_size_for_test", "4"],
         ["tensor_parallel_degree = 2 does not divide the 3 generating ranks"],
     ),
-    # A dense decoder's TP generator is exact under the mode (test_batch_invariant.py's
-    # tp_world); an MoE model's is not yet.
-    "generator tp under batch invariance on an MoE model": (
+    # A TP generator is exact under the mode, an MoE model's with its experts' hidden units
+    # split (test_batch_invariant.py's TP layouts); with whole experts per rank it is not yet.
+    "generator expert parallel under batch invariance": (
         'batch_invariant = true\n[model]\nflavor = "tiny_moe"\n'
-        "[generator.parallelism]\ntensor_parallel_degree = 2\n",
+        "[generator.parallelism]\ntensor_parallel_degree = 2\nexpert_parallel = true\n",
         ["--world_size_for_test", "2"],
         [
-            "batch_invariant = true with generator.parallelism.tensor_parallel_degree = 2",
-            "qwen3/tiny_moe has mixture-of-experts layers",
-            "tensor_parallel_degree = 1 in this mode",
+            "batch_invariant = true with generator.parallelism.tensor_parallel_degree = 2 "
+            "and generator.parallelism.expert_parallel = true",
+            "set expert_parallel = false",
+        ],
+    ),
+    "trainer tp under batch invariance on Gated DeltaNet layers": (
+        'batch_invariant = true\n[model]\nname = "qwen3_5"\nflavor = "tiny"\n'
+        'hf_checkpoint = "assets/tiny_qwen3_5"\n[parallelism]\ntp = 2\n',
+        ["--world_size_for_test", "2"],
+        [
+            "batch_invariant = true with parallelism.tp = 2",
+            "qwen3_5/tiny has Gated DeltaNet layers, which torchtitan's plan shards by sequence",
+            "use parallelism.tp = 1 (FSDP)",
         ],
     ),
     "generator tp ranks without prompts to share": (

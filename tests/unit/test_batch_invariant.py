@@ -197,10 +197,14 @@ def test_column_parallel_layers_and_attention_heads_need_no_canonical_order(dtyp
     (q/k/v, gate/up, the vocabulary-parallel head: its block of output rows) equals that block
     of the one-device `ops.linear`, and `ops.attention` over a rank's block of query heads with
     their KV heads equals those heads of the whole, bit for bit (a dot product's order does not
-    depend on how many others run beside it). The vocabulary-parallel embedding's sum over
-    ranks adds zeros: exact."""
+    depend on how many others run beside it, once `ops.linear` pads the outputs to COL_TILE:
+    unpadded, a 4-wide layer's halves rounded otherwise, found by Qwen3.5's gate projections
+    at generator TP 2). The vocabulary-parallel embedding's sum over ranks adds zeros:
+    exact."""
     g = torch.Generator().manual_seed(0)
-    for rows, width_in, width_out in [(1, 128, 256), (37, 576, 1536), (300, 576, 49152 // 8)]:
+    # The narrow ones: Qwen3.5's gate projections (one value per head), 4 and 32 heads wide.
+    shapes = [(1, 128, 256), (37, 576, 1536), (300, 576, 49152 // 8), (37, 256, 4), (5, 576, 32)]
+    for rows, width_in, width_out in shapes:
         x = torch.randn(rows, width_in, generator=g).to(dtype)
         w = torch.randn(width_out, width_in, generator=g).to(dtype)
         whole = ops.linear(x, w)
@@ -250,3 +254,82 @@ def test_only_row_parallel_linears_reduce_canonically_with_the_plain_gradients(m
         x_ref = x.detach().clone().requires_grad_()
         F.linear(x_ref, wo.weight).square().sum().backward()
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def _experts_of(name: str, flavor: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The first MoE layer's routed experts of `name`/`flavor`, random weights in `dtype`,
+    batch-invariant with 2 reduction slices (the caller sets them)."""
+    from torchtitan_rl import batch_invariant
+    from torchtitan_rl.models import model_spec
+
+    spec = model_spec(name, flavor)
+    moe = next(layer.moe for layer in spec.model.layers if getattr(layer, "moe", None))
+    experts = moe.routed_experts.inner_experts.build()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    batch_invariant.make_linears_invariant(experts.to(dtype))
+    return experts
+
+
+def _hidden_half(experts: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """A TP generator rank's copy of `experts`: its half of every expert's hidden units (the
+    spec's TP plan: w1, w3 by rows; w2 by columns; gpt-oss's interleaved mlp1 likewise, its
+    output bias whole)."""
+    import copy
+
+    mine = copy.deepcopy(experts)
+    for name, p in mine.named_parameters():
+        dim = {"w1_EFD": 1, "w3_EFD": 1, "w2_EDF": 2, "mlp1_weight_EGD": 1, "mlp1_bias_EG": 1}
+        dim.update(mlp2_weight_EDF=2)
+        if name in dim:
+            half = p.shape[dim[name]] // 2
+            p.data = p.data.narrow(dim[name], rank * half, half).contiguous()
+    return mine
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("family", [("qwen3", "tiny_moe"), ("gpt_oss", "tiny")])
+def test_experts_split_by_hidden_units_reduce_as_on_one_device(family, dtype, monkeypatch):
+    """Under the mode with 2 reduction slices, an MoE layer's routed experts on one device
+    (the trainer's, experts whole under EP) and split by hidden units over 2 TP generator
+    ranks, whose partial sums `tp_combine` adds in fp32 before gpt-oss's output bias and the
+    rounding, give every routed row the same bits; so do a row alone and among all.
+    Planted, the plain layer (slices 1: one GEMM over the hidden units on one device, each
+    rank's rounded output summed over the ranks) does not."""
+    from torchtitan_rl import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, "_slices", 2)
+    experts = _experts_of(*family, dtype)
+    assert experts.reduction_width == experts.hidden_dim // 2
+    g = torch.Generator().manual_seed(2)
+    counts_E = torch.tensor([5, 0, 17, 1] + [3] * (experts.num_experts - 4))
+    x_RD = torch.randn(
+        int(counts_E.sum()) + 3,
+        experts.w1_EFD.shape[-1]
+        if hasattr(experts, "w1_EFD")
+        else experts.mlp1_weight_EGD.shape[-1],
+        generator=g,
+    ).to(dtype)
+    whole_RD = experts(x_RD, counts_E)
+    ranks = [_hidden_half(experts, r) for r in range(2)]
+    partials = []
+    ranks[1].tp_combine = lambda y: partials.append(y) or y
+    ranks[1](x_RD, counts_E)
+    ranks[0].tp_combine = lambda y: y + partials[0]
+    rows = int(counts_E.sum())
+    assert torch.equal(ranks[0](x_RD, counts_E)[:rows], whole_RD[:rows]), family
+    one_E = torch.zeros_like(counts_E)
+    one_E[2] = 1
+    assert torch.equal(experts(x_RD[5:6], one_E), whole_RD[5:6])  # row-invariant
+
+    # Planted: the plain layer on each side (slices 1): one GEMM over all hidden units on one
+    # device; each rank's over its half, rounded, summed over the ranks.
+    monkeypatch.setattr(batch_invariant, "_slices", 1)
+    one_device = _experts_of(*family, dtype)
+    plain = [_hidden_half(one_device, r) for r in range(2)]
+    for rank in plain:
+        rank.tp_degree = 2  # gpt-oss's output bias, half on each rank
+    summed = (plain[0](x_RD, counts_E).float() + plain[1](x_RD, counts_E)).to(dtype)
+    assert not torch.equal(summed[:rows], one_device(x_RD, counts_E)[:rows]), family

@@ -10,7 +10,6 @@ Shapes: L packed tokens, N query heads, K key/value heads, H head dim.
 import inspect
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import cuda_standins as standins
 import pytest
@@ -424,44 +423,269 @@ def mode_off_after(monkeypatch):
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
 
 
-def test_cuda_batch_invariance_goes_to_torchtitan_and_vllm(on_cuda, mode_off_after, monkeypatch):
-    """On CUDA the mode is torchtitan's `set_batch_invariance(True)` (batch_invariant_ops'
-    ATen overrides) for the trainer and VLLM_BATCH_INVARIANT=1, which vLLM reads, for the
-    generator; this project's CPU kernels stay off."""
+def test_vllms_batch_invariant_kernels_serve_every_aten_op_both_sides_run():
+    """What `platform.enable_batch_invariance` relies on, read from vLLM 0.32's source (it
+    runs only on a GPU: on CPU it would override ATen's CPU ops): `init_batch_invariance()`
+    acts under VLLM_BATCH_INVARIANT and installs the ATen overrides (GEMMs where cuBLAS cannot
+    be invariant, bmm, softmax, log_softmax, mean) with fixed-order collectives and TF32 off;
+    the FLASH_ATTN backend then runs one split of the keys, and its kernel is the
+    `flash_attn_varlen_func` the trainer calls (fa_utils imports it from vllm_flash_attn),
+    whose signature and the stand-in's are the same."""
+    import ast
     import importlib.util
 
-    import torchtitan.distributed.utils as titan_dist
-    import vllm.envs
+    from vllm.model_executor.determinism import batch_invariant as vllm_bi
+    from vllm.v1.attention.backends import fa_utils
 
-    real = inspect.signature(titan_dist.set_batch_invariance)
-    assert list(real.parameters) == ["enable"]
-    assert "from batch_invariant_ops import" in inspect.getsource(titan_dist.set_batch_invariance)
-
-    log = []
-    monkeypatch.setattr(titan_dist, "set_batch_invariance", standins.Recorder("set", log))
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: (
-            SimpleNamespace() if name == "batch_invariant_ops" else find_spec(name, *a)
-        ),
+    # vllm_flash_attn and the FLASH_ATTN backend import CUDA extensions: read their source.
+    vllm = Path(importlib.util.find_spec("vllm").origin).parent
+    backend = (vllm / "v1/attention/backends/flash_attn.py").read_text()
+    interface = ast.parse((vllm / "vllm_flash_attn/flash_attn_interface.py").read_text())
+    (function,) = [
+        node
+        for node in interface.body
+        if isinstance(node, ast.FunctionDef) and node.name == "flash_attn_varlen_func"
+    ]
+    arguments = function.args
+    names = [a.arg for a in (*arguments.args, *arguments.kwonlyargs)]
+    defaults = dict(
+        zip(
+            names[::-1],
+            [
+                ast.literal_eval(d) if isinstance(d, ast.Constant) else d
+                for d in arguments.defaults[::-1]
+            ],
+            strict=False,
+        )
     )
+
+    assert not inspect.signature(vllm_bi.init_batch_invariance).parameters
+    init = inspect.getsource(vllm_bi.init_batch_invariance)
+    assert "if envs.VLLM_BATCH_INVARIANT:" in init
+    for call in ("override_envs_for_invariance()", "enable_batch_invariant_mode()", '"ieee"'):
+        assert call in init, call
+    overrides = inspect.getsource(vllm_bi.enable_batch_invariant_mode)
+    for op in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm", "aten::_log_softmax"):
+        assert f'"{op}"' in overrides, op
+    assert '"aten::mean.dim"' in overrides and 'CUBLAS_WORKSPACE_CONFIG"] = ":16:8"' in overrides
+    envs_set = inspect.getsource(vllm_bi.override_envs_for_invariance)
+    assert '"VLLM_CUSTOM_ALLREDUCE_ALGO"] = "1stage"' in envs_set
+    assert "if envs.VLLM_BATCH_INVARIANT:\n            max_num_splits = 1" in backend
+    # The call flash.py copies: the paged cache as the backend reads it, its block table and
+    # used keys, the version asked with the same arguments (no alibi, sinks or softcap here).
+    for line in (
+        "key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)",
+        "block_table=block_table,",
+        "seqused_k=seqused_k,",
+        "num_splits=attn_metadata.max_num_splits,",
+        "supports_fa4_hd256=True,",
+    ):
+        assert line in backend, line
+    assert "from vllm.vllm_flash_attn import" in inspect.getsource(fa_utils)
+    assert names == list(inspect.signature(standins.flash_attn_varlen_func).parameters)
+    assert defaults["num_splits"] == 0  # 0: the kernel's heuristics
+    version = inspect.signature(fa_utils.get_flash_attn_version).parameters
+    assert list(version) == list(inspect.signature(standins.get_flash_attn_version).parameters)
+
+
+def test_cuda_batch_invariance_installs_vllms_kernels_for_both_sides(
+    on_cuda, mode_off_after, monkeypatch
+):
+    """On CUDA `enable()` sets VLLM_BATCH_INVARIANT=1 and calls vLLM's `init_batch_invariance`
+    once, in this process, before anything is built: the trainer's ops and the generator's
+    get the same kernels. No package outside the `gpu` extra: batch_invariant_ops, which no
+    registry serves, is not asked for. This project's CPU kernels stay off."""
+    import importlib.util
+
+    import vllm.envs
+    from vllm.model_executor.determinism import batch_invariant as vllm_bi
+
+    assert importlib.util.find_spec("batch_invariant_ops") is None
+    log = []
+    monkeypatch.setattr(vllm_bi, "init_batch_invariance", standins.Recorder("init", log))
     batch_invariant.enable()
-    assert log == [("set", (True,), {})]
+    assert log == [("init", (), {})]
     assert vllm.envs.VLLM_BATCH_INVARIANT is True
     assert batch_invariant.is_enabled() and not batch_invariant.uses_own_kernels()
 
 
-def test_cuda_batch_invariance_without_its_package_is_one_line(on_cuda, mode_off_after):
-    import importlib.util
+def test_the_flash_stand_in_follows_vllms_docstring():
+    """The stand-in's attention is the docstring's: per sequence, GQA by consecutive query
+    heads, causal aligned to the bottom right, softmax scale 1/sqrt(H), bf16 and fp16 only,
+    no autograd (the compiled op has none)."""
+    q, k, v, docs = packed_row([5, 3], dtype=torch.bfloat16)
+    out = standins.flash_attn_varlen_func(
+        q[0], k[0], v[0], 5, docs.cu_seq_q, 5, docs.cu_seq_q, causal=True
+    )
+    assert out.dtype == torch.bfloat16 and not out.requires_grad
+    reference = sdpa_per_sequence(
+        q[0], k[0], v[0], [0, 5, 8], lambda n: torch.ones(n, n, dtype=torch.bool).tril()
+    )
+    torch.testing.assert_close(out.float(), reference, atol=1e-2, rtol=0)
+    with pytest.raises(RuntimeError, match="fp16 and bf16"):
+        standins.flash_attn_varlen_func(
+            q[0].float(), k[0], v[0], 5, docs.cu_seq_q, 5, docs.cu_seq_q
+        )
+    # The paged form: each sequence's keys in blocks of 4 (the second's blocks first), read
+    # through its block table up to its used keys: the same attention.
+    blocks = torch.zeros(4, 4, *k.shape[2:], dtype=k.dtype)
+    blocks.flatten(0, 1)[:5] = k[0, :5].detach()
+    blocks.flatten(0, 1)[8:11] = k[0, 5:].detach()
+    values = torch.zeros_like(blocks)
+    values.flatten(0, 1)[:5] = v[0, :5].detach()
+    values.flatten(0, 1)[8:11] = v[0, 5:].detach()
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    used = torch.tensor([5, 3], dtype=torch.int32)
+    paged = standins.flash_attn_varlen_func(
+        q[0], blocks, values, 5, docs.cu_seq_q, 5, block_table=table, seqused_k=used, causal=True
+    )
+    assert torch.equal(paged, out)
+    with pytest.raises(RuntimeError, match="block_table with seqused_k"):
+        standins.flash_attn_varlen_func(
+            q[0], blocks, values, 5, docs.cu_seq_q, 5, block_table=table
+        )
 
-    assert importlib.util.find_spec("batch_invariant_ops") is None  # not on any registry
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_cuda_invariant_attention_runs_vllms_flash_forward_and_torchs_flash_gradient(
+    on_cuda, packed, monkeypatch
+):
+    """The trainer's attention under the mode on CUDA (`CausalAttention` through
+    `platform.invariant_attention`): the forward is vLLM's `flash_attn_varlen_func` on its
+    tokens, called as vLLM's FLASH_ATTN backend calls it (its keys paged as the engine's
+    cache, which makes it FA2's split-KV kernel and FA3's packed-GQA one, as the generator's;
+    read from the backend's source below), causal per row or per document, one split; the
+    backward differentiates torch's varlen_attn on the same tokens. Through the
+    stand-ins, in bf16: the output is causal attention per sequence, the gradients those of
+    causal attention (float64 reference, bf16 tolerance)."""
+    from vllm.v1.attention.backends import fa_utils
+
+    from torchtitan_rl.batch_invariant import flash
+
+    calls, calls_args, versions = [], [], []
+
+    def flash_call(*args, **kwargs):
+        calls.append(kwargs)
+        calls_args.append(args)
+        return standins.flash_attn_varlen_func(*args, **kwargs)
+
+    def version(**kwargs):
+        versions.append(kwargs)
+        return standins.get_flash_attn_version(**kwargs)
+
+    # On CPU fa_utils has no flash_attn_varlen_func: it imports it from vllm_flash_attn on CUDA.
+    monkeypatch.setattr(fa_utils, "flash_attn_varlen_func", flash_call, raising=False)
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", version)
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", standins.varlen_attn)
+    lengths = [5, 37, 6]  # the second over 3 cache blocks
+    q, k, v, docs = packed_row(lengths, dtype=torch.bfloat16)
+    if packed:
+        starts, masks = [0, 5, 42, 48], docs
+    else:  # two right-padded rows of 20: each row one causal sequence
+        q, k, v = (
+            x.detach()[:, :40].reshape(2, 20, *x.shape[2:]).requires_grad_() for x in (q, k, v)
+        )
+        starts, masks = [0, 20, 40], None
+    out = batch_invariant.CausalAttention()(q, k, v, attention_masks=masks, scale=0.3)
+    (kwargs,) = calls
+    # The backend's call (FlashAttentionImpl.forward): one split, causal, the paged cache
+    # through a block table and the keys used, no key offsets, the version it asks for.
+    assert kwargs["num_splits"] == 1 and kwargs["causal"] is True
+    assert kwargs["fa_version"] == 3 and versions == [{"head_size": 8, "supports_fa4_hd256": True}]
+    assert kwargs["softmax_scale"] == 0.3 and kwargs["cu_seqlens_q"].tolist() == starts
+    assert kwargs.get("cu_seqlens_k") is None
+    lengths_used = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert kwargs["seqused_k"].tolist() == lengths_used
+    assert kwargs["max_seqlen_q"] == kwargs["max_seqlen_k"] == max(lengths_used)
+    key_cache, value_cache = calls_args[0][1:3]
+    blocks, block, K, H = key_cache.shape
+    assert block == flash.KV_BLOCK and (K, H) == (2, 8)
+    # vLLM's CUDA cache: [blocks, K, block, 2H], read as (key, value) views [blocks, block, K, H].
+    assert key_cache.stride() == (K * block * 2 * H, 2 * H, block * 2 * H, 1)
+    assert value_cache.data_ptr() == key_cache.data_ptr() + H * key_cache.element_size()
+    table = kwargs["block_table"]
+    assert table.dtype == torch.int32 and blocks == sum(-(-n // block) for n in lengths_used)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out.float() * upstream).sum().backward()
+    flat = [x.detach().reshape(-1, *x.shape[2:]).double().requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor(starts, dtype=torch.int32)
+    longest = max(lengths_used)
+    expected = standins.attend(*flat, cu, cu, longest, longest, 0.3, (-1, 0))
+    torch.testing.assert_close(
+        out.reshape(-1, *out.shape[2:]).double(), expected, atol=2e-2, rtol=0
+    )
+    (expected * upstream.reshape(expected.shape).double()).sum().backward()
+    for x, reference in zip((q, k, v), flat, strict=True):
+        torch.testing.assert_close(
+            x.grad.reshape(reference.shape).double(), reference.grad, atol=5e-2, rtol=5e-2
+        )
+
+
+def test_cuda_batch_invariant_engine_runs_flash_attention_and_eager_pieces(on_cuda, monkeypatch):
+    """The generator under the mode on CUDA: vLLM's FLASH_ATTN backend (the trainer's kernel)
+    and its compiled pieces run by the "eager" backend, still captured in CUDA graphs: the
+    ATen ops the trainer runs, not inductor's fused reductions. Off, vLLM's choice and
+    inductor."""
+    from vllm.config import CompilationConfig
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert platform.engine_kv_block_size(invariant=True) == 16  # flash.py pages keys alike
+    assert platform.engine_kv_block_size(invariant=False) is None
+    backend = platform.engine_attention_backend(invariant=True)
+    # EngineArgs hands the name to AttentionConfig's validator, which gives the enum.
+    assert AttentionConfig.validate_backend_before(backend) == AttentionBackendEnum.FLASH_ATTN
+    assert platform.engine_attention_backend(invariant=False) is None
+    config = platform.generator_compilation(
+        compiled=True, own_invariant_kernels=False, captures_routing=False, invariant=True
+    )
+    built = CompilationConfig(**config)
+    assert built.backend == "eager" and built.mode == 3
+    assert built.cudagraph_mode.name == "FULL_AND_PIECEWISE"
+    plain = platform.generator_compilation(
+        compiled=True, own_invariant_kernels=False, captures_routing=False
+    )
+    assert CompilationConfig(**plain).backend in ("", "inductor")
+    monkeypatch.setattr(platform, "device_type", lambda: "cpu")
+    assert platform.engine_attention_backend(invariant=True) is None
+    assert platform.engine_kv_block_size(invariant=True) is None  # vLLM's CPU default
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (
+            ["--model.dtype", "float32", "--generator.dtype", "float32"],
+            ["bf16 and fp16 kernels only", "model.dtype = 'float32'"],
+        ),
+        (
+            ["--generator.parallelism.tensor_parallel_degree", "2"],
+            ["generator.parallelism.tensor_parallel_degree = 2", "runs on CPU only so far"],
+        ),
+        (
+            ["--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"],
+            ["qwen3/tiny_moe has mixture-of-experts layers", "set batch_invariant = false"],
+        ),
+        (
+            ["--model.name", "gpt_oss", "--model.flavor", "tiny"],
+            ["gpt_oss/tiny has sliding-window attention layers"],
+        ),
+    ],
+    ids=["fp32", "tp", "moe", "windows"],
+)
+def test_cuda_batch_invariance_refuses_what_does_not_run_on_vllms_kernels(on_cuda, flags, words):
+    """One line each, naming the field or the model's part, before anything is built."""
+    from torchtitan_rl.config import parse_args
+
+    mode = ["--job.config_file", str(REPO / "run_configs/debug_cpu.toml"), "--batch_invariant"]
+    mode += ["true", "--model.dtype", "bfloat16", "--generator.dtype", "bfloat16"]
     with pytest.raises(ConfigError) as error:
-        batch_invariant.enable()
+        parse_args([*mode, *flags], 2)
     message = str(error.value)
-    assert "\n" not in message and "pip install git+https://github.com/" in message
-    assert "batch_invariant = false" in message and not batch_invariant.is_enabled()
+    assert "\n" not in message and message.startswith("batch_invariant = true on CUDA")
+    for word in words:
+        assert word in message, (word, message)
+    parse_args(mode, 2)  # the dense bf16 model runs
 
 
 def test_device_type_follows_torch_cuda_and_vllm_gpus_get_plain_gemms(monkeypatch):
@@ -515,6 +739,16 @@ def test_gpu_check_runs_its_checks_at_small_shapes(monkeypatch, capsys):
         assert grouped["out_dtype"] == dtype and grouped["max_err_vs_fp64"] < tolerance
     sink = figures["sink_attention"]
     assert sink["fwd_max_err_vs_fp32"] < 5e-2 and sink["bwd_max_err_vs_fp32"] < 5e-2
+    assert figures["batch_invariance"]["vllm_kernels"].startswith("not run")  # no GPU here
+    # Its flash check, which runs where vLLM's CUDA build does, through the stand-ins.
+    from vllm.v1.attention.backends import fa_utils
+
+    flash = standins.flash_attn_varlen_func
+    monkeypatch.setattr(fa_utils, "flash_attn_varlen_func", flash, raising=False)
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", standins.get_flash_attn_version)
+    flash = gpu_check.flash_against_varlen(torch.device("cpu"), small=True)
+    assert flash["sequence_alone_bitwise"] and flash["forward_max_diff_vs_varlen"] < 2e-2
+    assert flash["grad_max_diff_vs_varlen"] < 5e-2
 
 
 def test_gpu_graph_check_runs_its_layer_at_small_shapes(monkeypatch, capsys):
@@ -565,3 +799,28 @@ def test_uploads_wait_for_nothing_and_the_head_chunk_fits_the_device(monkeypatch
     assert log == ["pin", (torch.device("cuda", 1), True)]
     assert platform.upload(host, torch.device("cpu")) is host  # already there
     assert head_chunk(151_936, platform.head_chunk_mib()) == 1766
+
+
+def test_a_disaggregated_engine_process_on_cuda_runs_under_the_mode(on_cuda, monkeypatch):
+    """A generator rank's engine lives in a child process (generator/remote.py), which enables
+    the mode itself before building its engine: on CUDA too, where this project's CPU kernels
+    are off, so that the child installs vLLM's kernels and builds FLASH_ATTN with eager
+    pieces (it passed `uses_own_kernels()`, False on CUDA: the child ran without the mode)."""
+    from torchtitan_rl.generator import remote
+
+    monkeypatch.setattr(batch_invariant, "_enabled", True)
+    monkeypatch.setattr(batch_invariant, "_slices", 1)
+    launched = []
+
+    class Context:
+        Queue = staticmethod(lambda: None)
+
+        def Process(self, target, args, daemon):  # noqa: N802 (multiprocessing's name)
+            launched.append(args)
+            raise KeyboardInterrupt  # stop before a process starts
+
+    monkeypatch.setattr(remote.mp, "get_context", lambda method: Context())
+    with pytest.raises(KeyboardInterrupt):
+        remote.RemoteGenerator(generator=GeneratorSection(), model=ModelSection(), seed=0)
+    (args,) = launched
+    assert args[3] == 1  # the child's `invariant`: the run's reduction slices

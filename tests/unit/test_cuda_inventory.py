@@ -16,6 +16,8 @@ INVENTORY = REPO / "docs" / "cuda_contracts.md"
 # made only on CUDA, and every read of the platform switch (each read is a branch).
 CUDA_NAMES = {
     "varlen_attn",
+    "flash_attn_varlen_func",
+    "init_batch_invariance",
     "set_batch_invariance",
     "vllm_can_sleep",
     "device_type",

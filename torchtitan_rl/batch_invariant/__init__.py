@@ -13,21 +13,23 @@ batch-invariant kernels, so the two agree bit for bit whatever the batch composi
   attention output, MLP down projection) reduces in a canonical order on both sides
   (`reduction_slices`, `ops.partial_products`): a rank of a TP generator or trainer computes
   its block of the slices and the ranks combine them in the same tree.
-- CUDA (written, not run here: no GPU in this project's CI): torchtitan's
-  `set_batch_invariance` (the batch_invariant_ops ATen overrides, deterministic NCCL) for the
-  trainer and vLLM's VLLM_BATCH_INVARIANT=1 for the generator. Each side is then
-  batch-invariant; bitwise equality between them is unverified (different attention kernels).
+- CUDA (written, checked against vLLM's source on CPU, not run: no GPU in this project's CI):
+  one kernel per op on both sides. vLLM's in-tree batch-invariant kernels, installed once per
+  process before either side is built (`platform.enable_batch_invariance`), serve the
+  trainer's and the generator's ATen ops alike; the generator's attention is vLLM's
+  FLASH_ATTN backend with one split, and the trainer's the same function on its tokens
+  (flash.py); the generator's compiled pieces run eagerly, as the trainer's ops do. Dense
+  decoders at TP 1 in bf16 (`JobConfig._validate_invariant_cuda` says what else is refused).
 """
 
 import functools
-import importlib.util
-import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
 from torchtitan.protocols.module import Module
@@ -54,21 +56,7 @@ def enable(slices: int = 1) -> None:
     from torchtitan_rl import platform
 
     _slices = slices
-    if platform.device_type() == "cuda":
-        from torchtitan.distributed.utils import set_batch_invariance
-
-        # torchtitan's switch imports batch_invariant_ops, which no registry serves.
-        if importlib.util.find_spec("batch_invariant_ops") is None:
-            from torchtitan_rl.config import ConfigError
-
-            raise ConfigError(
-                "batch_invariant = true on CUDA needs the batch_invariant_ops package "
-                "(torchtitan's set_batch_invariance imports it): pip install "
-                "git+https://github.com/thinking-machines-lab/batch_invariant_ops, or set "
-                "batch_invariant = false"
-            )
-        set_batch_invariance(True)
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    platform.enable_batch_invariance()  # CUDA: vLLM's kernels for both sides
     _enabled = True
 
 
@@ -88,8 +76,8 @@ def enable_for(config) -> None:
 
 
 def uses_own_kernels() -> bool:
-    """True where this project's kernels implement the mode (CPU); on CUDA the ATen overrides
-    of batch_invariant_ops and vLLM's own batch-invariant backend do."""
+    """True where this project's kernels implement the mode (CPU); on CUDA vLLM's in-tree
+    batch-invariant kernels do (`platform.enable_batch_invariance`)."""
     from torchtitan_rl import platform
 
     return _enabled and platform.device_type() == "cpu"
@@ -163,9 +151,12 @@ def _canonical_forward(self: nn.Linear, x):
 
 def invariant_linear(module: nn.Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`module`'s output under the mode with `weight` (LoRA's merged one): canonical where it
-    is row-parallel in a run with a TP side, else `ops.linear`."""
+    is row-parallel in a run with a TP side, else `ops.linear`; on CUDA `F.linear`, which vLLM's
+    kernels serve as they serve the generator's."""
     if getattr(module, "reduction_width", None) is not None:
         return canonical_linear(module, x, weight)
+    if not uses_own_kernels():
+        return F.linear(x, weight, module.bias)
     return ops.linear(x, weight, module.bias)
 
 
@@ -184,7 +175,8 @@ def make_linears_invariant(model: nn.Module) -> None:
     `batch_invariant` switch) through their batch-invariant kernels. A shared expert's sigmoid
     gate (Qwen3.5-MoE's: one value a token) goes through `ops.pointwise`. With
     `reduction_slices` > 1 each row-parallel linear reduces canonically (`canonical_linear`;
-    its bias added once, after the sum)."""
+    its bias added once, after the sum), and so does each routed expert's down projection
+    (models/moe.py `_canonical`), which a TP generator splits by hidden units."""
     from torchtitan_rl.trainer.logprobs import soft_cap
 
     for module in model.modules():
@@ -204,6 +196,8 @@ def make_linears_invariant(model: nn.Module) -> None:
             module.forward = types.MethodType(forward, module)
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True
+            if _slices > 1 and hasattr(type(module), "reduction_width"):  # MoE experts
+                module.reduction_width = module.hidden_dim // _slices
         if isinstance(module, SigmoidGatedFeedForward):
             module.forward = types.MethodType(_invariant_gated_forward, module)
 
@@ -212,7 +206,8 @@ class CausalAttention(Module):
     """torchtitan inner attention running `ops.attention`: over (B, L, N, H) right-padded causal
     rows, or over each document of a packed row (`attention_masks` = trainer.attention's
     `Documents`) with positions restarting at 0, so a sequence gets the same bits packed or
-    alone. The trainer's side of the generator's paged attention in this mode."""
+    alone. The trainer's side of the generator's paged attention in this mode; on CUDA, the
+    same rows or documents through vLLM's flash attention (`platform.invariant_attention`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -224,6 +219,11 @@ class CausalAttention(Module):
         self.window = (config or self.Config()).window
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, **kwargs):
+        from torchtitan_rl import platform
+
+        kernel = platform.invariant_attention()  # CUDA: the generator's flash attention
+        if kernel is not None:
+            return kernel(q_BLNH, k_BLNH, v_BLNH, attention_masks, scale)
         causal = functools.partial(
             _causal, scale=scale, window=self.window, out_transform=kwargs.get("out_transform")
         )

@@ -4,9 +4,14 @@
 
 Measured here (torch 2.13 CPU, MKL/oneDNN, 1 and 2 threads; docs/batch_invariant.md):
 - fp32 GEMM: a row's result changes with the number of rows M for M < 12, and is the same for
-  every M >= 12 that was tried (up to 4096) and at any position. `linear` pads the rows to a
-  multiple of ROW_TILE and runs one GEMM; the backward is the plain one (gradients equal
-  F.linear's bit for bit).
+  every M >= 12 that was tried (up to 4096) and at any position. An output column's changes
+  with the number of outputs N below 16 (N = 1, 2, 4-8 and 16 and up each round alike, on
+  AVX2): a column-parallel layer of a few outputs (Qwen3.5's per-head gate projections, 4
+  wide, 2 on each of 2 TP ranks) got other bits on a TP rank than on one device (measured:
+  9.5e-7 in the logprobs). Padded to a multiple of COL_TILE, every slice of 1-64 outputs at
+  any offset, and wider ones, equals the same columns of a 1,024-wide GEMM. `linear` pads
+  the rows to a multiple of ROW_TILE and the outputs to a multiple of COL_TILE and runs one
+  GEMM; the backward is the plain one (gradients equal F.linear's bit for bit).
 - bf16 GEMM on CPUs with AMX (measured on a 2-core Xeon) changes a row's result with M even
   when M is padded to a multiple of ROW_TILE (1024-wide layers: 1 vs 40 rows differ). Its
   products are exact in fp32, so `linear` multiplies bf16 inputs as fp32 (invariant wherever
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16
+COL_TILE = 16
 KEY_CHUNK = 64
 
 
@@ -49,12 +55,13 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         rows = x.reshape(-1, x.shape[-1])
-        pad = -rows.shape[0] % ROW_TILE
-        y = F.linear(
-            F.pad(rows, (0, 0, 0, pad)).float(),
-            weight.float(),
-            None if bias is None else bias.float(),
-        )[: rows.shape[0]].to(x.dtype)
+        pad, cols = -rows.shape[0] % ROW_TILE, -weight.shape[0] % COL_TILE
+        weight32, bias32 = weight.float(), None if bias is None else bias.float()
+        if cols:  # F.pad copies even by nothing: the wide layers (the head) skip it
+            weight32 = F.pad(weight32, (0, 0, 0, cols))
+            bias32 = None if bias32 is None else F.pad(bias32, (0, cols))
+        y = F.linear(F.pad(rows, (0, 0, 0, pad)).float(), weight32, bias32)
+        y = y[: rows.shape[0], : weight.shape[0]].to(x.dtype)
         # Not a view in autograd's eyes (as F.linear's own 3-D result): FSDP warns about views.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
@@ -125,7 +132,9 @@ _pointwise.register_autograd(_pointwise_backward, setup_context=_keep)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear whose result for a row depends only on that row (rows padded to ROW_TILE)."""
+    """F.linear whose result for a row depends only on that row (rows padded to ROW_TILE), and
+    for an output only on its weight row (outputs padded to COL_TILE): a column-parallel
+    layer's shard gives the whole layer's columns."""
     return _Linear.apply(x, weight, bias)
 
 
@@ -265,9 +274,10 @@ def attention(
 
 
 def invariance_failures(dim: int, heads: int, head_dim: int, dtype: torch.dtype) -> list[str]:
-    """Check, on this machine's threads and ISA, what the kernels above promise: a row of
-    `linear` and a query of `attention` get the same bits alone as among many. Returns what
-    differs (empty: invariant). Random data of the model's width and dtype; about 10 ms."""
+    """Check, on this machine's threads and ISA, what the kernels above promise: a row and an
+    output of `linear` and a query of `attention` get the same bits alone as among many.
+    Returns what differs (empty: invariant). Random data of the model's width and dtype;
+    about 10 ms."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, dim, generator=g).to(dtype)
     weight = torch.randn(2 * dim, dim, generator=g).to(dtype)
@@ -276,6 +286,9 @@ def invariance_failures(dim: int, heads: int, head_dim: int, dtype: torch.dtype)
     for rows in (slice(0, 1), slice(7, 8), slice(0, 13), slice(5, 40)):
         if not torch.equal(linear(x[rows], weight), together[rows]):
             failures.append(f"linear rows {rows.start}..{rows.stop - 1} alone vs 40 rows")
+    for cols in (slice(0, 2), slice(2, 4), slice(8, 24), slice(dim, 2 * dim)):
+        if not torch.equal(linear(x, weight[cols]), together[:, cols]):
+            failures.append(f"linear outputs {cols.start}..{cols.stop - 1} alone vs {2 * dim}")
     L, H = 80, head_dim
     q, k, v = (torch.randn(1, L, heads, H, generator=g).to(dtype) for _ in range(3))
     positions = torch.arange(L)[None]

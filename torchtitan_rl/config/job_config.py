@@ -263,13 +263,79 @@ class JobConfig:
         generator_tp = self.generator.parallelism.tensor_parallel_degree
         if generator_tp > 1:
             self._validate_invariant_generator_tp(generator_tp)
+        from torchtitan_rl import platform
+
+        if platform.device_type() == "cuda":
+            self._validate_invariant_cuda()
+
+    def _validate_invariant_cuda(self) -> None:
+        """The mode on CUDA (batch_invariant/flash.py, `platform.enable_batch_invariance`):
+        vLLM's flash attention on both sides, which has bf16 and fp16 kernels only and which
+        the trainer runs causal from position 0 without a window or narrower values (gpt-oss,
+        the one family with sinks, has windowed layers too);
+        the trainer's and the generator's ATen ops alike, so no TP side (the canonical
+        reduction is this project's CPU kernel) and no grouped GEMM (a mixture of experts'
+        rows round by each expert's token count) or Gated DeltaNet layer (fla's kernels in
+        the trainer, this project's torch routine in the generator)."""
+        from torchtitan_rl.models import (
+            attention_shape,
+            has_linear_attention,
+            has_vision_tower,
+            is_mixture_of_experts,
+            model_spec,
+        )
+
+        at = "batch_invariant = true on CUDA"
+        require(
+            self.model.dtype in ("bfloat16", "float16"),
+            f"{at} runs vLLM's flash attention on both sides, which has bf16 and fp16 kernels "
+            f"only, but model.dtype = {self.model.dtype!r}: set model.dtype and "
+            "generator.dtype to 'bfloat16'",
+        )
+        for setting, tp in (
+            ("parallelism.tp", self.parallelism.tp),
+            (
+                "generator.parallelism.tensor_parallel_degree",
+                self.generator.parallelism.tensor_parallel_degree,
+            ),
+        ):
+            require(
+                tp == 1,
+                f"{at} with {setting} = {tp}: the canonical reduction across TP ranks runs on CPU "
+                f"only so far; set {setting} = 1",
+            )
+        name, flavor = self.model.name, self.model.flavor
+        config = model_spec(name, flavor).model
+        parts = [
+            (
+                any(
+                    getattr(layer.attention, "sliding_window_size", None)
+                    for layer in config.layers
+                    if getattr(layer, "attention", None) is not None
+                ),
+                "sliding-window attention layers",
+            ),
+            (is_mixture_of_experts(name, flavor), "mixture-of-experts layers"),
+            (has_linear_attention(name, flavor), "Gated DeltaNet layers"),
+            (has_vision_tower(name, flavor), "a vision tower"),
+        ]
+        shape = attention_shape(config.first_attention, config.dim)
+        parts.append((shape.v_head_dim != shape.head_dim, "value heads narrower than its keys"))
+        for has, what in parts:
+            require(
+                not has,
+                f"{at}: {name}/{flavor} has {what}, which do not run on vLLM's batch-invariant "
+                "kernels on both sides yet; run it on CPU in this mode, or set "
+                "batch_invariant = false",
+            )
 
     def _validate_invariant_trainer_tp(self, tp: int) -> None:
         """A TP trainer under the mode: its row-parallel linears reduce canonically over the
         TP ranks (batch_invariant.canonical_linear on DTensors) and its head runs on the whole
-        vocabulary (trainer/logprobs.py `head_weight`); dense decoders only, as a TP
-        generator."""
-        self._validate_invariant_tp(f"parallelism.tp = {tp}", tp, fix="parallelism.tp = 1 (FSDP)")
+        vocabulary (trainer/logprobs.py `head_weight`); dense decoders only (a mixture of
+        experts trains with parallelism.ep)."""
+        at = f"parallelism.tp = {tp}"
+        self._validate_invariant_tp(at, tp, fix="parallelism.tp = 1 (FSDP)", experts=False)
         require(
             not self.lora.enable,
             f"batch_invariant = true with parallelism.tp = {tp} and lora.enable = true: the "
@@ -278,15 +344,24 @@ class JobConfig:
         )
 
     def _validate_invariant_generator_tp(self, tp: int) -> None:
-        """A TP generator under the mode: its row-parallel linears reduce canonically
-        (batch_invariant.canonical_linear), proven for dense decoders; what is not yet is one
-        line naming it."""
+        """A TP generator under the mode: its row-parallel linears and its experts' down
+        projections, split by hidden units, reduce canonically
+        (batch_invariant.canonical_linear, models/moe.py `_canonical`), its column-parallel
+        ones give the whole layer's columns (`ops.linear`); what is not proven yet is one line
+        naming it."""
         from torchtitan_rl.generator import tensor_parallel
         from torchtitan_rl.models import model_spec
 
         at = f"generator.parallelism.tensor_parallel_degree = {tp}"
         fix = "tensor_parallel_degree = 1 in this mode (a generator replica per rank)"
-        self._validate_invariant_tp(at, tp, fix=fix)
+        self._validate_invariant_tp(at, tp, fix=fix, experts=True)
+        require(
+            not self.generator.parallelism.expert_parallel,
+            f"batch_invariant = true with {at} and generator.parallelism.expert_parallel = "
+            "true: each rank would add its own experts' share of a token before the ranks' sum, "
+            "an order the trainer does not take; set expert_parallel = false (each expert's "
+            "hidden units split over the ranks, reduced canonically)",
+        )
         why = tensor_parallel.why_not_local(model_spec(self.model.name, self.model.flavor), tp)
         require(
             not why,
@@ -294,9 +369,13 @@ class JobConfig:
             "whose reductions are not canonical; use tensor_parallel_degree = 1 in this mode",
         )
 
-    def _validate_invariant_tp(self, field: str, tp: int, *, fix: str) -> None:
+    def _validate_invariant_tp(self, field: str, tp: int, *, fix: str, experts: bool) -> None:
         """A tensor-parallel side under the mode (`field`: the degree's setting): a power of
-        two (the canonical slices), a dense decoder."""
+        two (the canonical slices), a model without a vision tower; with `experts` (the
+        generator's side) a mixture of experts, its experts' hidden units split, and Qwen3.5's
+        Gated DeltaNet layers, its heads split; on the trainer's side neither (a mixture of
+        experts trains with parallelism.ep; torchtitan's DeltaNet module takes its output
+        sharded by sequence, which the canonical reduction does not give)."""
         from torchtitan_rl.models import (
             has_linear_attention,
             has_vision_tower,
@@ -310,21 +389,24 @@ class JobConfig:
             f"{at}: the canonical reduction splits each row-parallel layer in a power-of-two "
             "number of slices; use 2 (or 4, 8)",
         )
-        parts = [
-            (
-                is_mixture_of_experts,
-                "mixture-of-experts layers (its experts' hidden units "
-                "would be summed over the ranks after the routing weights)",
-            ),
-            (has_linear_attention, "Gated DeltaNet layers"),
-            (has_vision_tower, "a vision tower"),
-        ]
-        for has, what in parts:
-            require(
-                not has(name, flavor),
-                f"{at}: {name}/{flavor} has {what}, which are bitwise across TP layouts only on "
-                f"dense decoders so far; use {fix}",
+        parts = [(has_vision_tower, "a vision tower, not yet bitwise across TP layouts")]
+        if not experts:
+            parts.append(
+                (
+                    is_mixture_of_experts,
+                    "mixture-of-experts layers, whose experts train bitwise with a TP "
+                    "generator under parallelism.ep, not split by parallelism.tp",
+                )
             )
+            parts.append(
+                (
+                    has_linear_attention,
+                    "Gated DeltaNet layers, which torchtitan's plan shards by sequence under TP "
+                    "(sequence parallelism, off in this mode)",
+                )
+            )
+        for has, what in parts:
+            require(not has(name, flavor), f"{at}: {name}/{flavor} has {what}; use {fix}")
 
     def _validate_distill(self) -> None:
         """Every source's learn_from has what it needs; the teacher is a model.name flavor

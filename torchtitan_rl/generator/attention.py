@@ -39,8 +39,13 @@ def paged_attend(
     This step's keys/values are written to the cache first (samples of one prompt share its
     prefill blocks within the same step), then each sequence's keys/values are read back in
     position order and its queries attend over them with `batch_invariant.ops.attention`, the
-    trainer's routine. Writes the cache, which the op's schema does not name (as vLLM's own
-    attention op): the cache is reached through the forward context, not an argument.
+    trainer's routine: the sequences with as many queries in one call (the decodes, one query
+    each; the samples of a prompt prefilling it), their keys padded to the longest's with
+    zeros that their positions mask (a query's bits do not depend on trailing masked keys:
+    `ops.attention`'s softmax and key chunks add exact zeros for them, as a decode's do beside
+    a full causal forward's). Writes the cache, which the op's schema does not name (as
+    vLLM's own attention op): the cache is reached through the forward context, not an
+    argument.
     """
     L, N, H = q_LNH.shape
     out_LNH = q_LNH.new_zeros(L, N, v_head_dim)
@@ -60,31 +65,40 @@ def paged_attend(
     for rows_of, x_LKH in ((key_rows, k_LKH), (key_rows + block_size, v_LKH)):
         rows.index_copy_(0, rows_of.reshape(-1), x_LKH[valid].to(rows.dtype).reshape(-1, H))
 
-    # 2. Read each sequence's keys/values back in position order, attend.
+    # 2. Read each sequence's keys/values back in position order, attend: the sequences with
+    # as many queries this step in one call (the decodes; a prompt's samples' prefills).
     starts = metadata.query_start_loc.tolist()
     lengths = metadata.seq_lens.tolist()
     cache = layer.kv_cache.view(blocks, kv_heads, 2, block_size, H)
-    for i, length in enumerate(lengths):
-        first, last = starts[i], starts[i + 1]
-        if last <= first:
-            continue
-        used = metadata.block_table[i, : -(-length // block_size)].long()
-        kv_2SKH = cache[used].permute(2, 0, 3, 1, 4).reshape(2, -1, kv_heads, H)[:, :length]
-        first_position = length - (last - first)
+    groups: dict[int, list] = {}  # queries -> [(sequence, its first query row, its keys)]
+    for i, n in enumerate(lengths):
+        if starts[i + 1] > starts[i]:
+            groups.setdefault(starts[i + 1] - starts[i], []).append((i, starts[i], n))
+    for width, group in groups.items():
+        sequences = torch.tensor([i for i, _, _ in group], device=q_LNH.device)
+        queries = torch.tensor([first for _, first, _ in group], device=q_LNH.device)
+        longest = max(n for *_, n in group)
+        used = metadata.block_table[sequences, : -(-longest // block_size)].long()
+        kv_2BSKH = cache[used].permute(3, 0, 1, 4, 2, 5).reshape(2, len(group), -1, kv_heads, H)
+        kv_2BSKH = kv_2BSKH[:, :, :longest]
+        length_B1 = torch.tensor([n for *_, n in group], device=q_LNH.device)[:, None]
+        key_S = torch.arange(longest, device=q_LNH.device)
+        # Keys past a sequence's length (another's longer span) and, with a window, those
+        # vLLM freed once out of every query's window, whose slots may hold other data now:
+        # zeros, which the trainer's masked keys add too (exact zeros either way).
+        hidden_BS = key_S >= length_B1
+        positions_BL = length_B1 - width + torch.arange(width, device=q_LNH.device)
         if window is not None:
-            # vLLM frees the blocks that fell out of every query's window: their slots may
-            # hold other data now. The trainer masks these keys; zero them so they add
-            # exact zeros here as there.
-            kv_2SKH[:, : max(0, first_position - window + 1)] = 0
-        positions_1L = torch.arange(first_position, length, device=q_LNH.device)[None]
-        v_SKH = kv_2SKH[1][..., :v_head_dim]
-        args = (q_LNH[None, first:last], kv_2SKH[0][None], v_SKH[None], positions_1L)
+            hidden_BS = hidden_BS | (key_S < positions_BL[:, :1] - window + 1)
+        kv_2BSKH = kv_2BSKH.masked_fill(hidden_BS[None, :, :, None, None], 0)
+        rows_BL = queries[:, None] + torch.arange(width, device=q_LNH.device)
+        args = (q_LNH[rows_BL], kv_2BSKH[0], kv_2BSKH[1][..., :v_head_dim], positions_BL)
         if with_lse:
             out, lse = ops.attention(*args, scale, window, with_lse=True)
-            lse_LN[first:last] = lse[0]
+            lse_LN[rows_BL.reshape(-1)] = lse.flatten(0, 1)
         else:
             out = ops.attention(*args, scale, window)
-        out_LNH[first:last] = out[0]
+        out_LNH[rows_BL.reshape(-1)] = out.flatten(0, 1)
     return out_LNH, lse_LN
 
 

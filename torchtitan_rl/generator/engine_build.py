@@ -125,7 +125,10 @@ def engine_args(
             own_invariant_kernels=batch_invariant.uses_own_kernels() and not native,
             captures_routing=not native and _is_moe(model),
             host_ops=HYBRID_HOST_OPS if hybrid and not native else (),
+            invariant=batch_invariant.is_enabled(),
         ),
+        attention_backend=platform.engine_attention_backend(batch_invariant.is_enabled()),
+        block_size=platform.engine_kv_block_size(batch_invariant.is_enabled()),
         gpu_memory_utilization=generator.gpu_memory_utilization,
         tensor_parallel_size=generator.parallelism.tensor_parallel_degree,
         # Under torchrun every rank (TP group) is its own replica in the torchrun world.

@@ -167,7 +167,9 @@ class RemoteGenerator:
                 generator,
                 model,
                 seed,
-                batch_invariant.uses_own_kernels() and batch_invariant.slices(),
+                # The mode in the engine's process too (on CUDA: vLLM's kernels, its FLASH_ATTN
+                # backend and eager pieces, which the engine's arguments read from it).
+                batch_invariant.is_enabled() and batch_invariant.slices(),
                 world,
                 self.requests,
                 self.replies,

@@ -176,12 +176,16 @@ def _local_experts(routed: nn.Module, layouts: dict, experts_name: str) -> bool:
 def add_all_reduces(model: nn.Module, names: list[str]) -> None:
     """Sum the output of each named module (as it is now: maybe a packed stand-in) over the
     ranks, with vLLM's all-reduce (a registered op: it compiles). A row-parallel linear of
-    batch-invariant mode (`batch_invariant.canonical_linear`) instead finishes its canonical
-    reduction over the ranks itself, in fp32, before its bias and its rounding."""
+    batch-invariant mode (`batch_invariant.canonical_linear`), or routed experts split by
+    hidden units (models/moe.py `_canonical`), instead finishes its canonical reduction over
+    the ranks itself, in fp32, before its bias and its rounding."""
     for name in names:
         module = model.get_submodule(name)
-        if getattr(module, "reduction_width", None) is not None:
-            module.tp_combine = _combine_partials
+        # An MoE layer's routed experts reduce canonically like a linear (under the mode,
+        # which packs nothing).
+        reducing = getattr(module, "inner_experts", module)
+        if getattr(reducing, "reduction_width", None) is not None:
+            reducing.tp_combine = _combine_partials
         else:
             module.register_forward_hook(_all_reduce_output)
 

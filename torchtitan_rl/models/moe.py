@@ -10,7 +10,10 @@ on, and with a seam for recording and replaying the experts each token went to.
   bf16 mixed precision, so GPU training is unchanged). Under batch-invariant mode
   (`batch_invariant.make_linears_invariant` sets each module's `batch_invariant`) it loops
   over the experts with `batch_invariant.ops.linear`, whose rows do not depend on how many
-  tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows). Compiled
+  tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows); where the
+  run has a TP side, each expert's down projection reduces in the canonical slices and the
+  TP generator's ranks finish every routed row's sum before the dispatcher's (`_canonical`).
+  Compiled
   (vLLM's generator, `training.compile`), its GEMMs in any dtype but bf16 run as one opaque
   op, `torchtitan_rl::grouped_mm`: torch's own is traced only in bf16 (its shape function
   refuses fp32, which eager runs).
@@ -58,11 +61,24 @@ class Experts(GroupedExperts):
 
     batch_invariant = False
     """Loop over the experts with batch-invariant GEMMs (`make_linears_invariant` sets it)."""
+    reduction_width: int | None = None
+    """Under the mode with a TP side: the width of the canonical slices of the experts' down
+    projection (`_canonical`); None: one GEMM."""
+    tp_combine = None
+    """Where a TP generator splits every expert's hidden units: the combine of the ranks'
+    partial sums (generator/tensor_parallel.py)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.hidden_dim = config.hidden_dim  # whole, however the weights are split later
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
         w1_EFD, w2_EDF, w3_EFD = (
             local_shard(w).to(x_RD.dtype) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
+        if self.batch_invariant and self.reduction_width is not None:
+            weights = [w1_EFD, w2_EDF, w3_EFD]
+            return _canonical(self, x_RD, num_tokens_per_expert_E, weights)
         if self.batch_invariant:
             return _looped(x_RD, num_tokens_per_expert_E, [w1_EFD, w2_EDF, w3_EFD])
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -81,16 +97,27 @@ class OssExperts(GptOssGroupedExperts):
 
     batch_invariant = False
     """Loop over the experts with batch-invariant GEMMs (`make_linears_invariant` sets it)."""
+    reduction_width: int | None = None
+    """As `Experts.reduction_width`."""
+    tp_combine = None
+    """As `Experts.tp_combine`."""
 
     tp_degree = 1
     """The ranks whose partial outputs are summed, each adding 1 / tp_degree of the output
     bias: under the trainer's TP read from the weights' mesh; on a tensor-parallel
     generator's plain local shards set by `generator.tensor_parallel.localize`."""
 
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.hidden_dim = config.hidden_dim  # whole, however the weights are split later
+
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
         weights = (self.mlp1_weight_EGD, self.mlp1_bias_EG, self.mlp2_weight_EDF, self.mlp2_bias_ED)
         w1_EGD, b1_EG, w2_EDF, b2_ED = (local_shard(w).to(x_RD.dtype) for w in weights)
         limit = self.swiglu_limit
+        if self.batch_invariant and self.reduction_width is not None:
+            weights = [w1_EGD, b1_EG, w2_EDF, b2_ED]
+            return _canonical(self, x_RD, num_tokens_per_expert_E, weights, limit)
         # Under TP every rank adds its share of the output bias before the partial sums are
         # reduced (torchtitan divides it by the TP degree in the forward only).
         tp = max(self.tp_degree, _tp_degree(self.mlp1_weight_EGD))
@@ -159,19 +186,22 @@ def _grouped_mm_save(ctx, inputs, output):
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_save)
 
 
-def _looped(x_RD, num_tokens_per_expert_E, weights, limit: float = 0.0):
+def _looped(x_RD, num_tokens_per_expert_E, weights, limit: float = 0.0, width: int = 0):
     """Each expert's routed rows through its batch-invariant GEMMs (`ops.linear`), in expert
     order: SwiGLU with `weights` = [w1, w2, w3], or with [w1, b1, w2, b2] gpt-oss's swiglu
-    clamped at `limit`. The rows per expert are read on the host (`.tolist()`), so in a compiled
-    decoder (vLLM's generator) it is one opaque op, `torchtitan_rl::looped_experts`: no host
-    read in the graph, and no Python loop frozen at the traced routing. Eager (the trainer)
-    it runs as it is, under autograd."""
+    clamped at `limit`. With `width`, the down projection is `ops.partial_products` over
+    slices of that width, in fp32, without b2 (`_canonical` finishes it). The rows per expert
+    are read on the host (`.tolist()`), so in a compiled decoder (vLLM's generator) it is one
+    opaque op, `torchtitan_rl::looped_experts`: no host read in the graph, and no Python loop
+    frozen at the traced routing. Eager (the trainer) it runs as it is, under autograd."""
     if torch.compiler.is_compiling():
-        return torch.ops.torchtitan_rl.looped_experts(x_RD, num_tokens_per_expert_E, weights, limit)
-    return _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit)
+        return torch.ops.torchtitan_rl.looped_experts(
+            x_RD, num_tokens_per_expert_E, weights, limit, width
+        )
+    return _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit, width)
 
 
-def _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit) -> torch.Tensor:
+def _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit, width=0) -> torch.Tensor:
     # Unbound once: unbind's backward stacks the experts' gradients once; indexing w[e] per
     # expert would allocate a whole [E, ...] gradient per expert (measured 12x slower at
     # debugmodel_moe).
@@ -183,14 +213,34 @@ def _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit) -> torch.Te
         if len(weights) == 3:
             w1, w2, w3 = (w[e] for w in per_expert)
             h_RF = F.silu(ops.linear(rows_RD, w1)) * ops.linear(rows_RD, w3)
-            outputs.append(ops.linear(h_RF, w2))
+            b2 = None
         else:
             w1, b1, w2, b2 = (w[e] for w in per_expert)
             h_RF = swiglu(ops.linear(rows_RD, w1, b1), limit=limit)
+        if width:
+            outputs.append(ops.partial_products(h_RF, w2, width))
+        else:
             outputs.append(ops.linear(h_RF, w2, b2))
     # Rows past the experts' counts (another rank's experts', expert parallel) give 0.
-    outputs.append(x_RD.new_zeros(x_RD.shape[0] - start, x_RD.shape[-1]))
+    dtype = torch.float32 if width else x_RD.dtype
+    outputs.append(x_RD.new_zeros(x_RD.shape[0] - start, x_RD.shape[-1], dtype=dtype))
     return torch.cat(outputs)
+
+
+def _canonical(experts, x_RD, num_tokens_per_expert_E, weights, limit: float = 0.0):
+    """The experts' output under the mode where a TP side may split their hidden units: each
+    expert's down projection reduced over `experts.reduction_width` slices in the canonical
+    order (`ops.partial_products`, as `batch_invariant.canonical_linear`), the ranks' partial
+    sums finished by `experts.tp_combine` (a TP generator's, on the rank's hidden units), then
+    gpt-oss's whole output bias once, then one rounding. Every routed row is finished before
+    the dispatcher weighs and adds a token's experts, so a token's sum over its experts runs
+    as on one device."""
+    y_RD = _looped(x_RD, num_tokens_per_expert_E, weights, limit, experts.reduction_width)
+    if experts.tp_combine is not None:
+        y_RD = experts.tp_combine(y_RD)
+    if len(weights) == 4:
+        y_RD = y_RD + _per_row(weights[3].float(), num_tokens_per_expert_E, y_RD.shape[0])
+    return y_RD.to(x_RD.dtype)
 
 
 @torch.library.custom_op("torchtitan_rl::looped_experts", mutates_args=())
@@ -199,16 +249,18 @@ def _looped_experts(
     num_tokens_per_expert_E: torch.Tensor,
     weights: list[torch.Tensor],
     limit: float,
+    width: int,
 ) -> torch.Tensor:
     """`_experts_in_order` as one op of a compiled graph; forward only (the generator's; the
     trainer's eager forward differentiates `_experts_in_order`)."""
-    return _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit)
+    return _experts_in_order(x_RD, num_tokens_per_expert_E, weights, limit, width)
 
 
 @_looped_experts.register_fake
-def _(x_RD, num_tokens_per_expert_E, weights, limit):
+def _(x_RD, num_tokens_per_expert_E, weights, limit, width):
     w2_EDF = weights[1] if len(weights) == 3 else weights[2]
-    return x_RD.new_empty(x_RD.shape[0], w2_EDF.shape[1])
+    dtype = torch.float32 if width else x_RD.dtype
+    return x_RD.new_empty(x_RD.shape[0], w2_EDF.shape[1], dtype=dtype)
 
 
 class Router(TokenChoiceTopKRouter):

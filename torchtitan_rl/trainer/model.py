@@ -26,7 +26,7 @@ def build_spec(model: ModelSection) -> ModelSpec:
     """The model spec of `model.name`/`model.flavor` with this platform's attention."""
     spec = model_spec(model.name, model.flavor)
     platform.use_platform_attention(spec.model, model.dtype)
-    if batch_invariant.uses_own_kernels():
+    if batch_invariant.is_enabled():  # the generator's attention (on CUDA its flash kernel)
         batch_invariant.use_invariant_attention(spec.model)
     return spec
 
