@@ -61,7 +61,9 @@ class _Linear(torch.autograd.Function):
             weight32 = F.pad(weight32, (0, 0, 0, cols))
             bias32 = None if bias32 is None else F.pad(bias32, (0, cols))
         y = F.linear(F.pad(rows, (0, 0, 0, pad)).float(), weight32, bias32)
-        y = y[: rows.shape[0], : weight.shape[0]].to(x.dtype)
+        # Contiguous where the padding was cut off: collectives (vLLM's gather of a
+        # vocabulary-parallel head's logits) take contiguous tensors only.
+        y = y[: rows.shape[0], : weight.shape[0]].to(x.dtype).contiguous()
         # Not a view in autograd's eyes (as F.linear's own 3-D result): FSDP warns about views.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
