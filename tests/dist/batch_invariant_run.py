@@ -12,7 +12,9 @@ world (`--then`). Rank 0 writes {NAME: figures} to OUT.json, with what the run's
 compiled (its graphs and their host reads: helpers/compiled_graphs.py). A run's flag
 `--plant_plain_reduction` (this script's, not the config's) plants a defect for that run: its
 row-parallel layers reduce as without a TP side (one GEMM; a TP generator's rank sums its
-plain partial product over the ranks), which a test expects to break bitwise equality.
+plain partial product over the ranks), which a test expects to break bitwise equality;
+`--plant_ranks_sum`: an expert-parallel generator's ranks each add their own experts' share of
+a token, then the shares are summed over the ranks (`ranks_sum`).
 """
 
 import gc
@@ -23,9 +25,11 @@ import sys
 import torch
 import torch.distributed as dist
 from helpers import compiled_graphs
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
 from torchtitan_rl import batch_invariant, platform
 from torchtitan_rl.config import parse_args
+from torchtitan_rl.generator import tensor_parallel
 from torchtitan_rl.loop import Hooks
 from torchtitan_rl.placements.colocated import RLTrainer
 from torchtitan_rl.types import rollout_batch
@@ -55,6 +59,13 @@ def max_diff(
     diff = ((trainer_BT - batch.generator_logprobs_BT).abs() * batch.loss_mask_BT).max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff), completions.samples[0][0].logprobs
+
+
+def ranks_sum(self, routed_output_RD, metadata, x_TD):
+    """The planted `RankExperts.combine`: each rank adds its own experts' share of a token,
+    then the shares are summed over the ranks (the plain expert-parallel order)."""
+    mine_RD = torch.where(metadata.mine_N[:, None], routed_output_RD, 0)
+    return self.sum_rows(LocalTokenDispatcher.combine(self, mine_RD, metadata, x_TD))
 
 
 def main() -> None:
@@ -91,16 +102,19 @@ def probe(flags: list[str], rank: int, world_size: int) -> dict:
     """One run's RL steps, then the probes on its trained weights: its figures (rank 0's)."""
     recorder = StepDiffs()
     planted = "--plant_plain_reduction" in flags
-    flags = [f for f in flags if f != "--plant_plain_reduction"]
+    planted_ranks_sum = "--plant_ranks_sum" in flags
+    flags = [f for f in flags if f not in ("--plant_plain_reduction", "--plant_ranks_sum")]
     config = parse_args(flags, world_size)
     with compiled_graphs.recording() as graphs:  # the engine's, over the run and the probes
-        saved = batch_invariant.reduction_slices
+        saved = batch_invariant.reduction_slices, tensor_parallel.RankExperts.combine
         if planted:
             batch_invariant.reduction_slices = lambda *degrees: 1
+        if planted_ranks_sum:
+            tensor_parallel.RankExperts.combine = ranks_sum
         try:
             run = RLTrainer(config, hooks=recorder)
         finally:
-            batch_invariant.reduction_slices = saved
+            batch_invariant.reduction_slices, tensor_parallel.RankExperts.combine = saved
         run.train()
         rng = random.Random(7)
         mixed = [f"echo {digits(rng, n)}:" for n in (3, 17, 64, 121, 130, 200)]

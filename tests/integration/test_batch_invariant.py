@@ -5,6 +5,7 @@ The kernels themselves: tests/unit/test_batch_invariant.py.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -219,8 +220,18 @@ def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
     ranks) is not bitwise (planted on a TP trainer's side, with a replica per rank, it differs
     too: 4.8e-7 to 7.2e-7 a step; in the experts' down projection alone, 4.8e-7 to 9.5e-7 on
     Qwen3-MoE and 5e-3 to 2.7e-2 on gpt-oss in bf16; measured by hand, not rerun here;
-    tests/unit/test_batch_invariant.py plants the experts' on one layer)."""
+    tests/unit/test_batch_invariant.py plants the experts' on one layer);
+    - and with the generator's experts whole, half on each rank (expert_parallel), routing 4
+      experts a token (the tiny Qwen3-MoE in fp32 and gpt-oss in bf16, their config.json's
+      top-k raised from 2, where any order adds alike): each rank puts its experts' rows in
+      place, the rows' sum over the ranks adds zeros, and every rank adds a token's experts in
+      the one-device order (`RankExperts.sum_rows`). Planted: each rank adds its own experts'
+      share, then the shares are summed (the plain order, `--plant_ranks_sum`): 4.8e-7 a step
+      (measured by hand), asserted not bitwise here."""
     tp2 = ("--batch_invariant", "true", "--generator.parallelism.tensor_parallel_degree", "2")
+    ep = ("--generator.parallelism.expert_parallel", "true")
+    moe4 = routing_four(runs.MOE_MODEL, tmp_path / "moe_top4")
+    gpt_oss4 = routing_four(runs.GPT_OSS_MODEL, tmp_path / "gpt_oss_top4")
     trainer_tp2 = ("--batch_invariant", "true", "--parallelism.tp", "2")
     warn = ("--batch_invariant_on_mismatch", "warn")  # the planted runs run on to their probes
     llama = ("--model.name", "llama3", "--model.hf_checkpoint", "assets/tiny_llama3")
@@ -239,7 +250,10 @@ def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
         ("deepseek_v3_tp2_bf16", (*STEPS, *tp2, *BF16, *runs.DEEPSEEK_V3_MODEL)),
         ("qwen3_5_tp2", (*STEPS, *tp2, *runs.QWEN3_5_MODEL)),
         ("qwen3_5_moe_tp2", (*STEPS, *tp2, *runs.QWEN3_5_MOE_MODEL)),
+        ("moe_top4_ep_tp2", (*STEPS, *tp2, *ep, *moe4)),
+        ("gpt_oss_top4_ep_tp2_bf16", (*STEPS, *tp2, *ep, *BF16, *gpt_oss4)),
         ("planted", (*STEPS, *tp2, *warn, "--plant_plain_reduction")),
+        ("planted_ranks_sum", (*STEPS, *tp2, *ep, *moe4, *warn, "--plant_ranks_sum")),
     )
     exact = [name for name in results if not name.startswith("planted")]
     for name in exact:
@@ -257,6 +271,22 @@ def test_every_tensor_parallel_layout_of_two_ranks_is_bitwise(tmp_path):
     assert ours["reward/mean"] == theirs["reward/mean"], (ours, theirs)
     assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (ours, theirs)
     assert max(diffs(results["planted"])) > 0.0, results["planted"]
+    assert max(diffs(results["planted_ranks_sum"])) > 0.0, results["planted_ranks_sum"]
+
+
+def routing_four(model_flags: tuple[str, ...], folder: Path) -> tuple[str, ...]:
+    """`model_flags` (a tiny MoE checkpoint's) with a copy of its checkpoint in `folder` that
+    routes 4 experts a token (its config.json's top-k; the same weights), read by
+    model.flavor = "auto"."""
+    flags = dict(zip(model_flags[::2], model_flags[1::2], strict=True))
+    shutil.copytree(flags["--model.hf_checkpoint"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("num_experts_per_tok", "experts_per_token"):
+        if key in config:
+            config[key] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    flags |= {"--model.flavor": "auto", "--model.hf_checkpoint": str(folder)}
+    return tuple(arg for pair in flags.items() for arg in pair)
 
 
 def test_a_tensor_parallel_trainer_and_a_tensor_parallel_generator_on_their_own_ranks(tmp_path):

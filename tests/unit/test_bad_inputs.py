@@ -142,18 +142,6 @@ BAD_INPUTS = {
         ["--world_size_for_test", "4"],
         ["tensor_parallel_degree = 2 does not divide the 3 generating ranks"],
     ),
-    # A TP generator is exact under the mode, an MoE model's with its experts' hidden units
-    # split (test_batch_invariant.py's TP layouts); with whole experts per rank it is not yet.
-    "generator expert parallel under batch invariance": (
-        'batch_invariant = true\n[model]\nflavor = "tiny_moe"\n'
-        "[generator.parallelism]\ntensor_parallel_degree = 2\nexpert_parallel = true\n",
-        ["--world_size_for_test", "2"],
-        [
-            "batch_invariant = true with generator.parallelism.tensor_parallel_degree = 2 "
-            "and generator.parallelism.expert_parallel = true",
-            "set expert_parallel = false",
-        ],
-    ),
     "trainer tp under batch invariance on Gated DeltaNet layers": (
         'batch_invariant = true\n[model]\nname = "qwen3_5"\nflavor = "tiny"\n'
         'hf_checkpoint = "assets/tiny_qwen3_5"\n[parallelism]\ntp = 2\n',

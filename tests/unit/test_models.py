@@ -408,3 +408,38 @@ def test_experts_split_over_two_ranks_sum_to_the_whole_layer_compiled(model, spl
             torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
             assert whole.abs().max() > 1e-3  # the layer computed something
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_whole_experts_over_two_ranks_add_a_tokens_experts_as_one_device_under_the_mode(
+    model, dtype
+):
+    """Issue 77: under batch-invariant mode an expert-parallel generator's ranks (`RankExperts`,
+    half the experts whole each) put their experts' rows in place, the rows are summed over the
+    ranks (each to zeros: exact), and every rank adds a token's experts in the one-device
+    order: the layer's output equals the one-device layer's bit for bit, with 4 experts a
+    token (gpt-oss routes 4, Qwen3-MoE 8). The plain order (each rank adds its own experts'
+    share of a token, then the shares are summed) does not."""
+    layer = tiny_moe(0, *model).layers["0"].moe.to(dtype)
+    layer.router.top_k = layer.routed_experts.token_dispatcher.top_k = 4
+    batch_invariant.make_linears_invariant(layer)
+    shares = [_rank_share(layer.routed_experts, rank, "experts") for rank in (0, 1)]
+    x_1TD = torch.randn(1, 61, 128).to(dtype)
+    with torch.no_grad():
+        scores, ids, all_scores = layer.router(x_1TD, layer.expert_bias_E)
+        counts = torch.zeros_like(all_scores, dtype=torch.bool).scatter_(-1, ids, True)
+        args = (x_1TD, scores, ids, counts.sum((0, 1)))
+        whole = layer.routed_experts(*args)
+        plain = sum(share(*args) for share in shares)  # sum_rows unset: the plain order
+        rows = []  # each rank's rows in place; then their sum, as vLLM's all-reduce gives it
+        for share in shares:
+            share.token_dispatcher.sum_rows = lambda rows_ND: rows.append(rows_ND) or rows_ND
+            share(*args)
+        total_ND = rows[0] + rows[1]
+        assert torch.equal(total_ND, torch.where(rows[0] != 0, rows[0], rows[1]))  # no add
+        for share in shares:
+            share.token_dispatcher.sum_rows = lambda rows_ND: total_ND
+            assert torch.equal(share(*args), whole)
+    assert whole.abs().max() > 1e-3
+    assert not torch.equal(plain, whole)

@@ -347,7 +347,9 @@ class JobConfig:
         """A TP generator under the mode: its row-parallel linears and its experts' down
         projections, split by hidden units, reduce canonically
         (batch_invariant.canonical_linear, models/moe.py `_canonical`), its column-parallel
-        ones give the whole layer's columns (`ops.linear`); what is not proven yet is one line
+        ones give the whole layer's columns (`ops.linear`); whole experts over the ranks
+        (expert_parallel) add a token's experts in the one-device order
+        (generator/tensor_parallel.py `RankExperts`); what is not proven yet is one line
         naming it."""
         from torchtitan_rl.generator import tensor_parallel
         from torchtitan_rl.models import model_spec
@@ -355,13 +357,6 @@ class JobConfig:
         at = f"generator.parallelism.tensor_parallel_degree = {tp}"
         fix = "tensor_parallel_degree = 1 in this mode (a generator replica per rank)"
         self._validate_invariant_tp(at, tp, fix=fix, experts=True)
-        require(
-            not self.generator.parallelism.expert_parallel,
-            f"batch_invariant = true with {at} and generator.parallelism.expert_parallel = "
-            "true: each rank would add its own experts' share of a token before the ranks' sum, "
-            "an order the trainer does not take; set expert_parallel = false (each expert's "
-            "hidden units split over the ranks, reduced canonically)",
-        )
         why = tensor_parallel.why_not_local(model_spec(self.model.name, self.model.flavor), tp)
         require(
             not why,

@@ -31,7 +31,9 @@ models do:
   MLP's TP does. With `generator.parallelism.expert_parallel` each rank holds E / TP whole
   experts (Shard(0)) and `RankExperts` dispatches: every rank sorts all T * K routed rows, its
   experts' first, runs its experts over theirs, and gives 0 for the others' (no all-to-all:
-  every rank holds every token). Shared experts are a dense MLP's column/row-parallel pair.
+  every rank holds every token); under batch-invariant mode the routed rows themselves are
+  summed over the ranks and each token's experts added as on one device (`RankExperts`).
+  Shared experts are a dense MLP's column/row-parallel pair.
 
 Activations between layers are whole on every rank (no sequence parallelism): nothing depends
 on the token count, so the batch needs no padding and the decoder compiles. Weight sync still
@@ -111,6 +113,12 @@ def localize(model: nn.Module) -> tuple[dict[str, Layout], list[str]]:
 class RankDispatchMetadata(LocalDispatchMetadata):
     mine_N: torch.Tensor
     """Whether each sorted routed row is one of this rank's experts'."""
+    order_N: torch.Tensor
+    """Each sorted routed row's place among the T * K (token, slot) rows."""
+    expert_ids_N: torch.Tensor
+    """The routed rows' experts, in (token, slot) order."""
+    scores_N: torch.Tensor
+    """The routed rows' scores, in (token, slot) order."""
 
 
 class RankExperts(LocalTokenDispatcher):
@@ -119,7 +127,20 @@ class RankExperts(LocalTokenDispatcher):
     experts' first (the rest after them, in any order), and hands the experts their counts;
     combine scores and sums this rank's rows and gives 0 for the rest (rows the experts did
     not compute: grouped_mm leaves them unwritten). The routed output is then summed over the
-    ranks. Fixed shapes, tensor code: it compiles."""
+    ranks. Fixed shapes, tensor code: it compiles.
+
+    Under batch-invariant mode (`sum_rows` set by `add_all_reduces`) a token's experts are
+    added as on one device instead: each rank puts its experts' rows in their (token, slot)
+    places, 0 in the others' (`rows_in_place`); `sum_rows` (vLLM's all-reduce) adds each row
+    to zeros only, exact in any order; then every rank weighs and adds a token's experts in
+    the one-device dispatcher's order, by expert (`combine_whole`). Summing the ranks' combined
+    outputs instead adds a token's experts in another association once it has more than 2 of
+    them (gpt-oss routes 4, Qwen3-MoE and DeepSeek-V3 8). It costs an all-reduce of the T * K
+    routed rows, not the T tokens."""
+
+    sum_rows = None
+    """The sum over the ranks of `rows_in_place` (batch-invariant mode); None: combine, then
+    the module's output is summed over the ranks."""
 
     def __init__(self, num_experts: int, top_k: int, first: int, count: int):
         super().__init__(LocalTokenDispatcher.Config(num_experts=num_experts, top_k=top_k))
@@ -132,19 +153,41 @@ class RankExperts(LocalTokenDispatcher):
         return local, (local >= 0) & (local < self.count)
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
-        local_N, mine_N = self.mine(topk_expert_ids_TK.reshape(-1))
+        expert_ids_N, scores_N = topk_expert_ids_TK.reshape(-1), topk_scores_TK.reshape(-1)
+        local_N, mine_N = self.mine(expert_ids_N)
         order_N = torch.argsort(torch.where(mine_N, local_N, self.count), stable=True)
         metadata = RankDispatchMetadata(
             token_indices_experts_sorted_N=order_N // self.top_k,
-            topk_scores_experts_sorted_N=topk_scores_TK.reshape(-1)[order_N],
+            topk_scores_experts_sorted_N=scores_N[order_N],
             mine_N=mine_N[order_N],
+            order_N=order_N,
+            expert_ids_N=expert_ids_N,
+            scores_N=scores_N,
         )
         counts_e = num_local_tokens_per_expert_E[self.first : self.first + self.count]
         return x_TD[metadata.token_indices_experts_sorted_N], counts_e, metadata
 
     def combine(self, routed_output_RD, metadata, x_TD):
+        if self.sum_rows is not None:
+            rows_ND = self.sum_rows(self.rows_in_place(routed_output_RD, metadata))
+            return self.combine_whole(rows_ND, metadata, x_TD)
         mine_R1 = metadata.mine_N[:, None]
         return super().combine(torch.where(mine_R1, routed_output_RD, 0), metadata, x_TD)
+
+    def rows_in_place(self, routed_output_RD, metadata) -> torch.Tensor:
+        """This rank's experts' output rows at their (token, slot) places, 0 elsewhere."""
+        mine_RD = torch.where(metadata.mine_N[:, None], routed_output_RD, 0)
+        return torch.zeros_like(mine_RD).index_copy(0, metadata.order_N, mine_RD)
+
+    def combine_whole(self, rows_ND, metadata, x_TD) -> torch.Tensor:
+        """Every routed row (summed over the ranks) weighed and added to its token by the
+        one-device dispatcher's order (torchtitan's stable sort by expert)."""
+        by_expert_N = torch.argsort(metadata.expert_ids_N, stable=True)
+        whole = LocalDispatchMetadata(
+            token_indices_experts_sorted_N=by_expert_N // self.top_k,
+            topk_scores_experts_sorted_N=metadata.scores_N[by_expert_N],
+        )
+        return super().combine(rows_ND[by_expert_N], whole, x_TD)
 
 
 def _local_experts(routed: nn.Module, layouts: dict, experts_name: str) -> bool:
@@ -184,7 +227,10 @@ def add_all_reduces(model: nn.Module, names: list[str]) -> None:
         # An MoE layer's routed experts reduce canonically like a linear (under the mode,
         # which packs nothing).
         reducing = getattr(module, "inner_experts", module)
-        if getattr(reducing, "reduction_width", None) is not None:
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if isinstance(dispatcher, RankExperts) and reducing.batch_invariant:
+            dispatcher.sum_rows = _all_reduce  # whole experts: each row finished on its rank
+        elif getattr(reducing, "reduction_width", None) is not None:
             reducing.tp_combine = _combine_partials
         else:
             module.register_forward_hook(_all_reduce_output)
@@ -223,9 +269,13 @@ def _sums_over_ranks(name: str, module: nn.Module, placements) -> bool:
 
 
 def _all_reduce_output(module, args, output: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(output)
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     from vllm.distributed import tensor_model_parallel_all_reduce
 
-    return tensor_model_parallel_all_reduce(output)
+    return tensor_model_parallel_all_reduce(t)
 
 
 def gather_vocabulary(logits_TV: torch.Tensor) -> torch.Tensor:
