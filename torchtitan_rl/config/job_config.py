@@ -366,11 +366,12 @@ class JobConfig:
 
     def _validate_invariant_tp(self, field: str, tp: int, *, fix: str, experts: bool) -> None:
         """A tensor-parallel side under the mode (`field`: the degree's setting): a power of
-        two (the canonical slices), a model without a vision tower; with `experts` (the
-        generator's side) a mixture of experts, its experts' hidden units split, and Qwen3.5's
-        Gated DeltaNet layers, its heads split; on the trainer's side neither (a mixture of
-        experts trains with parallelism.ep; torchtitan's DeltaNet module takes its output
-        sharded by sequence, which the canonical reduction does not give)."""
+        two (the canonical slices); with `experts` (the generator's side) a mixture of
+        experts, its experts' hidden units split, Qwen3.5's Gated DeltaNet layers, its heads
+        split, and a vision tower, its row-parallel layers canonical like the decoder's; on
+        the trainer's side none of these (a mixture of experts trains with parallelism.ep;
+        torchtitan's DeltaNet module takes its output sharded by sequence, which the
+        canonical reduction does not give; a vision tower is not proven there yet)."""
         from torchtitan_rl.models import (
             has_linear_attention,
             has_vision_tower,
@@ -384,8 +385,9 @@ class JobConfig:
             f"{at}: the canonical reduction splits each row-parallel layer in a power-of-two "
             "number of slices; use 2 (or 4, 8)",
         )
-        parts = [(has_vision_tower, "a vision tower, not yet bitwise across TP layouts")]
+        parts = []
         if not experts:
+            parts.append((has_vision_tower, "a vision tower, not yet bitwise across TP layouts"))
             parts.append(
                 (
                     is_mixture_of_experts,
