@@ -226,6 +226,31 @@ def test_column_parallel_layers_and_attention_heads_need_no_canonical_order(dtyp
         assert torch.equal(mine, whole[:, :, heads]), r
 
 
+def test_the_slices_follow_the_runs_layouts(monkeypatch):
+    """The row-parallel layers' slices are the run's largest TP degree; a routed expert's down
+    projection is sliced only where a TP generator splits every expert's hidden units (not
+    with generator.parallelism.expert_parallel: whole experts on every side, one GEMM)."""
+    from torchtitan_rl import batch_invariant, platform
+    from torchtitan_rl.config import parse_args
+
+    monkeypatch.setattr(platform, "enable_batch_invariance", lambda: None)
+    for attr in ("_enabled", "_slices", "_expert_slices"):
+        monkeypatch.setattr(batch_invariant, attr, getattr(batch_invariant, attr))
+    debug = ["--job.config_file", "run_configs/debug_cpu.toml"]
+    moe = ["--model.flavor", "tiny_moe", "--model.hf_checkpoint", "assets/tiny_moe_qwen3"]
+    generator_tp = ["--generator.parallelism.tensor_parallel_degree", "2"]
+    cases = [
+        ([], (1, 1)),
+        (["--parallelism.tp", "2"], (2, 2)),
+        ([*moe, "--parallelism.ep", "2", *generator_tp], (2, 2)),
+        ([*moe, *generator_tp, "--generator.parallelism.expert_parallel", "true"], (2, 1)),
+    ]
+    for flags, expected in cases:
+        config = parse_args([*debug, "--batch_invariant", "true", *flags], 2)
+        batch_invariant.enable_for(config)
+        assert (batch_invariant._slices, batch_invariant._expert_slices) == expected, flags
+
+
 def test_only_row_parallel_linears_reduce_canonically_with_the_plain_gradients(monkeypatch):
     """With reduction slices > 1, `make_linears_invariant` gives the canonical reduction to
     exactly the linears the TP plan splits by input columns (attention output, MLP down
@@ -304,7 +329,7 @@ def test_experts_split_by_hidden_units_reduce_as_on_one_device(family, dtype, mo
     rank's rounded output summed over the ranks) does not."""
     from torchtitan_rl import batch_invariant
 
-    monkeypatch.setattr(batch_invariant, "_slices", 2)
+    monkeypatch.setattr(batch_invariant, "_expert_slices", 2)
     experts = _experts_of(*family, dtype)
     assert experts.reduction_width == experts.hidden_dim // 2
     g = torch.Generator().manual_seed(2)
@@ -330,7 +355,7 @@ def test_experts_split_by_hidden_units_reduce_as_on_one_device(family, dtype, mo
 
     # Planted: the plain layer on each side (slices 1): one GEMM over all hidden units on one
     # device; each rank's over its half, rounded, summed over the ranks.
-    monkeypatch.setattr(batch_invariant, "_slices", 1)
+    monkeypatch.setattr(batch_invariant, "_expert_slices", 1)
     one_device = _experts_of(*family, dtype)
     plain = [_hidden_half(one_device, r) for r in range(2)]
     for rank in plain:

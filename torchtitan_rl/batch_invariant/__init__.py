@@ -39,6 +39,8 @@ from torchtitan_rl.batch_invariant import ops
 _enabled = False
 _slices = 1
 """The canonical slice count of a row-parallel layer's reduction (`reduction_slices`)."""
+_expert_slices = 1
+"""The canonical slice count of a routed expert's down projection (`expert_slices`)."""
 _checked: set[tuple] = set()  # (dim, heads, head_dim, dtype, threads) found invariant here
 
 
@@ -49,13 +51,24 @@ def reduction_slices(trainer_tp: int, generator_tp: int) -> int:
     return max(trainer_tp, generator_tp)
 
 
-def enable(slices: int = 1) -> None:
+def expert_slices(slices: int, generator_expert_parallel: bool) -> int:
+    """How many slices a routed expert's down projection reduces in: the run's `slices` where
+    a TP generator splits every expert's hidden units, 1 where it holds whole experts
+    (`generator.parallelism.expert_parallel`), as every trainer does under the mode (an MoE
+    trains with EP, not TP): no side splits an expert's reduction, so one GEMM is the same
+    on both (measured on Qwen3-MoE at EP with top-4 routing: the 2 slices cost the step 31-34%,
+    the experts' GEMMs being tiny)."""
+    return 1 if generator_expert_parallel else slices
+
+
+def enable(slices: int = 1, experts: int | None = None) -> None:
     """Turn the mode on for this process (before building any model or engine); `slices`:
-    `reduction_slices` of the run."""
-    global _enabled, _slices
+    `reduction_slices` of the run; `experts`: its `expert_slices` (default `slices`)."""
+    global _enabled, _slices, _expert_slices
     from torchtitan_rl import platform
 
     _slices = slices
+    _expert_slices = slices if experts is None else experts
     platform.enable_batch_invariance()  # CUDA: vLLM's kernels for both sides
     _enabled = True
 
@@ -71,8 +84,9 @@ def slices() -> int:
 
 def enable_for(config) -> None:
     """`enable` with the slices of `config`'s (a JobConfig's) layouts."""
-    generator_tp = config.generator.parallelism.tensor_parallel_degree
-    enable(reduction_slices(config.parallelism.tp, generator_tp))
+    generator = config.generator.parallelism
+    slices = reduction_slices(config.parallelism.tp, generator.tensor_parallel_degree)
+    enable(slices, expert_slices(slices, generator.expert_parallel))
 
 
 def uses_own_kernels() -> bool:
@@ -175,8 +189,9 @@ def make_linears_invariant(model: nn.Module) -> None:
     `batch_invariant` switch) through their batch-invariant kernels. A shared expert's sigmoid
     gate (Qwen3.5-MoE's: one value a token) goes through `ops.pointwise`. With
     `reduction_slices` > 1 each row-parallel linear reduces canonically (`canonical_linear`;
-    its bias added once, after the sum), and so does each routed expert's down projection
-    (models/moe.py `_canonical`), which a TP generator splits by hidden units."""
+    its bias added once, after the sum), and with `expert_slices` > 1 so does each routed
+    expert's down projection (models/moe.py `_canonical`), which a TP generator splits by
+    hidden units."""
     from torchtitan_rl.trainer.logprobs import soft_cap
 
     for module in model.modules():
@@ -196,8 +211,8 @@ def make_linears_invariant(model: nn.Module) -> None:
             module.forward = types.MethodType(forward, module)
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True
-            if _slices > 1 and hasattr(type(module), "reduction_width"):  # MoE experts
-                module.reduction_width = module.hidden_dim // _slices
+            if _expert_slices > 1 and hasattr(type(module), "reduction_width"):  # MoE experts
+                module.reduction_width = module.hidden_dim // _expert_slices
         if isinstance(module, SigmoidGatedFeedForward):
             module.forward = types.MethodType(_invariant_gated_forward, module)
 

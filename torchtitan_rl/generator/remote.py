@@ -95,7 +95,10 @@ def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
         if world is None:
             os.environ.update(RANK="0", WORLD_SIZE="1")
         if invariant:  # the mode's reduction slices (0: off)
-            batch_invariant.enable(invariant)
+            expert_parallel = generator.parallelism.expert_parallel
+            batch_invariant.enable(
+                invariant, batch_invariant.expert_slices(invariant, expert_parallel)
+            )
         engine = LocalGenerator(generator=generator, model=model, seed=seed)
         params, shards = {}, {}
         for name, param in engine.weights().items():
