@@ -228,7 +228,7 @@ def add_all_reduces(model: nn.Module, names: list[str]) -> None:
         # which packs nothing).
         reducing = getattr(module, "inner_experts", module)
         dispatcher = getattr(module, "token_dispatcher", None)
-        if isinstance(dispatcher, RankExperts) and reducing.batch_invariant:
+        if isinstance(dispatcher, RankExperts) and getattr(reducing, "batch_invariant", False):
             dispatcher.sum_rows = _all_reduce  # whole experts: each row finished on its rank
         elif getattr(reducing, "reduction_width", None) is not None:
             reducing.tp_combine = _combine_partials
