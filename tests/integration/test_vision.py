@@ -72,9 +72,11 @@ def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tm
     LookAgain), on 2 ranks, the generator on its own rank (disaggregated: requests, their
     images and the episodes' own cross a process boundary), the tower trained and synced,
     with the weight sync verified by digest: every step's generator and trainer logprobs
-    agree within 1e-4 in fp32 over episodes of one and two turns, which a generator that
-    dropped an image would not (its placeholders read as text), nor a trainer whose rows
-    lacked the reply's (planted, the samples without their own images: 6.4 off at step 1).
+    agree within 5e-4 in fp32 over episodes of one and two turns (vLLM's CPU kernels against
+    the trainer's: 7.5e-5 and 3.6e-5 on an AVX-512 EPYC, 1.02e-4 and 4.4e-5 on an AVX-512 Xeon;
+    the vision demo's worst step 1.04e-4), which a generator that dropped an image would not
+    (its placeholders read as text), nor a trainer whose rows lacked the reply's (planted,
+    the samples without their own images: 6.4 off at step 1).
 
     Then the same command resumed from step 1's checkpoint (step 2's removed) logs step 2 as
     the uninterrupted run did, and exports the same weights bit for bit, the trained tower's
@@ -100,7 +102,7 @@ def test_a_disaggregated_run_trains_on_images_its_generator_reads_and_resumes(tm
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metric_rows(uninterrupted)
     assert len(rows) == 2
-    assert all(0 < row["logprob_diff/max"] < 1e-4 for row in rows), rows
+    assert all(0 < row["logprob_diff/max"] < 5e-4 for row in rows), rows
     assert all(row["reward/std"] > 0 and row["grad_norm"] > 0 for row in rows), rows
     assert all(1.2 < row["env/turns"] < 2 for row in rows), rows  # many two-turn episodes
     initial = load_file(REPO / "assets" / "tiny_vl_muse_glimmer" / "model.safetensors")
