@@ -809,7 +809,8 @@ def test_a_disaggregated_engine_process_on_cuda_runs_under_the_mode(on_cuda, mon
     from torchtitan_rl.generator import remote
 
     monkeypatch.setattr(batch_invariant, "_enabled", True)
-    monkeypatch.setattr(batch_invariant, "_slices", 1)
+    monkeypatch.setattr(batch_invariant, "_slices", 2)
+    monkeypatch.setattr(batch_invariant, "_expert_slices", 1)  # whole experts (expert_parallel)
     launched = []
 
     class Context:
@@ -823,4 +824,4 @@ def test_a_disaggregated_engine_process_on_cuda_runs_under_the_mode(on_cuda, mon
     with pytest.raises(KeyboardInterrupt):
         remote.RemoteGenerator(generator=GeneratorSection(), model=ModelSection(), seed=0)
     (args,) = launched
-    assert args[3] == 1  # the child's `invariant`: the run's reduction slices
+    assert args[3] == (2, 1)  # the child's `invariant`: the run's slices, the experts' too

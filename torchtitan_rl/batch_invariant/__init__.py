@@ -82,6 +82,12 @@ def slices() -> int:
     return _slices
 
 
+def settings() -> tuple[int, int]:
+    """What `enable` was given, (slices, experts): `enable(*settings())` in another process
+    (a generator's engine, generator/remote.py) turns the mode on alike."""
+    return _slices, _expert_slices
+
+
 def enable_for(config) -> None:
     """`enable` with the slices of `config`'s (a JobConfig's) layouts."""
     generator = config.generator.parallelism

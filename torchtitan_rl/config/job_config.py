@@ -212,8 +212,7 @@ class JobConfig:
         from torchtitan_rl.models import model_spec
 
         config = model_spec(self.model.name, self.model.flavor).model
-        windows = [getattr(layer.attention, "sliding_window_size", None) for layer in config.layers]
-        refuse_windowed(f"{self.model.name}/{self.model.flavor}", windows)
+        refuse_windowed(f"{self.model.name}/{self.model.flavor}", _windows(config))
 
     def _validate_heads(self) -> None:
         from torchtitan_rl.models import attention_shape, model_spec
@@ -307,14 +306,7 @@ class JobConfig:
         name, flavor = self.model.name, self.model.flavor
         config = model_spec(name, flavor).model
         parts = [
-            (
-                any(
-                    getattr(layer.attention, "sliding_window_size", None)
-                    for layer in config.layers
-                    if getattr(layer, "attention", None) is not None
-                ),
-                "sliding-window attention layers",
-            ),
+            (any(_windows(config)), "sliding-window attention layers"),
             (is_mixture_of_experts(name, flavor), "mixture-of-experts layers"),
             (has_linear_attention(name, flavor), "Gated DeltaNet layers"),
             (has_vision_tower(name, flavor), "a vision tower"),
@@ -385,23 +377,21 @@ class JobConfig:
             f"{at}: the canonical reduction splits each row-parallel layer in a power-of-two "
             "number of slices; use 2 (or 4, 8)",
         )
-        parts = []
-        if not experts:
-            parts.append((has_vision_tower, "a vision tower, not yet bitwise across TP layouts"))
-            parts.append(
-                (
-                    is_mixture_of_experts,
-                    "mixture-of-experts layers, whose experts train bitwise with a TP "
-                    "generator under parallelism.ep, not split by parallelism.tp",
-                )
-            )
-            parts.append(
-                (
-                    has_linear_attention,
-                    "Gated DeltaNet layers, which torchtitan's plan shards by sequence under TP "
-                    "(sequence parallelism, off in this mode)",
-                )
-            )
+        if experts:  # the generator's side runs each of these
+            return
+        parts = [
+            (has_vision_tower, "a vision tower, not yet bitwise across TP layouts"),
+            (
+                is_mixture_of_experts,
+                "mixture-of-experts layers, whose experts train bitwise with a TP generator "
+                "under parallelism.ep, not split by parallelism.tp",
+            ),
+            (
+                has_linear_attention,
+                "Gated DeltaNet layers, which torchtitan's plan shards by sequence under TP "
+                "(sequence parallelism, off in this mode)",
+            ),
+        ]
         for has, what in parts:
             require(not has(name, flavor), f"{at}: {name}/{flavor} has {what}; use {fix}")
 
@@ -638,6 +628,15 @@ class JobConfig:
             f"data-parallel trainer ranks trains on {rows} samples per step (prompts_per_step * "
             "generator.sampling.n / ranks): lower mini_batches or raise prompts_per_step",
         )
+
+
+def _windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window in a model config (None: full attention, or a layer
+    without softmax attention)."""
+    return [
+        getattr(getattr(layer, "attention", None), "sliding_window_size", None)
+        for layer in config.layers
+    ]
 
 
 def _vocabulary(folder: str, field: str) -> dict[str, int]:

@@ -94,11 +94,8 @@ def _serve(generator, model, seed, invariant, world, requests, replies) -> None:
         # its own single-process executor would put every child on device 0.
         if world is None:
             os.environ.update(RANK="0", WORLD_SIZE="1")
-        if invariant:  # the mode's reduction slices (0: off)
-            expert_parallel = generator.parallelism.expert_parallel
-            batch_invariant.enable(
-                invariant, batch_invariant.expert_slices(invariant, expert_parallel)
-            )
+        if invariant:  # the parent's `batch_invariant.settings()` (False: off)
+            batch_invariant.enable(*invariant)
         engine = LocalGenerator(generator=generator, model=model, seed=seed)
         params, shards = {}, {}
         for name, param in engine.weights().items():
@@ -172,7 +169,7 @@ class RemoteGenerator:
                 seed,
                 # The mode in the engine's process too (on CUDA: vLLM's kernels, its FLASH_ATTN
                 # backend and eager pieces, which the engine's arguments read from it).
-                batch_invariant.is_enabled() and batch_invariant.slices(),
+                batch_invariant.is_enabled() and batch_invariant.settings(),
                 world,
                 self.requests,
                 self.replies,

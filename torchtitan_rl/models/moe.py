@@ -13,10 +13,9 @@ on, and with a seam for recording and replaying the experts each token went to.
   tokens an expert got (grouped_mm's do: each group is a GEMM of that many rows); where the
   run has a TP side, each expert's down projection reduces in the canonical slices and the
   TP generator's ranks finish every routed row's sum before the dispatcher's (`_canonical`).
-  Compiled
-  (vLLM's generator, `training.compile`), its GEMMs in any dtype but bf16 run as one opaque
-  op, `torchtitan_rl::grouped_mm`: torch's own is traced only in bf16 (its shape function
-  refuses fp32, which eager runs).
+  Compiled (vLLM's generator, `training.compile`), its GEMMs in any dtype but bf16 run as one
+  opaque op, `torchtitan_rl::grouped_mm`: torch's own is traced only in bf16 (its shape
+  function refuses fp32, which eager runs).
 - `OssExperts` replaces gpt-oss's `GptOssGroupedExperts` (biased, clamped SwiGLU over
   interleaved gate/up rows), likewise: its own dtype, or looped under batch-invariant mode.
 - `Router` replaces `TokenChoiceTopKRouter`: the gate runs in fp32 as torchtitan intends (its
