@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
             **metrics,
         }
         print(json.dumps(row), flush=True)
+    generator.close()
     platform.shutdown_distributed()
     return 0
 

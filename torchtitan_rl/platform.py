@@ -12,6 +12,7 @@ SDPA on both: no mask object, right-padded sequences, so the CPU tests run CUDA'
 
 import ctypes
 import functools
+import gc
 import os
 import signal
 import socket
@@ -431,6 +432,9 @@ def enable_fsdp_sum_reduction(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+_joined = False  # init_distributed joined a world (shutdown_distributed leaves it)
+
+
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the torchrun world (or a world of one without torchrun); returns (rank, world).
     `timeout_s` bounds a collective on every process group of the run, the world's and every
@@ -443,6 +447,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     # not the world's, and torchtitan's device meshes pass none.
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     die_with_launcher()
+    global _joined
+    _joined = True
     if "RANK" in os.environ:
         if device_type() == "cuda":
             torch.cuda.set_device(device())
@@ -477,7 +483,21 @@ def die_with_parent() -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group together: no rank tears down while a peer is in a collective."""
+    """Leave the process group together: no rank tears down while a peer is in a collective.
+
+    The world this process joined must still be there. vLLM's teardown destroys it
+    (`cleanup_dist_env_and_memory`) when an engine that was not closed
+    (`LocalGenerator.close`) is collected, which the garbage collector may do on one rank
+    before the barrier and on another after it: that rank leaves, and its peers' barrier fails
+    with "Connection closed by peer" after a successful run (measured: 3 runs in 4 with ranks
+    forked from one interpreter, tests/helpers/forkserver.py). What the program dropped is
+    collected here, on every rank alike, so such an engine fails every run at once."""
+    gc.collect()
+    if _joined and not dist.is_initialized():
+        raise RuntimeError(
+            "the torch.distributed world was destroyed before the run's end: a vLLM engine was "
+            "dropped without LocalGenerator.close()"
+        )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

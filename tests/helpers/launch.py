@@ -7,16 +7,19 @@ PYTHONPATH (tests/dist scripts import this checkout's torchtitan_rl and `helpers
 session of its own (a test signals it without signalling pytest).
 """
 
+import atexit
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
+from helpers import forkserver
 
 from torchtitan_rl.metrics import TIMING_METRICS
 
@@ -29,23 +32,63 @@ TINY = str(REPO / "assets" / "tiny_qwen3")
 TIMING = TIMING_METRICS
 
 
-def launcher(nproc: int) -> list[str]:
-    """The command prefix: python, or torchrun with `nproc` ranks on a free port."""
+def launcher(nproc: int, forked: bool = True) -> list[str]:
+    """The command prefix: python, or torchrun with `nproc` ranks on a free port. `forked`:
+    python is this worker's fork server (forkserver.py), whose processes have torch, vLLM and
+    torchtitan_rl imported already; a test that looks at its ranks' processes (their children,
+    a rank killed) passes False."""
+    python = [FORKED] if forked and _forkserver() else [sys.executable]
     if not nproc:
-        return [sys.executable]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-    ]
+        return python
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc_per_node", str(nproc)]
+    return [*torchrun, "--no-python", *python, "-u"] if python == [FORKED] else torchrun
 
 
-def environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """os.environ with one thread per rank, this checkout and tests/ importable, and `env` on
-    top (a PYTHONPATH in `env` comes first)."""
+FORKED = str(TESTS / "helpers" / "forked")
+_server: dict = {}  # the fork server of this process: its "process" and "socket"
+
+
+def _forkserver() -> bool:
+    """Start this process's fork server unless it runs (or TTRL_FORKSERVER=0); whether there
+    is one. It listens at once and imports for ~15 s: the first launches wait for it."""
+    if os.environ.get(forkserver.SOCKET) == "0":
+        return False
+    if not _server:
+        folder = Path(tempfile.mkdtemp(prefix="forkserver-"))
+        path = folder / "socket"
+        log = (folder / "server.log").open("w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "helpers.forkserver", "--serve", str(path)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_environment(),
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert process.poll() is None, (folder / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the fork server did not listen in 60 s"
+            time.sleep(0.01)
+        _server.update(process=process, socket=str(path))
+        atexit.register(process.kill)
+    return True
+
+
+def forkserver_pid() -> int | None:
+    """The pid of this process's fork server, if it runs (tests/conftest.py spares it)."""
+    return _server["process"].pid if _server else None
+
+
+def processes_below() -> list[psutil.Process]:
+    """Every process under this one but its fork server (whose children are included)."""
+    server = forkserver_pid()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != server]
+
+
+def _environment(env: dict[str, str] | None = None) -> dict[str, str]:
     paths = [p for p in ((env or {}).get("PYTHONPATH"), str(REPO), str(TESTS)) if p]
     return {
         **os.environ,
@@ -53,6 +96,15 @@ def environment(env: dict[str, str] | None = None) -> dict[str, str]:
         **(env or {}),
         "PYTHONPATH": os.pathsep.join(paths),
     }
+
+
+def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """os.environ with one thread per rank, this checkout and tests/ importable, and `env` on
+    top (a PYTHONPATH in `env` comes first); and where the fork server listens."""
+    if not _server:
+        return _environment(env)
+    server = {forkserver.SOCKET: _server["socket"], forkserver.PYTHON: sys.executable}
+    return {**_environment(env), **server}
 
 
 def write_toml(tmp_path: Path, text: str) -> str:

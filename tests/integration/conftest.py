@@ -9,7 +9,7 @@ import psutil
 import pytest
 import torch
 from helpers import runs
-from helpers.launch import TESTS, launcher, run, run_dist, run_train
+from helpers.launch import TESTS, launcher, processes_below, run, run_dist, run_train
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ def reference_run(tmp_path_factory) -> SimpleNamespace:
     assert result.returncode == 0, result.stderr[-3000:]
     # wandb's service process (wandb-core) outlives the run by a moment, and this session
     # adopts it (tests/conftest.py: a subreaper): let it exit before the no-process-left check.
-    psutil.wait_procs(psutil.Process().children(recursive=True), timeout=60)
+    psutil.wait_procs(processes_below(), timeout=60)
     return SimpleNamespace(folder=folder, result=result)
 
 

@@ -9,13 +9,11 @@ Real runs: torchrun with 2 ranks, the real vLLM engine, DCP files on disk.
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from helpers import runs
-from helpers.launch import REPO, run_helper, run_train
+from helpers.launch import REPO, run_helper, run_script, run_train
 from safetensors.torch import load_file
 
 from torchtitan_rl.checkpoint import invalid_reason
@@ -74,12 +72,8 @@ def test_exported_policy_matches_the_generator_in_vllm_and_transformers(referenc
 
 def test_export_script_writes_the_same_weights(reference_run, tmp_path):
     out = tmp_path / "exported"
-    command = [sys.executable, str(REPO / "scripts" / "export_hf.py")]
-    result = subprocess.run(
-        [*command, str(reference_run.folder / "checkpoints" / "step-6"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_script(
+        "export_hf.py", str(reference_run.folder / "checkpoints" / "step-6"), "--out", str(out)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for name, tensor in weights(reference_run.folder / "hf").items():
@@ -88,9 +82,7 @@ def test_export_script_writes_the_same_weights(reference_run, tmp_path):
         reference_run.folder / "hf" / "config.json"
     ).read_text()
 
-    missing = subprocess.run(
-        [*command, str(tmp_path / "nope"), "--out", str(out)], capture_output=True, text=True
-    )
+    missing = run_script("export_hf.py", str(tmp_path / "nope"), "--out", str(out))
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nope'} is not a complete checkpoint: no such folder"

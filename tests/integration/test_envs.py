@@ -6,13 +6,11 @@ With a scripted policy: tests/unit/test_envs.py.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from helpers import runs
-from helpers.launch import HELPERS, REPO, TIMING, run_dist, run_train
+from helpers.launch import HELPERS, REPO, TIMING, run_dist, run_script, run_train
 from helpers.render import chatter_renderer
 
 from torchtitan_rl.tasks.env import calc, parse_tool_calls
@@ -210,12 +208,7 @@ def test_an_openai_client_agent_through_the_gateway_samples_the_environments_tok
 def test_the_shipped_tool_data_is_what_its_script_makes_and_its_calls_compute_the_answers(
     tmp_path,
 ):
-    result = subprocess.run(
-        [sys.executable, "scripts/make_tool_data.py", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    result = run_script("make_tool_data.py", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     shipped = REPO / "data" / "arith_tools"
     for name in ("train.jsonl", "sft.jsonl"):

@@ -36,8 +36,9 @@ HOOKS_ENV = {"PYTHONPATH": HELPERS}
 
 
 def start(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """torchrun with 2 ranks of torchtitan_rl.train, its console piped."""
-    return start_piped([*launcher(2), "-m", "torchtitan_rl.train", *flags], env)
+    """torchrun with 2 ranks of torchtitan_rl.train, its console piped; the ranks are started
+    by torchrun itself, not forked: the tests look at their processes."""
+    return start_piped([*launcher(2, forked=False), "-m", "torchtitan_rl.train", *flags], env)
 
 
 @dataclass

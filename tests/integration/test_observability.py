@@ -5,12 +5,10 @@ rollouts.jsonl samples, and scripts/plot_metrics.py.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers.launch import REPO, metric_rows
+from helpers.launch import metric_rows, run_script
 
 
 @pytest.fixture
@@ -60,18 +58,7 @@ def test_rollouts_hold_prompts_completions_rewards_and_token_diffs(run):
 
 def test_plot_metrics_draws_the_logged_curves(run, tmp_path):
     out = tmp_path / "curves.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "plot_metrics.py"),
-            str(run / "metrics.jsonl"),
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_script("plot_metrics.py", str(run / "metrics.jsonl"), "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 10_000
     assert "kl" in result.stdout and "logprob_diff/max" in result.stdout
@@ -80,16 +67,5 @@ def test_plot_metrics_draws_the_logged_curves(run, tmp_path):
     rows = metric_rows(run)
     no_kl = tmp_path / "no_kl.jsonl"
     no_kl.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "kl"}) for r in rows))
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "plot_metrics.py"),
-            str(no_kl),
-            "-o",
-            str(tmp_path / "b.png"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_script("plot_metrics.py", str(no_kl), "-o", str(tmp_path / "b.png"))
     assert result.returncode == 0 and "kl," not in result.stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, run
+from helpers.launch import REPO, environment, launcher, run
 from helpers.titan import torchtitan_logits, torchtitan_model
 
 TINY = REPO / "assets" / "tiny_qwen3"
@@ -24,9 +24,10 @@ def make(*outs: tuple[Path, int]) -> None:
     script = str(REPO / "scripts" / "make_tiny_checkpoint.py")
     processes = [
         subprocess.Popen(
-            [sys.executable, script, "--out", str(out), "--seed", str(seed)],
+            [*launcher(0), script, "--out", str(out), "--seed", str(seed)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            env=environment(),
         )
         for out, seed in outs
     ]

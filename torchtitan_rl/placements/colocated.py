@@ -144,4 +144,6 @@ class RLTrainer:
 
 def run(config: JobConfig, hooks: Hooks | None = None, task: OpenTask | None = None) -> None:
     """Every rank of a colocated run."""
-    RLTrainer(config, hooks, task).train()
+    run = RLTrainer(config, hooks, task)
+    run.train()
+    run.generator.close()  # not left to vLLM's teardown (platform.shutdown_distributed)

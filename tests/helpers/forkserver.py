@@ -1,0 +1,333 @@
+"""A fork server for the integration tests' launches: one process per pytest worker imports
+torch, vLLM and torchtitan_rl once, and every rank (and plain process) the tests launch is
+forked from it instead of importing them again.
+
+A rank spends 13 CPU-s importing before its first line of work, and a 2-rank one-step RL
+world 36 CPU-s in all (measured, tests/README.md): most of the suite's time was imports.
+
+    server: python -m helpers.forkserver SOCKET
+    client: tests/helpers/forked [-u] (-m MODULE | -c CODE | SCRIPT) ARGS...
+
+The client takes the place of `python` under `torchrun --no-python` (helpers/launch.py), so
+torchrun, its rendezvous and each rank's environment are real; only the interpreter start
+differs. The client sends its argv, environment, working directory and stdin, stdout and
+stderr to the server, which forks a child that takes them and runs the module or script as
+`python` would (`__main__`, sys.argv, sys.path from PYTHONPATH, SystemExit, exit hooks). The
+client forwards the signals a launcher sends (torchrun's SIGTERM, a test's SIGINT) to the
+child, and exits as the child did (its code, or killed by its signal). The child dies when its
+client does (SIGKILL included: it watches the connection).
+
+What the server imported was imported with its environment. A launch whose environment
+differs in a variable read at import time (VLLM_*, TORCH*, OMP_*, PYTHON*, ...), whose
+PYTHONPATH adds a directory shadowing a module already imported, or which passes `python`
+options other than -u, is not forked: the client runs `python` itself.
+"""
+
+import array
+import json
+import os
+import signal
+import socket
+import sys
+
+SOCKET = "TTRL_FORKSERVER"  # the server's socket, in the launch's environment
+PYTHON = "TTRL_FORKSERVER_PYTHON"  # the interpreter for a launch that is not forked
+# What the server imports before it forks: what a rank imports before its first step, but
+# `datasets` (through torchtitan.trainer), whose import starts a thread (pyarrow's).
+PRELOAD = (
+    "torchtitan_rl.train",
+    "torchtitan_rl.sft",
+    "torchtitan_rl.generator.vllm_model",
+    "torchtitan_rl.generator.engine_build",
+    "torchtitan_rl.loop",
+    "torchtitan_rl.placements.colocated",
+    "torchtitan_rl.weight_sync.broadcast",
+    "torchtitan_rl.weight_sync.local",
+    "torchtitan.components.dataloader",
+    "torchtitan.components.metrics",
+    "torch.utils.tensorboard",
+    "torch._inductor.compile_fx",
+    "torch.export",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.attention.backends.cpu_attn",
+    "vllm.compilation.backends",
+    "vllm.renderers.hf",
+    "matplotlib.pyplot",
+    "PIL.PngImagePlugin",
+)
+# Read when imported (by torch, vLLM, OpenMP, transformers, the interpreter): a launch that
+# sets them otherwise than the server is not forked.
+IMPORT_TIME = (
+    "VLLM_",
+    "TORCH",
+    "PYTORCH_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "TRITON_",
+    "CUDA_",
+    "LD_",
+    "PYTHON",
+)
+# Set by torchrun for each rank, or by the fork server itself, and read at run time.
+RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTHONPATH", "PYTHONUNBUFFERED", SOCKET)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+def _send(conn: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message).encode() + b"\n"
+    if fds:
+        conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        conn.sendall(data)
+
+
+def _receive(conn: socket.socket, want_fds: int = 0) -> tuple[dict | None, list[int]]:
+    """One newline-ended JSON message (None at EOF) and the fds that came with its first part."""
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        if want_fds and not fds:
+            part, fds, _, _ = socket.recv_fds(conn, 1 << 20, want_fds)
+            fds = list(fds)
+        else:
+            part = conn.recv(1 << 20)
+        if not part:
+            return None, fds
+        data += part
+    return json.loads(data), fds
+
+
+def _python_argv(argv: list[str]) -> tuple[bool, tuple[str, str], list[str]] | None:
+    """`python ARGV` as (unbuffered, ("module" | "code" | "script", its name or text), the
+    program's arguments); None for options the fork server does not reproduce."""
+    unbuffered = False
+    while argv and argv[0] == "-u":
+        unbuffered, argv = True, argv[1:]
+    if len(argv) >= 2 and argv[0] in ("-m", "-c"):
+        kind = "module" if argv[0] == "-m" else "code"
+        return unbuffered, (kind, argv[1]), argv[2:]
+    if argv and not argv[0].startswith("-"):
+        return unbuffered, ("script", argv[0]), argv[1:]
+    return None
+
+
+# The server.
+
+_base_path_of_server: list[str] = []  # set once PRELOAD is imported
+_environ_of_server: dict[str, str] = {}  # as it was before (importing vLLM sets variables)
+_set_by_imports: dict[str, str] = {}  # the variables importing PRELOAD set, as a rank's would
+
+
+def _base_path() -> list[str]:
+    """This interpreter's sys.path without its first entry and its PYTHONPATH's."""
+    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return sys.path[1 + len(ours) :]
+
+
+def _why_not(request: dict) -> str | None:
+    """Why a launch cannot be forked from this server (None: it can)."""
+    if _python_argv(request["argv"]) is None:
+        return f"python options {request['argv'][:2]}"
+    env, ours = request["env"], _environ_of_server
+    for key in set(env) ^ set(ours) | {k for k in env if env[k] != ours.get(k)}:
+        if key.startswith(IMPORT_TIME) and not key.startswith(RUN_TIME):
+            return f"{key} differs"
+    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = theirs[: len(theirs) - len(ours)]
+    if theirs[len(extra) :] != ours:
+        return "PYTHONPATH differs"
+    loaded = {name.partition(".")[0] for name in sys.modules}
+    for folder in extra:
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        shadowed = loaded & {n.removesuffix(".py") for n in names}
+        if shadowed:
+            return f"PYTHONPATH's {folder} holds {sorted(shadowed)[0]}, already imported"
+    return None
+
+
+def _exit_code(error: SystemExit) -> int:
+    """What `python` exits with for an uncaught SystemExit."""
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code
+    print(error.code, file=sys.stderr)
+    return 1
+
+
+def _run(request: dict, conn: socket.socket) -> int:
+    """In the forked child: become the launched process, run its program, return its exit
+    code (or die of the signal that killed it)."""
+    import atexit
+    import importlib
+    import runpy
+    import threading
+
+    unbuffered, (kind, target), args = _python_argv(request["argv"])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update({**request["env"], **_set_by_imports})
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = "" if kind == "code" else os.getcwd()
+    if kind == "script":
+        first = os.path.dirname(os.path.realpath(target))
+    sys.path[:] = [first, *extra, *_base_path_of_server]
+    importlib.invalidate_caches()
+    sys.argv = [{"module": target, "code": "-c", "script": target}[kind], *args]
+    sys.orig_argv = [request["python"], *request["argv"]]
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=unbuffered or stream is sys.stderr, write_through=True)
+
+    def watch() -> None:  # the client's end closes when it exits or is killed
+        while conn.recv(1 << 16):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        if kind == "module":
+            sys.modules.pop(target, None)  # run as __main__ only, as in a fresh interpreter
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif kind == "script":
+            runpy.run_path(target, run_name="__main__")
+        else:
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as error:
+        code = _exit_code(error)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    except BaseException:  # noqa: BLE001 - printed as python prints it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # as the interpreter ends: its threads, then the exit hooks
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def serve(path: str) -> None:
+    """Listen on `path` at once (clients wait in its backlog), import PRELOAD, then fork a child
+    for each launch and report its end to its client."""
+    import importlib
+    import select
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    _environ_of_server.update(os.environ)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    threads = len(os.listdir("/proc/self/task"))  # a child gets the forking thread alone
+    assert threads == 1, f"importing {PRELOAD} started {threads - 1} threads: fork is unsafe"
+    _base_path_of_server[:] = _base_path()
+    _set_by_imports.update({k: v for k, v in os.environ.items() if _environ_of_server.get(k) != v})
+    clients: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener], [], [], 0.05)
+        while clients:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            conn = clients.pop(pid)
+            try:
+                _send(conn, {"status": status})
+            except OSError:
+                pass  # its client is gone
+            conn.close()
+        if not ready:
+            continue
+        conn, _ = listener.accept()
+        request, fds = _receive(conn, want_fds=3)
+        why = "no request" if request is None else _why_not(request)
+        if why is not None:
+            _send(conn, {"exec": why})
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                listener.close()
+                os.setsid()
+                for number, fd in enumerate(fds):
+                    os.dup2(fd, number)
+                    os.close(fd)
+                code = _run(request, conn)
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"pid": pid})
+        clients[pid] = conn
+
+
+# The client.
+
+
+def client(argv: list[str]) -> None:
+    """Run `python ARGV` in a child of the fork server; exit as it does."""
+    python = os.environ[PYTHON]
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # as a rank does (platform.die_with_launcher)
+        import ctypes
+
+        parent = os.getppid()
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            sys.exit(1)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "python": python}
+    try:
+        conn.connect(os.environ.get(SOCKET, ""))
+        _send(conn, request, fds=(0, 1, 2))
+        reply, _ = _receive(conn)
+    except OSError:  # no server (it failed: its log says why)
+        reply = None
+    if reply is None or "exec" in reply:
+        conn.close()
+        os.execv(python, [python, *argv])
+    pid = reply["pid"]
+
+    def forward(number: int, _) -> None:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass  # it has ended: its status is on the way
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    reply, _ = _receive(conn)
+    if reply is None:  # the server died
+        sys.exit(1)
+    status = reply["status"]
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    else:
+        client(sys.argv[1:])
