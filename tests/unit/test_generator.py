@@ -250,3 +250,78 @@ def test_samples_of_one_prompt_share_the_routing_of_the_positions_one_of_them_ra
     assert torch.equal(a, ids([1, 2], [3, 4], [-1, -1], [7, 0], [5, 6]))
     assert torch.equal(b, ids([1, 2], [3, 4], [-1, -1], [7, 0], [-1, -1]))
     assert torch.equal(c, ids([0, 1], [4, 3], [-1, -1], [7, 0], [2, 2]))
+
+
+def test_paged_attention_is_the_trainers_and_reads_the_batch_layout_once_per_forward(
+    monkeypatch,
+):
+    """Batch-invariant paged attention (generator/attention.paged_attend) over a paged cache:
+    a prefill of two prompts then a decode step of both, each on two layers (a gpt-oss-like
+    sliding one among them, whose slots out of the window hold other data by the decode), give
+    the trainer's causal attention over the whole sequence bit for bit; and each forward reads
+    the batch's layout from the host once (2 reads), not once per layer."""
+    from types import SimpleNamespace
+
+    from torchtitan_rl.batch_invariant import ops
+    from torchtitan_rl.generator import attention
+
+    torch.manual_seed(0)
+    N, K, H, block_size, blocks = 4, 2, 8, 4, 8
+    lengths = (6, 3)  # prompt lengths; then one decoded token each
+    table = torch.tensor([[0, 1, 2, 7], [3, 4, 5, 6]], dtype=torch.int32)
+    q = [torch.randn(n + 1, N, H) for n in lengths]
+    k = [torch.randn(n + 1, K, H) for n in lengths]
+    v = [torch.randn(n + 1, K, H) for n in lengths]
+    layers = {
+        name: SimpleNamespace(kv_cache=torch.zeros(blocks, K, block_size, 2 * H))
+        for name in ("full", "sliding")
+    }
+
+    def slot(sequence: int, position: int) -> int:
+        return int(table[sequence, position // block_size]) * block_size + position % block_size
+
+    def forward(rows: list[tuple[int, int]], seq_lens: list[int]) -> dict[str, torch.Tensor]:
+        """Both layers over the flat batch of (sequence, position) rows."""
+        starts = [0]
+        for sequence in range(2):
+            starts.append(starts[-1] + sum(1 for s, _ in rows if s == sequence))
+        metadata = SimpleNamespace(
+            slot_mapping=torch.tensor([slot(s, p) for s, p in rows]),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
+        )
+        monkeypatch.setattr(attention, "_layer_context", lambda name: (metadata, layers[name]))
+        flat = {
+            t: torch.stack([x[s][p] for s, p in rows]) for t, x in (("q", q), ("k", k), ("v", v))
+        }
+        out = {}
+        for name, window in (("full", None), ("sliding", 3)):
+            out[name], _ = attention.paged_attend(
+                flat["q"], flat["k"], flat["v"], name, H**-0.5, window, False, H
+            )
+        return out
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    prefill = [(s, p) for s, n in enumerate(lengths) for p in range(n)]
+    prefilled = forward(prefill, list(lengths))
+    assert len(reads) == 2  # query starts and sequence lengths, for both layers
+    # The sliding layer's slots out of every query's window, which vLLM frees and reuses: what
+    # they hold now must not reach the output.
+    sliding = layers["sliding"].kv_cache.view(blocks, K, 2, block_size, H)
+    for s, n in enumerate(lengths):
+        for position in range(n - 2):  # the decode at position n sees n - 2 .. n
+            sliding[table[s, position // block_size], :, :, position % block_size] = float("nan")
+    decoded = forward([(s, n) for s, n in enumerate(lengths)], [n + 1 for n in lengths])
+    assert len(reads) == 4
+
+    for name, window in (("full", None), ("sliding", 3)):
+        for s, n in enumerate(lengths):
+            whole = ops.attention(
+                q[s][None], k[s][None], v[s][None], torch.arange(n + 1)[None], H**-0.5, window
+            )[0]
+            rows = [i for i, (t, _) in enumerate(prefill) if t == s]
+            assert torch.equal(prefilled[name][rows], whole[:n]), (name, s)
+            assert torch.equal(decoded[name][s], whole[n]), (name, s)

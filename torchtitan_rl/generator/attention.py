@@ -67,31 +67,18 @@ def paged_attend(
 
     # 2. Read each sequence's keys/values back in position order, attend: the sequences with
     # as many queries this step in one call (the decodes; a prompt's samples' prefills).
-    starts = metadata.query_start_loc.tolist()
-    lengths = metadata.seq_lens.tolist()
     cache = layer.kv_cache.view(blocks, kv_heads, 2, block_size, H)
-    groups: dict[int, list] = {}  # queries -> [(sequence, its first query row, its keys)]
-    for i, n in enumerate(lengths):
-        if starts[i + 1] > starts[i]:
-            groups.setdefault(starts[i + 1] - starts[i], []).append((i, starts[i], n))
-    for width, group in groups.items():
-        sequences = torch.tensor([i for i, _, _ in group], device=q_LNH.device)
-        queries = torch.tensor([first for _, first, _ in group], device=q_LNH.device)
-        longest = max(n for *_, n in group)
-        used = metadata.block_table[sequences, : -(-longest // block_size)].long()
-        kv_2BSKH = cache[used].permute(3, 0, 1, 4, 2, 5).reshape(2, len(group), -1, kv_heads, H)
+    plan = _plan(metadata, block_size, q_LNH.device)
+    for used, key_S, hidden_BS, positions_BL, rows_BL in plan:
+        B, longest = hidden_BS.shape
+        kv_2BSKH = cache[used].permute(3, 0, 1, 4, 2, 5).reshape(2, B, -1, kv_heads, H)
         kv_2BSKH = kv_2BSKH[:, :, :longest]
-        length_B1 = torch.tensor([n for *_, n in group], device=q_LNH.device)[:, None]
-        key_S = torch.arange(longest, device=q_LNH.device)
         # Keys past a sequence's length (another's longer span) and, with a window, those
         # vLLM freed once out of every query's window, whose slots may hold other data now:
         # zeros, which the trainer's masked keys add too (exact zeros either way).
-        hidden_BS = key_S >= length_B1
-        positions_BL = length_B1 - width + torch.arange(width, device=q_LNH.device)
         if window is not None:
             hidden_BS = hidden_BS | (key_S < positions_BL[:, :1] - window + 1)
         kv_2BSKH = kv_2BSKH.masked_fill(hidden_BS[None, :, :, None, None], 0)
-        rows_BL = queries[:, None] + torch.arange(width, device=q_LNH.device)
         args = (q_LNH[rows_BL], kv_2BSKH[0], kv_2BSKH[1][..., :v_head_dim], positions_BL)
         if with_lse:
             out, lse = ops.attention(*args, scale, window, with_lse=True)
@@ -100,6 +87,45 @@ def paged_attend(
             out = ops.attention(*args, scale, window)
         out_LNH[rows_BL.reshape(-1)] = out.flatten(0, 1)
     return out_LNH, lse_LN
+
+
+# The last forwards' plans: (metadata, block size) -> plan, the metadata held so that its id is
+# not another's. A few: a forward whose layers sit in several KV cache groups (gpt-oss's sliding
+# and full layers) has a metadata object for each.
+_plans: dict[tuple[int, int], tuple] = {}
+
+
+def _plan(metadata, block_size: int, device: torch.device) -> list[tuple]:
+    """paged_attend's reading plan for one forward: for each query count, the sequences with it
+    as (their blocks in the cache, key positions S, keys each hides [B, S] (past its
+    length), their queries' positions [B, W], their queries' rows of the flat batch [B, W]).
+    Made once per forward, at its first layer: the layers of a KV cache group share their
+    metadata (vLLM builds it anew for every forward), so the host reads the batch's layout
+    once, not once per layer."""
+    key = (id(metadata), block_size)
+    if key in _plans and _plans[key][0] is metadata:
+        return _plans[key][1]
+    starts = metadata.query_start_loc.tolist()
+    lengths = metadata.seq_lens.tolist()
+    groups: dict[int, list] = {}  # queries -> [(sequence, its first query row, its keys)]
+    for i, n in enumerate(lengths):
+        if starts[i + 1] > starts[i]:
+            groups.setdefault(starts[i + 1] - starts[i], []).append((i, starts[i], n))
+    plan = []
+    for width, group in groups.items():
+        sequences = torch.tensor([i for i, _, _ in group], device=device)
+        queries = torch.tensor([first for _, first, _ in group], device=device)
+        longest = max(n for *_, n in group)
+        used = metadata.block_table[sequences, : -(-longest // block_size)].long()
+        length_B1 = torch.tensor([n for *_, n in group], device=device)[:, None]
+        key_S = torch.arange(longest, device=device)
+        positions_BL = length_B1 - width + torch.arange(width, device=device)
+        rows_BL = queries[:, None] + torch.arange(width, device=device)
+        plan.append((used, key_S, key_S >= length_B1, positions_BL, rows_BL))
+    if len(_plans) >= 4:
+        del _plans[next(iter(_plans))]  # the oldest
+    _plans[key] = (metadata, plan)
+    return plan
 
 
 @paged_attend.register_fake
