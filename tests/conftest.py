@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.environ import AT_START  # noqa: F401 - first: before test code sets variables
 
 TESTS = Path(__file__).resolve().parent
 TIERS = {TESTS / "unit": "unit", TESTS / "integration": "integration"}

@@ -256,6 +256,7 @@ def serve(path: str) -> None:
         request, fds = _receive(conn, want_fds=3)
         why = "no request" if request is None else _why_not(request)
         if why is not None:
+            print(f"not forked ({why}): {request and request['argv'][:3]}", flush=True)
             _send(conn, {"exec": why})
             conn.close()
             for fd in fds:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 from helpers import forkserver
+from helpers.environ import AT_START
 
 from torchtitan_rl.metrics import TIMING_METRICS
 
@@ -91,7 +92,7 @@ def processes_below() -> list[psutil.Process]:
 def _environment(env: dict[str, str] | None = None) -> dict[str, str]:
     paths = [p for p in ((env or {}).get("PYTHONPATH"), str(REPO), str(TESTS)) if p]
     return {
-        **os.environ,
+        **AT_START,
         "OMP_NUM_THREADS": "1",
         **(env or {}),
         "PYTHONPATH": os.pathsep.join(paths),
@@ -99,7 +100,8 @@ def _environment(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """os.environ with one thread per rank, this checkout and tests/ importable, and `env` on
+    """The environment pytest started with (helpers/environ.py), not os.environ as in-process
+    tests left it, with one thread per rank, this checkout and tests/ importable, and `env` on
     top (a PYTHONPATH in `env` comes first); and where the fork server listens."""
     if not _server:
         return _environment(env)
