@@ -78,7 +78,14 @@ IMPORT_TIME = (
     "PYTHON",
 )
 # Set by torchrun for each rank, or by the fork server itself, and read at run time.
-RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTHONPATH", "PYTHONUNBUFFERED", SOCKET)
+RUN_TIME = (
+    "TORCHELASTIC_",
+    "TORCH_NCCL_",
+    "TORCHTITAN_RL_",  # this project's own (a test's calls file)
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    SOCKET,
+)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
