@@ -490,8 +490,10 @@ def shutdown_distributed() -> None:
     (`LocalGenerator.close`) is collected, which the garbage collector may do on one rank
     before the barrier and on another after it: that rank leaves, and its peers' barrier fails
     with "Connection closed by peer" after a successful run (measured: 3 runs in 4 with ranks
-    forked from one interpreter, tests/helpers/forkserver.py). What the program dropped is
-    collected here, on every rank alike, so such an engine fails every run at once."""
+    forked from one interpreter, tests/helpers/forkserver.py). What the program dropped into
+    reference cycles is collected here, on every rank alike, so an engine left in one ends the
+    run at this check rather than racing the barrier (one that vLLM's start froze, gc.freeze,
+    is not collected before the process ends, and then does no harm)."""
     gc.collect()
     if _joined and not dist.is_initialized():
         raise RuntimeError(

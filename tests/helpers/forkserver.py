@@ -3,9 +3,9 @@ torch, vLLM and torchtitan_rl once, and every rank (and plain process) the tests
 forked from it instead of importing them again.
 
 A rank spends 13 CPU-s importing before its first line of work, and a 2-rank one-step RL
-world 36 CPU-s in all (measured, tests/README.md): most of the suite's time was imports.
+world 29 CPU-s in all (measured, tests/README.md): imports were most of a short world.
 
-    server: python -m helpers.forkserver SOCKET
+    server: python -m helpers.forkserver --serve SOCKET
     client: tests/helpers/forked [-u] (-m MODULE | -c CODE | SCRIPT) ARGS...
 
 The client takes the place of `python` under `torchrun --no-python` (helpers/launch.py), so
@@ -133,10 +133,14 @@ _environ_of_server: dict[str, str] = {}  # as it was before (importing vLLM sets
 _set_by_imports: dict[str, str] = {}  # the variables importing PRELOAD set, as a rank's would
 
 
+def _pythonpath(env) -> list[str]:
+    """The entries of an environment's PYTHONPATH."""
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 def _base_path() -> list[str]:
     """This interpreter's sys.path without its first entry and its PYTHONPATH's."""
-    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return sys.path[1 + len(ours) :]
+    return sys.path[1 + len(_pythonpath(os.environ)) :]
 
 
 def _why_not(request: dict) -> str | None:
@@ -147,8 +151,7 @@ def _why_not(request: dict) -> str | None:
     for key in set(env) ^ set(ours) | {k for k in env if env[k] != ours.get(k)}:
         if key.startswith(IMPORT_TIME) and not key.startswith(RUN_TIME):
             return f"{key} differs"
-    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ours, theirs = _pythonpath(ours), _pythonpath(env)
     extra = theirs[: len(theirs) - len(ours)]
     if theirs[len(extra) :] != ours:
         return "PYTHONPATH differs"
@@ -183,7 +186,7 @@ def _run(request: dict, conn: socket.socket) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**request["env"], **_set_by_imports})
-    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = _pythonpath(request["env"])
     first = "" if kind == "code" else os.getcwd()
     if kind == "script":
         first = os.path.dirname(os.path.realpath(target))

@@ -42,6 +42,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _wait_gone(pids: list[int], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{what} by 10 s"
+        time.sleep(0.05)
+
+
 def test_a_forked_process_is_what_python_would_be_and_the_ones_it_cannot_be_run_python(
     tmp_path,
 ):
@@ -104,10 +111,7 @@ def test_signals_reach_the_forked_process_and_it_dies_with_its_client_and_torchr
     assert pid != killed.pid  # the program is the fork server's child, not the client
     killed.kill()
     killed.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while not _gone(pid):
-        assert time.monotonic() < deadline, "the program outlived its client by 10 s"
-        time.sleep(0.05)
+    _wait_gone([pid], "the program outlived its client")
 
     program = _pid_file_program(tmp_path / "rank$RANK")
     torchrun = subprocess.Popen(
@@ -121,7 +125,4 @@ def test_signals_reach_the_forked_process_and_it_dies_with_its_client_and_torchr
     ranks = [_wait_for(tmp_path / f"rank{rank}") for rank in (0, 1)]
     torchrun.kill()
     torchrun.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in ranks):
-        assert time.monotonic() < deadline, "a forked rank outlived torchrun by 10 s"
-        time.sleep(0.05)
+    _wait_gone(ranks, "a forked rank outlived torchrun")

@@ -119,8 +119,9 @@ def _plan(metadata, block_size: int, device: torch.device) -> list[tuple]:
         used = metadata.block_table[sequences, : -(-longest // block_size)].long()
         length_B1 = torch.tensor([n for *_, n in group], device=device)[:, None]
         key_S = torch.arange(longest, device=device)
-        positions_BL = length_B1 - width + torch.arange(width, device=device)
-        rows_BL = queries[:, None] + torch.arange(width, device=device)
+        query_W = torch.arange(width, device=device)
+        positions_BL = length_B1 - width + query_W
+        rows_BL = queries[:, None] + query_W
         plan.append((used, key_S, key_S >= length_B1, positions_BL, rows_BL))
     if len(_plans) >= 4:
         del _plans[next(iter(_plans))]  # the oldest

@@ -144,6 +144,6 @@ class RLTrainer:
 
 def run(config: JobConfig, hooks: Hooks | None = None, task: OpenTask | None = None) -> None:
     """Every rank of a colocated run."""
-    run = RLTrainer(config, hooks, task)
-    run.train()
-    run.generator.close()  # not left to vLLM's teardown (platform.shutdown_distributed)
+    trainer = RLTrainer(config, hooks, task)
+    trainer.train()
+    trainer.generator.close()  # not left to vLLM's teardown (platform.shutdown_distributed)
