@@ -109,6 +109,8 @@ class TrainState:
     step: int = 0
     policy_version: int = 0
     reward_errors: int = 0
+    """The run's reward errors so far, every rank's (reward/errors): one value, which DCP saves
+    once for all ranks; a resumed run carries it on in one counting rank."""
     with_rng: bool = True
     """False while loading a checkpoint saved by another world size: no rank owns its RNGs."""
     cursors: dict | None = None

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_rl import batch_invariant, watchdog
+from torchtitan_rl import batch_invariant, platform, watchdog
 from torchtitan_rl.checkpoint import Checkpointer, TrainState, run_facts
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.episodes import OpenTask, open_task
@@ -68,7 +68,8 @@ class RLTrainer:
         if path is None:
             return 0
         step = self.checkpointer.load(path)
-        self.producer.reward_errors = self.state.reward_errors
+        # The run's count (every rank's) goes on in rank 0's; the metric adds up the ranks'.
+        self.producer.reward_errors = self.state.reward_errors if self.rank == 0 else 0
         self.transport.send(self.state.policy_version)
         return step
 
@@ -83,7 +84,10 @@ class RLTrainer:
         self.evaluate(step)
         self.state.step = step
         self.state.policy_version = step
-        self.state.reward_errors = self.producer.reward_errors
+        # The run's count, every rank's, its evaluations' included (the metric's comes before).
+        count = torch.tensor([self.producer.counted_reward_errors])
+        platform.all_reduce_host(count, group=self.group)
+        self.state.reward_errors = int(count)
 
     def end(self) -> None:
         pass

@@ -57,6 +57,7 @@ from torchtitan_rl.placements.disaggregated import (
     Topology,
     _send,
     _start_step,
+    carry_reward_errors,
 )
 from torchtitan_rl.producer import check_rewards, engine_failure_at
 from torchtitan_rl.types import Rollout, Rollouts
@@ -188,7 +189,8 @@ class ContinuousWorker:
         self.worker.take_weights()
 
     def run(self) -> None:
-        start = _start_step(self.topology, 0)
+        start, errors = _start_step(self.topology)
+        carry_reward_errors(self.producer, self.topology, errors)
         cursors = [None]
         dist.broadcast_object_list(cursors, self.topology.trainers[0])
         cursor = Cursor.of(cursors[0], self.producer.shard)

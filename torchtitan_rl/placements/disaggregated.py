@@ -146,11 +146,18 @@ def _receive(src: int):
     return pickle.loads(data.numpy().tobytes())
 
 
-def _start_step(topology: Topology, checkpoint_step: int) -> int:
-    """Trainer rank 0 tells every rank where the run starts (0, or the restored step)."""
-    step = torch.tensor([checkpoint_step])
-    dist.broadcast(step, topology.trainers[0])
-    return int(step)
+def _start_step(topology: Topology, state: TrainState | None = None) -> tuple[int, int]:
+    """Trainer rank 0 tells every rank where the run starts (0, or the restored step) and the
+    reward errors counted before it (the run's, every rank's: TrainState.reward_errors)."""
+    start = torch.tensor([state.step, state.reward_errors] if state else [0, 0])
+    dist.broadcast(start, topology.trainers[0])
+    return int(start[0]), int(start[1])
+
+
+def carry_reward_errors(producer: RolloutProducer, topology: Topology, count: int) -> None:
+    """A resumed run's generator ranks: the first carries the run's count on, the others
+    start from 0 (the metric adds up every rank's count)."""
+    producer.reward_errors = count if dist.get_rank() == topology.generators[0] else 0
 
 
 class GeneratorWorker:
@@ -199,7 +206,8 @@ class GeneratorWorker:
     def run(self) -> None:
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
         verify = self.config.generator.verify_weight_sync
-        start = _start_step(self.topology, 0)
+        start, errors = _start_step(self.topology)
+        carry_reward_errors(self.producer, self.topology, errors)
         self.start, self.evaluations = start, []
         self.take_weights()  # the starting (or restored) weights
         pending: list = []
@@ -297,7 +305,7 @@ class DisaggregatedTrainer:
         train(self)
 
     def begin(self) -> None:
-        _start_step(self.topology, self.start_step)
+        _start_step(self.topology, self.state)
         if self.continuous:  # where each generator's groups start again
             dist.broadcast_object_list([self.state.cursors], self.topology.trainers[0])
         watchdog.mark(self.start_step, "weight_sync")
@@ -394,6 +402,7 @@ class DisaggregatedTrainer:
             sync=sync,
             verified=min(verified) if verified else None,
         )
+        self.state.reward_errors = int(metrics["reward/errors"])  # every generator's count
         self.metrics.log(step, metrics)
         self.hooks.after_step(step, metrics)
         return metrics
