@@ -17,10 +17,14 @@ client forwards the signals a launcher sends (torchrun's SIGTERM, a test's SIGIN
 child, and exits as the child did (its code, or killed by its signal). The child dies when its
 client does (SIGKILL included: it watches the connection).
 
+A multiprocessing child that a forked process spawns (a disaggregated rank's engine) is
+forked the same way: the child sets multiprocessing's executable to the client, which passes
+the pipes its parent handed it on to the server's child, at the same numbers.
+
 What the server imported was imported with its environment. A launch whose environment
 differs in a variable read at import time (VLLM_*, TORCH*, OMP_*, PYTHON*, ...), whose
 PYTHONPATH adds a directory shadowing a module already imported, or which passes `python`
-options other than -u, is not forked: the client runs `python` itself.
+options other than -u and -B, is not forked: the client runs `python` itself.
 """
 
 import array
@@ -84,8 +88,10 @@ RUN_TIME = (
     "TORCHTITAN_RL_",  # this project's own (a test's calls file)
     "PYTHONPATH",
     "PYTHONUNBUFFERED",
+    "VLLM_WORKER_MULTIPROC_METHOD",  # set by vLLM's CPU platform at an engine's build, read then
     SOCKET,
 )
+MAX_FDS = 64  # stdio and what a launch's parent passed on
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
@@ -116,8 +122,8 @@ def _python_argv(argv: list[str]) -> tuple[bool, tuple[str, str], list[str]] | N
     """`python ARGV` as (unbuffered, ("module" | "code" | "script", its name or text), the
     program's arguments); None for options the fork server does not reproduce."""
     unbuffered = False
-    while argv and argv[0] == "-u":
-        unbuffered, argv = True, argv[1:]
+    while argv and argv[0] in ("-u", "-B"):  # -B: multiprocessing's spawn passes it on
+        unbuffered, argv = unbuffered or argv[0] == "-u", argv[1:]
     if len(argv) >= 2 and argv[0] in ("-m", "-c"):
         kind = "module" if argv[0] == "-m" else "code"
         return unbuffered, (kind, argv[1]), argv[2:]
@@ -149,6 +155,10 @@ def _why_not(request: dict) -> str | None:
         return f"python options {request['argv'][:2]}"
     env, ours = request["env"], _environ_of_server
     for key in set(env) ^ set(ours) | {k for k in env if env[k] != ours.get(k)}:
+        # What the imports set is in the environment of a process that was forked from here
+        # (a multiprocessing child's parent), or not yet.
+        if key in _set_by_imports and env.get(key) in (None, _set_by_imports[key]):
+            continue
         if key.startswith(IMPORT_TIME) and not key.startswith(RUN_TIME):
             return f"{key} differs"
     ours, theirs = _pythonpath(ours), _pythonpath(env)
@@ -162,6 +172,23 @@ def _why_not(request: dict) -> str | None:
         if shadowed:
             return f"PYTHONPATH's {folder} holds {sorted(shadowed)[0]}, already imported"
     return None
+
+
+def _take_fds(conn: socket.socket, fds: list[int], numbers: list[int]) -> socket.socket:
+    """In the child: the client's fds at the numbers they had there (stdio, and those its
+    parent passed on: a multiprocessing child's pipes), out of the way of `conn`, which is
+    returned at a number none of them takes."""
+    import fcntl
+
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    if conn.fileno() in numbers:
+        conn = socket.socket(fileno=fcntl.fcntl(conn.detach(), fcntl.F_DUPFD_CLOEXEC, 1024))
+    for fd, number in zip(high, numbers, strict=True):
+        os.dup2(fd, number)  # inheritable, as in the client
+        os.close(fd)
+    return conn
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -179,6 +206,7 @@ def _run(request: dict, conn: socket.socket) -> int:
     code (or die of the signal that killed it)."""
     import atexit
     import importlib
+    import multiprocessing
     import runpy
     import threading
 
@@ -203,6 +231,10 @@ def _run(request: dict, conn: socket.socket) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
+    # multiprocessing's spawned children (a disaggregated rank's engine) come from here too:
+    # its command line `-B -c "...spawn_main(...)" --multiprocessing-fork` and the pipes it
+    # passes reach the child as a launch's do (_take_fds).
+    multiprocessing.set_executable(os.path.join(os.path.dirname(__file__), "forked"))
     try:
         if kind == "module":
             sys.modules.pop(target, None)  # run as __main__ only, as in a fresh interpreter
@@ -244,6 +276,11 @@ def serve(path: str) -> None:
     _environ_of_server.update(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
+    # Inductor's cache key hashes triton's sources once per process (0.5 s): once, here.
+    from torch._inductor.codecache import torch_key
+    from triton.runtime.cache import triton_key
+
+    torch_key(), triton_key()
     threads = len(os.listdir("/proc/self/task"))  # a child gets the forking thread alone
     assert threads == 1, f"importing {PRELOAD} started {threads - 1} threads: fork is unsafe"
     _base_path_of_server[:] = _base_path()
@@ -271,7 +308,7 @@ def serve(path: str) -> None:
         if not ready:
             continue
         conn, _ = listener.accept()
-        request, fds = _receive(conn, want_fds=3)
+        request, fds = _receive(conn, want_fds=MAX_FDS)
         why = "no request" if request is None else _why_not(request)
         if why is not None:
             print(f"not forked ({why}): {request and request['argv'][:3]}", flush=True)
@@ -288,9 +325,7 @@ def serve(path: str) -> None:
             try:
                 listener.close()
                 os.setsid()
-                for number, fd in enumerate(fds):
-                    os.dup2(fd, number)
-                    os.close(fd)
+                conn = _take_fds(conn, fds, [0, 1, 2, *request["fds"]])
                 code = _run(request, conn)
             finally:
                 os._exit(code)
@@ -303,27 +338,49 @@ def serve(path: str) -> None:
 # The client.
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:  # the folder's own fd, closed by the listing
+        return False
+
+
 def client(argv: list[str]) -> None:
     """Run `python ARGV` in a child of the fork server; exit as it does."""
     python = os.environ[PYTHON]
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # as a rank does (platform.die_with_launcher)
+    # A rank dies with torchrun (platform.die_with_launcher), a multiprocessing child with
+    # its parent (platform.die_with_parent); the server's child, with this client.
+    if "TORCHELASTIC_RUN_ID" in os.environ or "--multiprocessing-fork" in argv:
         import ctypes
 
         parent = os.getppid()
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             sys.exit(1)
+    # What the parent passed on besides stdio (multiprocessing's pipes): the server's child
+    # gets them at the same numbers.
+    passed = [fd for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")) if fd > 2]
+    passed = [fd for fd in passed if _is_open(fd)]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "python": python}
+    request = {
+        "argv": argv,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "python": python,
+        "fds": passed,
+    }
     try:
         conn.connect(os.environ.get(SOCKET, ""))
-        _send(conn, request, fds=(0, 1, 2))
+        _send(conn, request, fds=(0, 1, 2, *passed))
         reply, _ = _receive(conn)
     except OSError:  # no server (it failed: its log says why)
         reply = None
     if reply is None or "exec" in reply:
         conn.close()
         os.execv(python, [python, *argv])
+    for fd in passed:  # the child holds them now: a pipe's end closes when it exits
+        os.close(fd)
     pid = reply["pid"]
 
     def forward(number: int, _) -> None:

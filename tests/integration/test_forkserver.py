@@ -49,11 +49,31 @@ def _wait_gone(pids: list[int], what: str) -> None:
         time.sleep(0.05)
 
 
+SPAWNS = """
+import multiprocessing, sys
+
+
+def child(queue, word):
+    queue.put((word, "vllm" in sys.modules))
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue, "echo"))
+    process.start()
+    got = queue.get(timeout=120)
+    process.join()
+    print("vllm" in sys.modules, got, process.exitcode)
+"""
+
+
 def test_a_forked_process_is_what_python_would_be_and_the_ones_it_cannot_be_run_python(
     tmp_path,
 ):
     """The same program forked and run by `python`: the same output, exit code and streams; an
-    uncaught exception and a script as python runs them; an import-time variable or a
+    uncaught exception and a script as python runs them; a multiprocessing child it spawns,
+    forked too; an import-time variable or a
     PYTHONPATH that shadows a preloaded module makes the launch run python itself."""
     env = {"SEEN_VAR": "seen"}
     forked = run([*launcher(0), "-c", SEEN, "3", "x"], env=env)
@@ -70,6 +90,15 @@ def test_a_forked_process_is_what_python_would_be_and_the_ones_it_cannot_be_run_
     assert failed.returncode == 1
     assert failed.stdout == f"__main__ {tmp_path}\n"
     assert failed.stderr.startswith("Traceback") and failed.stderr.endswith("ValueError: bad\n")
+
+    # A multiprocessing child it spawns is forked too: its pipes passed on, its result back.
+    spawns = tmp_path / "spawns.py"
+    spawns.write_text(SPAWNS)
+    spawned = run([*launcher(0), str(spawns)])
+    assert spawned.returncode == 0, spawned.stderr
+    assert spawned.stdout == "True ('echo', True) 0\n"  # both preloaded: both forked
+    alone = run([*launcher(0, forked=False), str(spawns)])
+    assert alone.stdout == "False ('echo', False) 0\n", alone.stderr
 
     imported = run([*launcher(0), "-c", SEEN, "0"], env={"TORCH_SHOW_CPP_STACKTRACES": "1"})
     assert imported.stdout.startswith("preloaded False")  # run by python: torch reads it
