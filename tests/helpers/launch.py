@@ -321,8 +321,8 @@ def run_dist(
 
 
 def run_helper(script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run tests/helpers/`script` with plain python (300 s at most); fails the test on a
-    non-zero exit."""
-    result = run([sys.executable, str(TESTS / "helpers" / script), *args], timeout_s=300)
+    """Run tests/helpers/`script` as python would (forked: `launcher(0)`; 300 s at most);
+    fails the test on a non-zero exit."""
+    result = run([*launcher(0), str(TESTS / "helpers" / script), *args], timeout_s=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return result

@@ -2,7 +2,7 @@
 environment source, here 3:1) under torchrun with 2 ranks and the real vLLM engine: per-source
 figures and logs; the dataset source scored by a function that raises on odd answers (counted,
 scored 0) and a batched async one called once per source, rank and step; an exact resume
-after a preemption.
+after a preemption, colocated and disaggregated (evaluations and reward errors included).
 
     .venv/bin/python -m pytest tests/integration/test_mixture.py
 
@@ -166,3 +166,24 @@ def assert_the_teacher_scored_the_tool_episodes_as_transformers_does(out, rows) 
         mask_T = torch.tensor(sample["sampled_mask"], dtype=torch.float32)
         logged_T = torch.tensor(sample["teacher_logprobs"])
         torch.testing.assert_close(logged_T, expected_T * mask_T, atol=1e-5, rtol=0)
+
+
+def test_a_disaggregated_mixture_run_resumes_with_its_evaluations_and_reward_errors(tmp_path):
+    """The mixture on a trainer rank and a generator rank, evaluated after steps 2 and 4 (each
+    evaluation sent with the next step's rollout), preempted after step 2 or 3: the
+    resumed run logs the uninterrupted run's rows, among them the evaluation of its restored
+    version (which the stopped run's generator made but its trainers never took) and the
+    count of reward errors (the generator rank's own, carried on)."""
+    flags = (*FLAGS, "--generator.placement", "disaggregated")
+    reference = tmp_path / "run"
+    result = run_train(*flags, "--job.dump_folder", str(reference), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["eval/policy_version"] for r in metric_rows(reference, "eval")] == [2, 4]
+    assert 0 < metric_rows(reference)[-1]["reward/errors"]
+    stopped = tmp_path / "stopped"
+    # The generator rank runs a rollout ahead: the stop lands a step after the signal's.
+    resumed_from = preempt(flags, stopped, 1, signal.SIGTERM, rank=None)
+    assert resumed_from in (2, 3), resumed_from
+    result = run_train(*flags, "--job.dump_folder", str(stopped), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_resumed_as(reference, stopped, resumed_from, exact=False)

@@ -6,7 +6,6 @@ completion of it is torchtitan's argmax.
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -90,7 +89,7 @@ def native_greedy() -> dict[str, dict]:
         for part in (REPO / "assets" / folder, prompt, n)
     ]
     result = run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "vllm_greedy.py"), *args],
+        [*launcher(0), str(REPO / "tests" / "helpers" / "vllm_greedy.py"), *args],
         env={"PYTHONPATH": str(REPO / "tests" / "helpers" / "stand_ins")},
         timeout_s=300,
     )

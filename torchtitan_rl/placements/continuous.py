@@ -194,7 +194,7 @@ class ContinuousWorker:
         cursors = [None]
         dist.broadcast_object_list(cursors, self.topology.trainers[0])
         cursor = Cursor.of(cursors[0], self.producer.shard)
-        self.worker.start, self.worker.evaluations = start, []
+        self.worker.evaluations = []
         self.take_weights()  # the starting (or restored) weights
         asyncio.run(self._run(start, cursor))
         steps = self.config.training.steps

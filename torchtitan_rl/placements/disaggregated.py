@@ -198,8 +198,10 @@ class GeneratorWorker:
         if not received:
             raise watchdog.Preempted("the trainers stopped the run")
         version = self.generator.policy_version
-        # A resumed run evaluated its restored version before it stopped (version 0: at_start).
-        if self.producer.eval_due(version) and (version > self.start or self.start == 0):
+        # A resumed run's restored version too: the stopped run's generators evaluated it, but
+        # its result travels with the next step's rollout, which the stopped trainers never
+        # took (version 0: eval.at_start).
+        if self.producer.eval_due(version):
             watchdog.mark(version, "eval")
             self.evaluations.append(self.producer.evaluate(self.generator, version))
 
@@ -208,7 +210,7 @@ class GeneratorWorker:
         verify = self.config.generator.verify_weight_sync
         start, errors = _start_step(self.topology)
         carry_reward_errors(self.producer, self.topology, errors)
-        self.start, self.evaluations = start, []
+        self.evaluations = []
         self.take_weights()  # the starting (or restored) weights
         pending: list = []
         trainer = self.topology.trainer_of(self.rank)
