@@ -360,8 +360,9 @@ def client(argv: list[str]) -> None:
             sys.exit(1)
     # What the parent passed on besides stdio (multiprocessing's pipes): the server's child
     # gets them at the same numbers.
-    passed = [fd for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")) if fd > 2]
-    passed = [fd for fd in passed if _is_open(fd)]
+    passed = [
+        fd for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")) if fd > 2 and _is_open(fd)
+    ]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     request = {
         "argv": argv,

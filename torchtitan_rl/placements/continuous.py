@@ -55,9 +55,8 @@ from torchtitan_rl.placements.disaggregated import (
     DisaggregatedTrainer,
     GeneratorWorker,
     Topology,
+    _generator_start,
     _send,
-    _start_step,
-    carry_reward_errors,
 )
 from torchtitan_rl.producer import check_rewards, engine_failure_at
 from torchtitan_rl.types import Rollout, Rollouts
@@ -189,8 +188,7 @@ class ContinuousWorker:
         self.worker.take_weights()
 
     def run(self) -> None:
-        start, errors = _start_step(self.topology)
-        carry_reward_errors(self.producer, self.topology, errors)
+        start = _generator_start(self.topology, self.producer)
         cursors = [None]
         dist.broadcast_object_list(cursors, self.topology.trainers[0])
         cursor = Cursor.of(cursors[0], self.producer.shard)

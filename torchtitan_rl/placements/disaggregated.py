@@ -154,10 +154,13 @@ def _start_step(topology: Topology, state: TrainState | None = None) -> tuple[in
     return int(start[0]), int(start[1])
 
 
-def carry_reward_errors(producer: RolloutProducer, topology: Topology, count: int) -> None:
-    """A resumed run's generator ranks: the first carries the run's count on, the others
-    start from 0 (the metric adds up every rank's count)."""
-    producer.reward_errors = count if dist.get_rank() == topology.generators[0] else 0
+def _generator_start(topology: Topology, producer: RolloutProducer) -> int:
+    """A generator rank's `_start_step`: where the run starts. Of a resumed run's count of
+    reward errors, the first generator rank carries it on and the others start from 0 (the
+    metric adds up every rank's count)."""
+    start, errors = _start_step(topology)
+    producer.reward_errors = errors if dist.get_rank() == topology.generators[0] else 0
+    return start
 
 
 class GeneratorWorker:
@@ -208,8 +211,7 @@ class GeneratorWorker:
     def run(self) -> None:
         steps, k = self.config.training.steps, self.config.algorithm.max_offpolicy_steps
         verify = self.config.generator.verify_weight_sync
-        start, errors = _start_step(self.topology)
-        carry_reward_errors(self.producer, self.topology, errors)
+        start = _generator_start(self.topology, self.producer)
         self.evaluations = []
         self.take_weights()  # the starting (or restored) weights
         pending: list = []
